@@ -1,0 +1,26 @@
+# Recipes; `bash setup.sh` first creates .venv (the README's commands do it for you).
+set positional-arguments
+
+py := ".venv/bin/python"
+
+# Create or update .venv (idempotent).
+setup:
+    bash setup.sh
+
+# Train: `just run trainer.max_steps=10 ...` (same arguments as `python -m trainer`).
+run *ARGS: setup
+    {{py}} -m trainer "$@"
+
+# The whole test suite (what CI runs).
+test *ARGS: setup
+    {{py}} -m pytest -q "$@"
+
+# Format check, lint and type check.
+lint: setup
+    {{py}} -m ruff format --check .
+    {{py}} -m ruff check .
+    {{py}} -m pyright
+
+# Measured comparisons (never part of the tests).
+bench: setup
+    for b in benchmarks/*.py; do echo "== $b"; {{py}} "$b"; done

@@ -1,0 +1,1 @@
+"""Weight sync from the policy to the inference engines."""

@@ -1,0 +1,176 @@
+"""Every typed error the trainer raises, all picklable.
+
+Each error passes every field to ``super().__init__`` so that ``pickle`` (Ray, multiprocessing)
+rebuilds it with the same fields; the message is computed from the fields in ``__str__``.
+
+Hierarchy::
+
+    Exception
+    ├── RuntimeError
+    │   ├── StepTimeoutError               a step's budget (trainer.step_timeout_s) ran out
+    │   │   └── WeightSyncTimeoutError     a weight sync's budget (trainer.weight_sync_timeout_s) ran out
+    │   ├── InferenceServerError           an engine answered non-2xx or a malformed body
+    │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
+    │   ├── EngineStartError               an engine server died or never became healthy
+    │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
+    │   ├── WorkerError                    a policy/ref worker failed or died
+    │   └── FaultInjected                  an ``error=`` fault from ``faults=`` fired
+    └── ValueError
+        ├── ConfigError                    bad configuration, found at load time
+        └── DataError                      a bad row in a data file
+
+``StepTimeoutError`` is deliberately not a ``TimeoutError``: retry paths that catch
+``TimeoutError`` (transport retries, library code) must not swallow a step's deadline.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointEngineInitError",
+    "ConfigError",
+    "DataError",
+    "EngineStartError",
+    "FaultInjected",
+    "InferenceServerError",
+    "InferenceServerTimeoutError",
+    "StepTimeoutError",
+    "WeightSyncTimeoutError",
+    "WorkerError",
+]
+
+
+def _fmt_seconds(value: float) -> str:
+    return f"{value:g}"
+
+
+class StepTimeoutError(RuntimeError):
+    """A step (generation through weight sync) ran past ``trainer.step_timeout_s``.
+
+    ``stage`` and ``operation`` name where the step was waiting when its budget ran out;
+    ``operation`` is ``'await'`` when no named operation was open.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        budget_s: float,
+        elapsed_s: float,
+        stage: str | None,
+        operation: str | None,
+    ) -> None:
+        super().__init__(step, budget_s, elapsed_s, stage, operation)
+        self.step = step
+        self.budget_s = budget_s
+        self.elapsed_s = elapsed_s
+        self.stage = stage
+        self.operation = operation
+
+    def __str__(self) -> str:
+        return (
+            f"step {self.step} exceeded its {_fmt_seconds(self.budget_s)}s budget after "
+            f"{self.elapsed_s:.1f}s (stage={self.stage!r}, operation={self.operation!r})"
+        )
+
+
+class WeightSyncTimeoutError(StepTimeoutError):
+    """A weight sync ran past ``trainer.weight_sync_timeout_s`` (its own, shorter budget)."""
+
+
+class InferenceServerError(RuntimeError):
+    """An inference server answered with a non-2xx status or a body we could not read."""
+
+    def __init__(self, url: str, endpoint: str, status: int | None, detail: str) -> None:
+        super().__init__(url, endpoint, status, detail)
+        self.url = url
+        self.endpoint = endpoint
+        self.status = status
+        self.detail = detail
+
+    def __str__(self) -> str:
+        status = "no status" if self.status is None else f"status {self.status}"
+        return f"{self.endpoint} on {self.url} failed ({status}): {self.detail}"
+
+
+class InferenceServerTimeoutError(InferenceServerError):
+    """A control-plane request outlived ``engine.control_plane_timeout_s``."""
+
+    def __init__(self, url: str, endpoint: str, timeout_s: float) -> None:
+        RuntimeError.__init__(self, url, endpoint, timeout_s)
+        self.url = url
+        self.endpoint = endpoint
+        self.status = None
+        self.timeout_s = timeout_s
+        self.detail = f"no answer within {_fmt_seconds(timeout_s)}s"
+
+    def __str__(self) -> str:
+        return (
+            f"{self.endpoint} on {self.url} did not answer within "
+            f"{_fmt_seconds(self.timeout_s)}s (engine.control_plane_timeout_s, env "
+            f"TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S)"
+        )
+
+
+class EngineStartError(RuntimeError):
+    """An engine server the trainer started died or did not become healthy in time."""
+
+    def __init__(self, url: str, reason: str, log_tail: str = "") -> None:
+        super().__init__(url, reason, log_tail)
+        self.url = url
+        self.reason = reason
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        tail = f"\n--- server log (tail) ---\n{self.log_tail}" if self.log_tail else ""
+        return f"engine server {self.url}: {self.reason}{tail}"
+
+
+class CheckpointEngineInitError(RuntimeError):
+    """The weight-sync process group did not initialise within ``sync.group_init_timeout_s``."""
+
+    def __init__(self, group: str, timeout_s: float) -> None:
+        super().__init__(group, timeout_s)
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def __str__(self) -> str:
+        return (
+            f"process group {self.group!r} did not initialise within "
+            f"{_fmt_seconds(self.timeout_s)}s; if the init is slow but healthy, raise "
+            f"sync.group_init_timeout_s (env TRAINER_GROUP_INIT_TIMEOUT_S)"
+        )
+
+
+class WorkerError(RuntimeError):
+    """A worker (policy, ref, critic) failed or died; names the worker, rank and stage."""
+
+    def __init__(self, worker: str, rank: int, stage: str | None, detail: str) -> None:
+        super().__init__(worker, rank, stage, detail)
+        self.worker = worker
+        self.rank = rank
+        self.stage = stage
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"worker {self.worker} (rank {self.rank}) failed in stage={self.stage!r}: {self.detail}"
+
+
+class FaultInjected(RuntimeError):
+    """Raised where an ``OP:error=MSG`` fault fires (see ``faults=``)."""
+
+    def __init__(self, operation: str, message: str, step: int | None = None) -> None:
+        super().__init__(operation, message, step)
+        self.operation = operation
+        self.message = message
+        self.step = step
+
+    def __str__(self) -> str:
+        where = f" at step {self.step}" if self.step is not None else ""
+        return f"fault injected in {self.operation!r}{where}: {self.message}"
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+class DataError(ValueError):
+    """A data file has a bad row; the message names the file and line."""

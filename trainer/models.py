@@ -1,0 +1,160 @@
+"""The built-in tiny model and tokenizer, built locally on first use (no hub downloads).
+
+A Qwen2-architecture causal LM with a word-level tokenizer over digits, a few symbols and
+words: small enough to train from scratch on two CPU cores in minutes, real enough that
+every code path (HF loading, safetensors, generation, weight sync) is the production one.
+``model.path`` replaces it with any Hugging Face causal-LM directory.
+
+The build is deterministic from its seed and cached under ``$TRAINER_CACHE_DIR`` (default
+``~/.cache/trainer``) in a directory named by a hash of everything that shapes it; it is
+written to a temporary directory and renamed, so a crash never leaves a half-built model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+__all__ = [
+    "SPECIAL_TOKENS",
+    "TINY_MODEL_CONFIG",
+    "WORDS",
+    "build_tiny_model",
+    "default_cache_dir",
+    "load_tokenizer",
+    "resolve_model_path",
+]
+
+#: Bump when the builder changes what it writes, so stale caches are not reused.
+BUILDER_VERSION = 2
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+WORDS = [
+    *[str(d) for d in range(10)],
+    *"+ - * = ? , : ; ( ) [ ] .".split(),
+    *"add sub mul sum copy reverse sort count max min answer is what the of and to a b c".split(),
+    *"user assistant tool call result error ok yes no".split(),
+]
+
+TINY_MODEL_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("TRAINER_CACHE_DIR", Path.home() / ".cache" / "trainer"))
+
+
+def _fingerprint(seed: int) -> str:
+    blob = json.dumps(
+        {"v": BUILDER_VERSION, "seed": seed, "cfg": TINY_MODEL_CONFIG, "vocab": SPECIAL_TOKENS + WORDS},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Return the directory of the built-in tiny model, building it on first use."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"tiny-qwen2-{_fingerprint(seed)}"
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer()
+    cfg = Qwen2Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **TINY_MODEL_CONFIG,
+    )
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # Without this, AutoTokenizer maps model_type=qwen2 to Qwen2's BPE tokenizer class.
+        tok_cfg_path = tmp / "tokenizer_config.json"
+        tok_cfg = json.loads(tok_cfg_path.read_text())
+        tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race to another builder: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str | None, seed: int = 0) -> Path:
+    """``model.path`` if given (checked to be a model directory), else the built-in tiny model."""
+    if path is None:
+        return build_tiny_model(seed=seed)
+    p = Path(path).expanduser()
+    if not (p / "config.json").is_file():
+        from trainer.errors import ConfigError
+
+        raise ConfigError(
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
+            "pass a local directory or leave model.path unset for the built-in tiny model"
+        )
+    return p
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a model directory, exactly as its ``tokenizer.json`` defines it.
+
+    transformers 5's ``AutoTokenizer`` picks a tokenizer class from the model type (a
+    ``qwen2`` model gets Qwen2's BPE class even when ``tokenizer.json`` holds another
+    model); reading ``tokenizer.json`` directly is faithful for every fast tokenizer.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "tokenizer.json").is_file():
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
