@@ -29,6 +29,7 @@ __all__ = [
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
     "KL_ESTIMATORS",
+    "POLICY_LOSS_METRICS",
     "compute_advantages",
     "kl_penalty",
     "masked_mean",
@@ -55,6 +56,18 @@ LOG_RATIO_CLAMP = 20.0
 #: ``k3`` is clamped to ``[-K3_CLAMP, K3_CLAMP]`` (as in verl): for a token the reference finds
 #: far likelier than the policy, ``exp(ref - logp)`` explodes and would dominate the batch.
 K3_CLAMP = 10.0
+#: The keys of the metrics dict ``policy_loss`` returns.
+POLICY_LOSS_METRICS: tuple[str, ...] = (
+    "pg_loss",
+    "clip_frac",
+    "clip_frac_high",
+    "clip_frac_low",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "ratio_min",
+    "num_tokens",
+)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -260,26 +273,13 @@ def policy_loss(
 
     with torch.no_grad():
         if n_valid == 0:
-            metrics = dict.fromkeys(
-                (
-                    "pg_loss",
-                    "clip_frac",
-                    "clip_frac_high",
-                    "clip_frac_low",
-                    "approx_kl",
-                    "ratio_mean",
-                    "ratio_max",
-                    "ratio_min",
-                    "num_tokens",
-                ),
-                0.0,
-            )
-            metrics["pg_loss"] = float(loss)
+            metrics: dict[str, float] = dict.fromkeys(POLICY_LOSS_METRICS, 0.0)
+            metrics["pg_loss"] = float(loss.detach())
             return loss, metrics
         is_clipped = (clipped > unclipped) & valid
         r_valid = ratio[valid]
         metrics = {
-            "pg_loss": float(loss),
+            "pg_loss": float(loss.detach()),
             "clip_frac": float(is_clipped.sum()) / n_valid,
             "clip_frac_high": float((is_clipped & (adv > 0)).sum()) / n_valid,
             "clip_frac_low": float((is_clipped & (adv < 0)).sum()) / n_valid,
