@@ -8,6 +8,17 @@ decode step, so a request never samples from half-updated weights.
 The engine is deliberately simple: no KV cache (each step re-reads the whole sequence,
 left-padded), which is cheap for the short sequences of a tiny model and keeps batching and
 weight swaps trivially correct.
+
+Control-plane state (each change wakes the scheduler):
+
+- *paused* (``pause``/``resume``): no decode step runs and no request is admitted, except
+  while ``pause(mode="wait")`` drains the requests that were in flight when it was called.
+- *asleep* (``sleep``/``wake_up``), two independent halves as in vLLM: ``weights`` and
+  ``kv_cache``. ``sleep(1)`` puts both to sleep (weights kept in host memory); ``sleep(2)``
+  also discards the weights (they read as zeros until ``load_weights``). ``wake_up(["weights"])``
+  then ``wake_up(["kv_cache"])``, or ``wake_up()`` for both. While either half sleeps no decode
+  step runs and ``generate`` raises ``EngineAsleepError``; ``load_weights`` needs the weights
+  half awake.
 """
 
 from __future__ import annotations
@@ -71,12 +82,16 @@ class LocalEngine:
         self._rng = random.Random(seed)
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
-        self._work = trio.Event()
+        #: Set (and replaced) on every state change; the scheduler waits on it when idle.
+        self._changed = trio.Event()
         self._step_lock = trio.Lock()
         self._paused = False
-        self._resumed = trio.Event()
-        self._resumed.set()
-        self._sleep_level = 0
+        #: Requests a ``pause(mode="wait")`` lets finish; None when no drain is running.
+        self._drain: set[_Request] | None = None
+        self._drainers = 0
+        self._weights_asleep = False
+        self._kv_asleep = False
+        self._weights_discarded = False
         #: How many decode steps ran at each batch size (tests and /metrics read it).
         self.batch_size_counts: Counter[int] = Counter()
         self.weight_version = 0
@@ -86,24 +101,28 @@ class LocalEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
         """Sample one completion; joins the running batch at the next decode step.
 
-        Raises ``EngineAsleepError`` while the engine sleeps and ``ValueError`` for token ids
-        outside the vocabulary. If the caller is cancelled the request leaves the batch.
+        Raises ``EngineAsleepError`` while either half of the engine sleeps, and
+        ``ValueError`` for an empty prompt or token ids outside the vocabulary. While the
+        engine is paused the request waits (queued) until ``resume``. If the caller is
+        cancelled the request leaves the batch at once (a step in flight finishes without it).
         """
-        if self._sleep_level:
-            raise EngineAsleepError("the engine is sleeping (weights offloaded); call /wake_up first")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        if not self._awake:
+            raise EngineAsleepError(self._asleep_detail())
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
         req = _Request(list(prompt_ids), params, gen)
-        if params.max_tokens == 0:
+        if params.max_tokens <= 0:
             req.finish("length")
         else:
             self._pending.append(req)
-            self._work.set()
+            self._poke()
         try:
             await req.done.wait()
         finally:
@@ -111,6 +130,8 @@ class LocalEngine:
                 for queue in (self._pending, self._active):
                     if req in queue:
                         queue.remove(req)
+                req.finish("abort")  # wakes a pause(mode="wait") draining it
+                self._poke()
         assert req.finish_reason is not None
         return Completion(req.out_ids, req.out_logprobs, req.finish_reason, req.prompt_ids)
 
@@ -122,24 +143,65 @@ class LocalEngine:
 
     @property
     def is_sleeping(self) -> bool:
-        return self._sleep_level > 0
+        """True while either the weights or the KV cache sleeps."""
+        return self._weights_asleep or self._kv_asleep
+
+    @property
+    def sleep_state(self) -> dict[str, bool]:
+        """Which halves sleep: ``{"weights": bool, "kv_cache": bool}``."""
+        return {"weights": self._weights_asleep, "kv_cache": self._kv_asleep}
 
     @property
     def num_requests(self) -> int:
         return len(self._pending) + len(self._active)
 
+    @property
+    def _awake(self) -> bool:
+        return not (self._weights_asleep or self._kv_asleep)
+
+    def _asleep_detail(self) -> str:
+        halves = [k for k, v in self.sleep_state.items() if v]
+        return (
+            f"the engine is sleeping ({' and '.join(halves)} offloaded); "
+            "call /wake_up (no tags, or tags=weights then tags=kv_cache) first"
+        )
+
+    def _poke(self) -> None:
+        """Wake every waiter on the state (the scheduler, draining pauses)."""
+        self._changed.set()
+        self._changed = trio.Event()
+
     async def pause(self, mode: PauseMode = "keep") -> None:
-        """Stop decoding. ``keep``: in-flight requests freeze and continue after ``resume``;
-        ``abort``: they end now with ``finish_reason='abort'`` and their partial tokens;
-        ``wait``: they run to completion first (no new request is admitted meanwhile)."""
+        """Stop decoding and admitting requests until ``resume``.
+
+        ``keep``: in-flight requests freeze and continue after ``resume``; ``abort``: they end
+        now with ``finish_reason='abort'`` and their partial tokens (queued ones too);
+        ``wait``: the requests in flight when called run to completion first, then the engine
+        stays paused (requests arriving meanwhile queue until ``resume``). Returns once no
+        decode step is running. Raises ``ValueError`` for an unknown mode. If a ``wait``
+        pause is cancelled mid-drain the engine stays paused with what is left frozen; a
+        ``wait`` pause on a sleeping engine waits for the wake-up.
+        """
+        if mode not in ("keep", "abort", "wait"):
+            raise ValueError(f"unknown pause mode {mode!r}; expected one of keep, abort, wait")
         if mode == "wait":
-            self._paused = True  # stops admissions, active requests keep decoding
-            self._resumed = trio.Event()
-            while self._active:
-                await self._active[0].done.wait()
-            return
+            inflight = {*self._active, *self._pending}
+            self._drain = (self._drain or set()) | inflight
+            self._drainers += 1
+            self._paused = True
+            self._poke()
+            try:
+                for req in inflight:
+                    await req.done.wait()
+            finally:
+                self._drainers -= 1
+                if not self._drainers:
+                    self._drain = None
+                self._poke()
+            async with self._step_lock:  # the step in flight (if any) finishes first
+                return
         self._paused = True
-        self._resumed = trio.Event()
+        self._poke()
         async with self._step_lock:  # the step in flight finishes first
             if mode == "abort":
                 for req in [*self._active, *self._pending]:
@@ -148,77 +210,142 @@ class LocalEngine:
                 self._pending.clear()
 
     def resume(self) -> None:
+        """Resume decoding and admissions; a no-op when not paused."""
         self._paused = False
-        self._resumed.set()
-        self._work.set()
+        self._poke()
 
-    async def sleep(self, level: int = 1) -> None:
-        """Offload: level 1 keeps weights in host memory, level 2 discards them (reload on wake)."""
+    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
+        """Put the weights and the KV cache to sleep (vLLM ``/sleep``).
+
+        Level 1 keeps the weights in host memory; level 2 discards them (they read as zeros
+        until ``load_weights``). In-flight requests are handled as by ``pause(mode)`` (vLLM's
+        default: abort); kept ones continue after a full ``wake_up``. The paused flag is
+        left as it was. Raises ``ValueError`` for another level or mode.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"unknown sleep level {level!r}; expected 1 or 2")
+        was_paused = self._paused
+        await self.pause(mode)
         async with self._step_lock:
-            self._sleep_level = level
+            self._weights_asleep = True
+            self._kv_asleep = True
+            if level == 2 and not self._weights_discarded:
+                await trio.to_thread.run_sync(self._zero_weights_sync)
+                self._weights_discarded = True
+        self._paused = was_paused
+        self._poke()
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake the halves named by ``tags`` (``weights``, ``kv_cache``); None or [] wakes both.
+
+        Waking an awake half is a no-op. Raises ``ValueError`` for an unknown tag.
+        """
+        wanted = set(tags) if tags else {"weights", "kv_cache"}
+        unknown = wanted - {"weights", "kv_cache"}
+        if unknown:
+            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; expected weights, kv_cache")
         async with self._step_lock:
-            if tags is None or "weights" in tags or "kv_cache" in tags:
-                if tags is None or "kv_cache" in tags or self._sleep_level:
-                    self._sleep_level = 0 if tags is None or "kv_cache" in tags else self._sleep_level
-            self._work.set()
+            if "weights" in wanted:
+                self._weights_asleep = False
+            if "kv_cache" in wanted:
+                self._kv_asleep = False
+        self._poke()
 
     async def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Replace weights between decode steps (atomic with respect to requests)."""
+        """Replace weights between decode steps (atomic with respect to requests).
+
+        Raises ``EngineAsleepError`` while the weights sleep (wake them first, as with vLLM)
+        and ``KeyError`` for an unknown parameter name (nothing is loaded then).
+        """
+        if self._weights_asleep:
+            raise EngineAsleepError("the weights are asleep; call /wake_up?tags=weights first")
         async with self._step_lock:
             await trio.to_thread.run_sync(self._load_weights_sync, state)
+            self._weights_discarded = False
             self.weight_version += 1
 
     def _load_weights_sync(self, state: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             params = dict(self.model.named_parameters())
+            unknown = [name for name in state if name not in params]
+            if unknown:
+                raise KeyError(f"unknown parameter {unknown[0]!r}")
             for name, tensor in state.items():
-                if name not in params:
-                    raise KeyError(f"unknown parameter {name!r}")
                 params[name].copy_(tensor)
+
+    def _zero_weights_sync(self) -> None:
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.zero_()
 
     def weight_checksum(self) -> str:
         """sha256 over every parameter's name and bytes, in name order."""
         return state_checksum(dict(self.model.named_parameters()))
 
+    def weight_checksums(self) -> dict[str, str]:
+        """sha256 of each parameter's float32 bytes, by name (vLLM ``/weight_checker`` shape)."""
+        return {
+            name: hashlib.sha256(
+                p.detach().to(torch.float32).contiguous().numpy().tobytes()
+            ).hexdigest()
+            for name, p in sorted(self.model.named_parameters())
+        }
+
     # -- scheduler ----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        room = self.max_num_seqs - len(self._active)
+        if room <= 0 or not self._pending:
+            return
+        if not self._paused:
+            admitted = self._pending[:room]
+        elif self._drain is not None:
+            admitted = [r for r in self._pending if r in self._drain][:room]
+        else:
+            return
+        self._active.extend(admitted)
+        taken = set(admitted)
+        self._pending = [r for r in self._pending if r not in taken]
+
+    def _runnable(self) -> list[_Request]:
+        """The batch of the next decode step (empty while asleep or paused, unless draining)."""
+        if not self._awake:
+            return []
+        if self._paused:
+            if self._drain is None:
+                return []
+            return [r for r in self._active if r in self._drain]
+        return list(self._active)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scheduler loop; runs until cancelled."""
         task_status.started()
         while True:
-            await self._work.wait()
-            if self._paused and not self._active:
-                await self._resumed.wait()
-                continue
-            if not self._paused:
-                room = self.max_num_seqs - len(self._active)
-                self._active.extend(self._pending[:room])
-                del self._pending[:room]
-            if not self._active:
-                self._work = trio.Event()
+            changed = self._changed
+            if self._awake:
+                self._admit()
+            if not self._runnable():
+                await changed.wait()
                 continue
             async with self._step_lock:
-                if self._paused and not self._is_draining() or not self._active:
+                batch = self._runnable()  # re-read: a pause may have landed meanwhile
+                if not batch:
                     continue
-                batch = list(self._active)
                 self.batch_size_counts[len(batch)] += 1
                 tokens, logprobs = await trio.to_thread.run_sync(self._decode_step, batch)
+            finished = False
             for req, tok, lp in zip(batch, tokens, logprobs):
                 if req.finish_reason is not None or req not in self._active:
-                    continue
+                    continue  # aborted or cancelled while the step ran
                 req.out_ids.append(tok)
                 req.out_logprobs.append(lp)
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     self._active.remove(req)
                     req.finish(reason)
-
-    def _is_draining(self) -> bool:
-        # pause(mode="wait") sets _paused but leaves _resumed unset while requests drain;
-        # keep/abort pauses hold the step lock, so a paused engine that reaches here drains.
-        return not self._resumed.is_set() and bool(self._active)
+                    finished = True
+            if finished:
+                self._poke()
 
     def _stop_reason(self, req: _Request, tok: int) -> FinishReason | None:
         p = req.params

@@ -1,0 +1,148 @@
+"""``python -m engines.local serve``: run the CPU reference engine behind its HTTP server.
+
+::
+
+    python -m engines.local serve [--model DIR] [--host 127.0.0.1] [--port 8000]
+                                  [--api-key KEY] [--seed N] [--exit-on-stdin-eof]
+
+Once listening it prints one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
+(``--port 0`` picks a free port; launchers read the port from this line). SIGTERM/SIGINT
+shut it down gracefully (in-flight requests get a couple of seconds). With
+``--exit-on-stdin-eof`` it also shuts down when its stdin reaches end-of-file: a launcher
+that holds the write end of a pipe makes the server die with it, even on SIGKILL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from functools import partial
+
+import trio
+
+__all__ = ["READY_PREFIX", "main", "serve"]
+
+log = logging.getLogger("engines.local")
+
+#: First word of the line printed once the server listens.
+READY_PREFIX = "ENGINE_READY"
+#: Seconds in-flight requests get to finish on shutdown.
+GRACEFUL_TIMEOUT_S = 2.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engines.local", description=__doc__.split("\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the reference engine over vLLM's HTTP protocol")
+    s.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face model directory (default: the built-in tiny model)",
+    )
+    s.add_argument(
+        "--served-model-name", default=None, help="name in /v1/models (default: --model as given)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument(
+        "--port", type=int, default=8000, help="port to bind; 0 picks a free one (default 8000)"
+    )
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route (env VLLM_API_KEY)",
+    )
+    s.add_argument(
+        "--seed", type=int, default=0, help="seed of the per-request samplers (default 0)"
+    )
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
+    s.add_argument(
+        "--exit-on-stdin-eof",
+        action="store_true",
+        help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
+    )
+    return parser
+
+
+async def _watch_signals(on_signal: Callable[[], None]) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received signal %d: shutting down", signum)
+            on_signal()
+
+
+async def _watch_stdin(on_eof: Callable[[], None]) -> None:
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        while await stream.receive_some(4096):
+            pass
+    log.info("stdin closed (the launcher is gone): shutting down")
+    on_eof()
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return."""
+    from hypercorn.config import Config
+    from hypercorn.trio import serve as hypercorn_serve
+
+    from engines.local.engine import open_local_engine
+    from engines.local.server import ServerApp
+    from trainer.models import resolve_model_path
+
+    model_dir = await trio.to_thread.run_sync(resolve_model_path, args.model)
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_signals, shutdown.set)
+        if args.exit_on_stdin_eof:
+            nursery.start_soon(_watch_stdin, shutdown.set)
+        async with open_local_engine(
+            model_dir, seed=args.seed, max_num_seqs=args.max_num_seqs
+        ) as engine:
+            app = ServerApp(
+                engine,
+                served_model=args.served_model_name or args.model or str(model_dir),
+                api_key=args.api_key,
+            )
+            config = Config()
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            config.bind = [f"{host}:{args.port}"]
+            config.graceful_timeout = GRACEFUL_TIMEOUT_S
+            config.accesslog = None
+            config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
+            if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+                log.warning(
+                    "listening on %s without --api-key: anyone who can reach it can use it",
+                    args.host,
+                )
+            async with trio.open_nursery() as server_nursery:
+                binds = await server_nursery.start(
+                    partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
+                )
+                port = int(binds[0].rsplit(":", 1)[1])
+                print(f"{READY_PREFIX} port={port} url=http://{host}:{port}", flush=True)
+        nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        trio.run(serve, args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # a start-up failure: one clear line for the launcher's log tail
+        log.exception("engine server failed")
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

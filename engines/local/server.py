@@ -1,0 +1,429 @@
+"""The reference engine's HTTP server: a hand-written ASGI app speaking vLLM's protocol.
+
+Routes (vLLM's shapes; see ``docs/engines.md`` for the version followed):
+
+- data plane: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``;
+- control plane (vLLM dev mode): ``POST /pause?mode=keep|abort|wait``, ``POST /resume``,
+  ``GET /is_paused``, ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=...]``,
+  ``GET /is_sleeping``, ``POST /reset_prefix_cache``, ``GET /get_world_size``,
+  ``POST /weight_checker``, and the weight-transfer routes of :mod:`engines.local.weight_routes`;
+- ours: ``GET /metrics`` (Prometheus text) and ``GET /engine_stats`` (JSON: batch-size
+  histogram, queue lengths, weight version).
+
+Every error is a vLLM ``ErrorResponse`` body. Bad input is a 4xx; a 5xx means a bug here
+(or an injected fault). Model compute runs in the engine's worker threads, never on the
+event loop. With an API key every route needs ``Authorization: Bearer KEY``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+import attrs
+import torch
+import trio
+
+from engines.local.engine import EngineAsleepError, LocalEngine
+from engines.local.protocol import (
+    ProtocolError,
+    completion_response,
+    error_body,
+    parse_bool,
+    parse_completion_request,
+    parse_json_object,
+)
+from engines.local.weight_routes import WEIGHT_TRANSFER_PATHS, handle_weight_transfer
+from engines.types import Completion
+
+__all__ = ["CONTROL_PLANE_PATHS", "Request", "Response", "ServerApp", "error_response"]
+
+log = logging.getLogger(__name__)
+
+#: Largest request body accepted (413 beyond).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Header carrying the trainer's current step (for fault injection inside the server).
+STEP_HEADER = "x-trainer-step"
+
+
+@attrs.frozen
+class Request:
+    """One HTTP request, fully read."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+    def arg(self, name: str) -> str | None:
+        """The last value of query parameter ``name``, or None."""
+        values = self.query.get(name)
+        return values[-1] if values else None
+
+    @property
+    def step(self) -> int | None:
+        """The trainer step from ``X-Trainer-Step``; None when absent or not an integer."""
+        raw = self.headers.get(STEP_HEADER)
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+
+@attrs.frozen
+class Response:
+    """One HTTP response."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(status, json.dumps(payload).encode())
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    return json_response(error_body(status, message, param), status)
+
+
+Handler = Callable[["ServerApp", Request], Awaitable[Response]]
+
+
+async def fire_fault(path: str, step: int | None) -> None:
+    """Let ``TRAINER_FAULTS`` fire for a control-plane ``path`` here, where it really runs.
+
+    A no-op when the trainer's fault module is not importable (the server runs alone).
+    """
+    try:
+        from trainer.faults import fire  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    await fire(path, step)
+
+
+class ServerApp:
+    """ASGI app over one :class:`LocalEngine` (whose scheduler runs elsewhere)."""
+
+    def __init__(
+        self, engine: LocalEngine, *, served_model: str, api_key: str | None = None
+    ) -> None:
+        self.engine = engine
+        self.served_model = served_model
+        self.api_key = api_key
+        self.max_model_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 2048)
+
+    # -- ASGI -----------------------------------------------------------------------------------
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        response = await self._handle(scope, receive)
+        if response is None:  # the client went away mid-request
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [
+                    (b"content-type", response.content_type.encode()),
+                    (b"content-length", str(len(response.body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": response.body})
+
+    async def _handle(self, scope: dict[str, Any], receive: Any) -> Response | None:
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > MAX_BODY_BYTES:
+                return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
+            if not message.get("more_body", False):
+                break
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request = Request(
+            method=scope["method"],
+            path=scope["path"],
+            query=parse_qs(scope.get("query_string", b"").decode("latin-1")),
+            headers=headers,
+            body=bytes(body),
+        )
+        if not self._authorized(request):
+            return error_response(401, "Unauthorized: send Authorization: Bearer <api key>")
+        handler = self._route(request)
+        if isinstance(handler, Response):
+            return handler
+        try:
+            if request.path in CONTROL_PLANE_PATHS:
+                await fire_fault(request.path, request.step)
+            if request.path == "/v1/completions":
+                return await self._until_disconnect(handler, request, receive)
+            return await handler(self, request)
+        except ProtocolError as exc:
+            return json_response(exc.body(), exc.status)
+        except Exception as exc:
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(500, f"{type(exc).__name__}: {exc}")
+
+    def _authorized(self, request: Request) -> bool:
+        if self.api_key is None:
+            return True
+        auth = request.headers.get("authorization", "")
+        return hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
+
+    def _route(self, request: Request) -> Handler | Response:
+        if request.path in WEIGHT_TRANSFER_PATHS:
+            return handle_weight_transfer
+        methods = ROUTES.get(request.path)
+        if methods is None:
+            return error_response(404, f"no route {request.path}")
+        handler = methods.get(request.method)
+        if handler is None:
+            allowed = ", ".join(sorted(methods))
+            return error_response(
+                405, f"{request.method} {request.path}: method not allowed ({allowed})"
+            )
+        return handler
+
+    async def _until_disconnect(
+        self, handler: Handler, request: Request, receive: Any
+    ) -> Response | None:
+        """Run ``handler``; if the client disconnects first, cancel it (its requests leave
+        the batch) and return None. The handler's own errors propagate unwrapped."""
+        result: Response | None = None
+        error: Exception | None = None
+        async with trio.open_nursery() as nursery:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch)
+            try:
+                result = await handler(self, request)
+            except Exception as exc:
+                error = exc
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return result
+
+    # -- data plane -------------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        return Response(200)
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.served_model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "vllm",
+            "root": str(self.engine.model_dir),
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
+        return json_response({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        tok = self.engine.tokenizer
+        req = parse_completion_request(
+            parse_json_object(request.body),
+            served_model=self.served_model,
+            encode=lambda text: list(tok.encode(text, add_special_tokens=True)),
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        results: list[list[Completion | None]] = [[None] * req.n for _ in req.prompts]
+
+        asleep: list[str] = []
+
+        async def one(i: int, j: int) -> None:
+            try:
+                results[i][j] = await self.engine.generate(req.prompts[i], req.params_for(j))
+            except EngineAsleepError as exc:
+                asleep.append(str(exc))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(req.prompts)):
+                for j in range(req.n):
+                    nursery.start_soon(one, i, j)
+        if asleep:
+            raise ProtocolError(409, asleep[0])
+        done = [[c for c in row if c is not None] for row in results]
+        payload = completion_response(
+            req,
+            done,
+            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+            convert_ids_to_tokens=tok.convert_ids_to_tokens,
+        )
+        return json_response(payload)
+
+    # -- control plane ----------------------------------------------------------------------------
+
+    async def pause(self, request: Request) -> Response:
+        mode = request.arg("mode")
+        if mode is None:  # vLLM's deprecated spelling, then its default
+            wait = parse_bool(
+                request.arg("wait_for_inflight_requests"), "wait_for_inflight_requests", False
+            )
+            mode = "wait" if wait else "abort"
+        if mode not in ("keep", "abort", "wait"):
+            raise ProtocolError(
+                400, f"unknown pause mode {mode!r}; expected keep, abort or wait", "mode"
+            )
+        parse_bool(request.arg("clear_cache"), "clear_cache", True)  # validated; no cache to clear
+        await self.engine.pause(mode)  # type: ignore[arg-type]
+        return json_response({"status": "paused"})
+
+    async def resume(self, request: Request) -> Response:
+        self.engine.resume()
+        return json_response({"status": "resumed"})
+
+    async def is_paused(self, request: Request) -> Response:
+        return json_response({"is_paused": self.engine.is_paused})
+
+    async def sleep(self, request: Request) -> Response:
+        raw = request.arg("level") or "1"
+        if raw not in ("1", "2"):
+            raise ProtocolError(400, f"sleep level must be 1 or 2, got {raw!r}", "level")
+        mode = request.arg("mode") or "abort"
+        if mode not in ("keep", "abort", "wait"):
+            raise ProtocolError(
+                400, f"unknown sleep mode {mode!r}; expected keep, abort or wait", "mode"
+            )
+        await self.engine.sleep(int(raw), mode)  # type: ignore[arg-type]
+        return Response(200)
+
+    async def wake_up(self, request: Request) -> Response:
+        tags = request.query.get("tags") or None
+        unknown = sorted(set(tags or ()) - {"weights", "kv_cache"})
+        if unknown:
+            raise ProtocolError(
+                400, f"unknown wake_up tags {unknown}; expected weights, kv_cache", "tags"
+            )
+        await self.engine.wake_up(tags)
+        return Response(200)
+
+    async def is_sleeping(self, request: Request) -> Response:
+        return json_response(
+            {"is_sleeping": self.engine.is_sleeping, "sleep_state": self.engine.sleep_state}
+        )
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        for name in ("reset_running_requests", "reset_external"):
+            parse_bool(request.arg(name), name, False)
+        return Response(200)  # no prefix cache to reset
+
+    async def get_world_size(self, request: Request) -> Response:
+        parse_bool(request.arg("include_dp"), "include_dp", True)
+        return json_response({"world_size": 1})
+
+    async def weight_checker(self, request: Request) -> Response:
+        body = parse_json_object(request.body)
+        action = body.get("action")
+        if action not in ("checksum", "compare", "reset"):
+            raise ProtocolError(
+                400, f"action must be one of checksum|reset|compare, got {action!r}", "action"
+            )
+        if self.engine.is_paused or self.engine.is_sleeping:
+            raise ProtocolError(409, "weight_checker requires an awake, unpaused engine")
+        if action == "reset":
+            shapes = {n: p.shape for n, p in self.engine.model.named_parameters()}
+            state = await trio.to_thread.run_sync(
+                lambda: {n: torch.randn(s) for n, s in shapes.items()}
+            )
+            await self.engine.load_weights(state)
+            return json_response({"status": "reset"})
+        baseline = body.get("baseline")
+        if action == "compare" and not (
+            isinstance(baseline, dict) and all(isinstance(v, str) for v in baseline.values())
+        ):
+            raise ProtocolError(400, "action='compare' requires a 'baseline' object", "baseline")
+        checksums, combined = await trio.to_thread.run_sync(
+            lambda: (self.engine.weight_checksums(), self.engine.weight_checksum())
+        )
+        if action == "checksum":
+            return json_response(
+                {
+                    "checksums": checksums,
+                    "checksum": combined,
+                    "weight_version": self.engine.weight_version,
+                }
+            )
+        assert isinstance(baseline, dict)
+        mismatches = sorted(
+            n for n in set(baseline) | set(checksums) if baseline.get(n) != checksums.get(n)
+        )
+        return json_response({"match": not mismatches, "mismatches": mismatches})
+
+    # -- ours -------------------------------------------------------------------------------------
+
+    def _stats(self) -> dict[str, Any]:
+        e = self.engine
+        return {
+            "batch_size_counts": {str(k): v for k, v in sorted(e.batch_size_counts.items())},
+            "num_requests_running": len(e._active),
+            "num_requests_waiting": len(e._pending),
+            "is_paused": e.is_paused,
+            "is_sleeping": e.is_sleeping,
+            "weight_version": e.weight_version,
+        }
+
+    async def engine_stats(self, request: Request) -> Response:
+        return json_response(self._stats())
+
+    async def metrics(self, request: Request) -> Response:
+        s = self._stats()
+        lines = [
+            "# TYPE vllm:num_requests_running gauge",
+            f'vllm:num_requests_running{{model_name="{self.served_model}"}} {s["num_requests_running"]}',
+            "# TYPE vllm:num_requests_waiting gauge",
+            f'vllm:num_requests_waiting{{model_name="{self.served_model}"}} {s["num_requests_waiting"]}',
+            "# HELP engine_decode_steps_total Decode steps run, by batch size (reference engine).",
+            "# TYPE engine_decode_steps_total counter",
+            *(
+                f'engine_decode_steps_total{{batch_size="{k}"}} {v}'
+                for k, v in s["batch_size_counts"].items()
+            ),
+        ]
+        return Response(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
+
+
+ROUTES: dict[str, dict[str, Handler]] = {
+    "/health": {"GET": ServerApp.health},
+    "/v1/models": {"GET": ServerApp.models},
+    "/v1/completions": {"POST": ServerApp.completions},
+    "/pause": {"POST": ServerApp.pause},
+    "/resume": {"POST": ServerApp.resume},
+    "/is_paused": {"GET": ServerApp.is_paused},
+    "/sleep": {"POST": ServerApp.sleep},
+    "/wake_up": {"POST": ServerApp.wake_up},
+    "/is_sleeping": {"GET": ServerApp.is_sleeping},
+    "/reset_prefix_cache": {"POST": ServerApp.reset_prefix_cache},
+    "/get_world_size": {"GET": ServerApp.get_world_size},
+    "/weight_checker": {"POST": ServerApp.weight_checker},
+    "/metrics": {"GET": ServerApp.metrics},
+    "/engine_stats": {"GET": ServerApp.engine_stats},
+}
+
+#: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.
+CONTROL_PLANE_PATHS = frozenset({"/pause", "/resume", "/sleep", "/wake_up", *WEIGHT_TRANSFER_PATHS})
