@@ -341,7 +341,7 @@ def test_masked_sum_and_mean():
     # a row with nothing valid averages to 0, not nan
     empty = torch.tensor([[True, False, False], [False, False, False]])
     torch.testing.assert_close(masked_mean(x, empty, dim=-1), t([1.0, 0.0]))
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(ValueError, match=r"does not match"):
         masked_sum(x, torch.ones(3, 2))
 
 
@@ -367,7 +367,7 @@ def test_k3_is_clamped_for_stability():
     # ref - logp = 50: exp(50) would be 5e21; clamped to 10
     out = kl_penalty(t([-60.0]), t([-10.0]), "k3")
     assert out.tolist() == [10.0]
-    with pytest.raises(ValueError, match="allowed: k1, k2, k3, abs"):
+    with pytest.raises(ValueError, match=r"allowed: k1, k2, k3, abs"):
         kl_penalty(t([0.0]), t([0.0]), "k4")  # type: ignore[arg-type]
 
 
@@ -393,7 +393,7 @@ def test_token_logprobs_matches_log_softmax_in_every_precision():
     half = token_logprobs(logits.bfloat16(), ids, 0.7)
     assert half.dtype == torch.float32
     torch.testing.assert_close(half, ref, atol=0.05, rtol=0.05)
-    with pytest.raises(ValueError, match="temperature must be > 0"):
+    with pytest.raises(ValueError, match=r"temperature must be > 0"):
         token_logprobs(logits, ids, 0.0)
-    with pytest.raises(ValueError, match="plus a vocabulary dimension"):
+    with pytest.raises(ValueError, match=r"plus a vocabulary dimension"):
         token_logprobs(logits, ids[:, :2])
