@@ -1,0 +1,110 @@
+"""A trio-asyncio bridge: run asyncio-only libraries (vLLM's ``AsyncLLM``, aiohttp, ...) from trio.
+
+::
+
+    async with open_bridge() as bridge:                  # an asyncio loop in this nursery
+        body = await bridge.run(fetch, session, url)      # an asyncio coroutine function
+        async for chunk in bridge.iterate(stream()):      # an asyncio async iterator
+            ...
+
+The asyncio loop is trio-asyncio's loop on top of trio, owned by the ``open_bridge`` block:
+it starts when the block is entered and is closed (its remaining asyncio tasks cancelled)
+when the block exits. Every call runs as an asyncio task on that loop; **trio cancellation
+reaches it**: when the caller's cancel scope fires (a step deadline, a nursery failing) the
+asyncio task is cancelled (``asyncio.CancelledError`` is thrown into it) and the trio caller
+gets ``trio.Cancelled`` once the task has unwound, so an asyncio library's own cleanup (abort
+a request, close a connection) runs before the deadline's error propagates.
+
+A bridge may be used from any trio task while its block is open; using it after the block
+exits raises ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, ParamSpec, TypeVar
+
+import trio
+import trio_asyncio
+
+__all__ = ["Bridge", "open_bridge"]
+
+T = TypeVar("T")
+P = ParamSpec("P")
+
+#: Seconds an abandoned asyncio iterator gets to close (``aclose``) after its consumer leaves.
+ITERATOR_CLOSE_TIMEOUT_S = 5.0
+_DONE = object()
+
+
+class Bridge:
+    """Calls into one trio-asyncio loop; create with :func:`open_bridge`."""
+
+    def __init__(self, loop: trio_asyncio.TrioEventLoop) -> None:
+        #: The asyncio event loop (a ``trio_asyncio.TrioEventLoop``).
+        self.loop = loop
+        self._open = True
+
+    def _check_open(self) -> None:
+        if not self._open or self.loop.is_closed():
+            raise RuntimeError("the bridge's asyncio loop is closed (its open_bridge block exited)")
+
+    async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``await fn(*args, **kwargs)`` as an asyncio task; return or raise its result.
+
+        ``fn`` is called inside the asyncio task (so ``asyncio.get_running_loop()`` works in
+        it). If the calling trio scope is cancelled, the task is cancelled and this raises
+        ``trio.Cancelled`` after the task has finished unwinding. An ``asyncio.CancelledError``
+        the task raises on its own (without a trio cancellation) propagates unchanged.
+        """
+        self._check_open()
+
+        async def call() -> T:
+            return await fn(*args, **kwargs)
+
+        return await self.loop.run_aio_coroutine(call())
+
+    async def iterate(self, iterator: AsyncIterator[T]) -> AsyncIterator[T]:
+        """Iterate an asyncio async iterator from trio: ``async for x in bridge.iterate(it)``.
+
+        Each ``__anext__`` runs as an asyncio task (cancelled with the trio scope, as in
+        :meth:`run`). When the trio loop stops early (``break``, an error, a cancellation)
+        the iterator's ``aclose`` runs on the asyncio loop, shielded and bounded by
+        ``ITERATOR_CLOSE_TIMEOUT_S``, so an async generator's ``finally`` runs in asyncio.
+        """
+        self._check_open()
+
+        async def next_item() -> Any:
+            try:
+                return await iterator.__anext__()
+            except StopAsyncIteration:
+                return _DONE
+
+        finished = False
+        try:
+            while True:
+                item = await self.loop.run_aio_coroutine(next_item())
+                if item is _DONE:
+                    finished = True
+                    return
+                yield item
+        finally:
+            aclose = getattr(iterator, "aclose", None)
+            if not finished and aclose is not None and not self.loop.is_closed():
+                with trio.CancelScope(shield=True), trio.move_on_after(ITERATOR_CLOSE_TIMEOUT_S):
+                    await self.loop.run_aio_coroutine(aclose())
+
+
+@asynccontextmanager
+async def open_bridge() -> AsyncIterator[Bridge]:
+    """Open an asyncio loop for the block's life (see the module docstring).
+
+    On exit the loop stops and closes; asyncio tasks still running are cancelled.
+    """
+    async with trio_asyncio.open_loop() as loop:
+        bridge = Bridge(loop)
+        try:
+            yield bridge
+        finally:
+            bridge._open = False

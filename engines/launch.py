@@ -1,0 +1,281 @@
+"""Start and stop the engine servers the trainer owns.
+
+::
+
+    async with launch_local_engines(2, model_dir, run_dir / "engines", seed=0) as urls:
+        client = InferenceClient(urls)
+        ...
+
+Each server is ``python -m engines.local serve --port 0 --exit-on-stdin-eof`` in its own
+process group (its own session), stdout and stderr appended to ``LOG_DIR/engine-I.log``.
+Start-up waits for the server's ``ENGINE_READY`` line and then for ``GET /health``, bounded by
+``startup_timeout_s``; a server that exits first, or is not healthy in time, raises
+:class:`~trainer.errors.EngineStartError` carrying the tail of its log (and every server
+already started is stopped).
+
+Servers never outlive the trainer:
+
+- on leaving the block (normally, on error or on cancellation) each server's stdin is
+  closed and its process group gets SIGTERM, then SIGKILL after ``shutdown_timeout_s``;
+  this cleanup is shielded from the cancellation and bounded;
+- if the trainer dies without cleaning up (even SIGKILL), the write end of each server's
+  stdin pipe closes with it, and the server shuts itself down on end-of-file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import httpx
+import trio
+
+from trainer.errors import EngineStartError
+
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "EngineProcess",
+    "launch_local_engines",
+    "open_engine_processes",
+]
+
+#: Seconds a server gets to load its model and answer ``/health``.
+DEFAULT_STARTUP_TIMEOUT_S = 180.0
+#: Seconds between SIGTERM and SIGKILL when stopping a server.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+#: Characters of a server's log carried by ``EngineStartError``.
+LOG_TAIL_CHARS = 4000
+
+_READY_RE = re.compile(r"^ENGINE_READY port=(\d+)", re.MULTILINE)
+_POLL_S = 0.05
+_PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@attrs.define(eq=False)
+class EngineProcess:
+    """One server process the trainer started."""
+
+    #: Position in the group (``engine-I.log``).
+    index: int
+    #: The trio process (its own process group: ``pgid == pid``).
+    process: trio.Process
+    #: Where its stdout and stderr go.
+    log_path: Path
+    #: ``http://HOST:PORT`` once it is ready; a placeholder naming the process before that.
+    url: str
+    #: True once it answered ``/health``.
+    ready: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    async def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        """The last ``chars`` characters of its log ("" if the log cannot be read)."""
+        try:
+            text = await trio.Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return ""
+        return text[-chars:]
+
+
+def _server_command(
+    model_dir: str | Path | None, host: str, seed: int, extra: Sequence[str]
+) -> list[str]:
+    cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
+    cmd += ["--seed", str(seed), "--exit-on-stdin-eof"]
+    if model_dir is not None:
+        cmd += ["--model", str(model_dir)]
+    return [*cmd, *extra]
+
+
+def _child_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
+    child = dict(os.environ if env is None else env)
+    # The server imports ``engines`` and ``trainer`` from this checkout even when not installed.
+    paths = [str(_PROJECT_ROOT), *filter(None, child.get("PYTHONPATH", "").split(os.pathsep))]
+    child["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    if api_key is not None:
+        child["VLLM_API_KEY"] = api_key
+    return child
+
+
+async def _spawn(index: int, cmd: list[str], log_path: Path, env: dict[str, str]) -> EngineProcess:
+    log_file = await trio.to_thread.run_sync(lambda: open(log_path, "ab"))  # noqa: SIM115
+    try:
+        process = await trio.lowlevel.open_process(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+    finally:
+        log_file.close()  # the child holds its own descriptor
+    return EngineProcess(index, process, log_path, f"engine-{index} (pid {process.pid})")
+
+
+async def _wait_ready(
+    engine: EngineProcess, host: str, api_key: str | None, http: httpx.AsyncClient
+) -> None:
+    """Wait for the ready line, then for ``/health`` 200; raise if the process exits first."""
+
+    async def died() -> EngineStartError:
+        code = engine.process.returncode
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return EngineStartError(
+            engine.url, f"exited during start-up ({how})", await engine.log_tail()
+        )
+
+    while True:
+        if engine.process.poll() is not None:
+            raise await died()
+        match = _READY_RE.search(await engine.log_tail(chars=1 << 20))
+        if match:
+            break
+        await trio.sleep(_POLL_S)
+    url_host = f"[{host}]" if ":" in host else host
+    engine.url = f"http://{url_host}:{match.group(1)}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    while True:
+        if engine.process.poll() is not None:
+            raise await died()
+        try:
+            response = await http.get(f"{engine.url}/health", headers=headers)
+            if response.status_code == 200:
+                engine.ready = True
+                return
+        except httpx.TransportError:
+            pass
+        await trio.sleep(_POLL_S)
+
+
+async def _stop(engine: EngineProcess, timeout_s: float) -> None:
+    """Close stdin, SIGTERM the process group, SIGKILL it after ``timeout_s``; reap it."""
+    proc = engine.process
+    if proc.stdin is not None:
+        try:
+            await proc.stdin.aclose()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass  # the whole group is gone already
+        with trio.move_on_after(timeout_s if sig == signal.SIGTERM else 5.0):
+            await proc.wait()
+        if proc.returncode is not None and sig == signal.SIGTERM:
+            try:  # the leader is gone; make sure nothing else of its group lingers
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+
+
+def _raise_first(group: BaseExceptionGroup) -> None:
+    """Raise the first error of a start-up group, the others attached as notes."""
+    errors = list(group.exceptions)
+    first = errors[0]
+    while isinstance(first, BaseExceptionGroup):
+        errors[0:1] = list(first.exceptions)
+        first = errors[0]
+    for other in errors[1:]:
+        first.add_note(f"also: {type(other).__name__}: {other}")
+    raise first
+
+
+@asynccontextmanager
+async def open_engine_processes(
+    num_engines: int,
+    model_dir: str | Path | None,
+    log_dir: str | Path,
+    *,
+    seed: int = 0,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> AsyncIterator[list[EngineProcess]]:
+    """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
+
+    Server ``I`` gets seed ``seed + I`` and logs to ``log_dir/engine-I.log`` (appended).
+    ``model_dir=None`` serves the built-in tiny model. Raises ``EngineStartError`` (with the
+    log tail) when a server exits during start-up or is not healthy within
+    ``startup_timeout_s``; several failures raise the first, the others as notes. ``ValueError``
+    for ``num_engines < 1``. Stopping is shielded and bounded by about
+    ``shutdown_timeout_s + 5`` seconds whatever the cancellation state.
+    """
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be at least 1, got {num_engines}")
+    log_dir = Path(log_dir)
+    await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
+    child_env = _child_env(env, api_key)
+    engines: list[EngineProcess] = []
+    try:
+        for i in range(num_engines):
+            cmd = _server_command(model_dir, host, seed + i, extra_args)
+            engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", child_env))
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            with trio.move_on_after(startup_timeout_s) as scope:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        for engine in engines:
+                            nursery.start_soon(_wait_ready, engine, host, api_key, http)
+                except BaseExceptionGroup as group:
+                    _, errors = group.split(trio.Cancelled)
+                    if errors is None:
+                        raise
+                    _raise_first(errors)
+            if scope.cancelled_caught:
+                slow = next((e for e in engines if not e.ready), engines[0])
+                raise EngineStartError(
+                    slow.url, f"not healthy within {startup_timeout_s:g}s", await slow.log_tail()
+                )
+        yield engines
+    finally:
+        with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as nursery:
+                for engine in engines:
+                    nursery.start_soon(_stop, engine, shutdown_timeout_s)
+
+
+@asynccontextmanager
+async def launch_local_engines(
+    num_engines: int,
+    model_dir: str | Path | None,
+    log_dir: str | Path,
+    *,
+    seed: int = 0,
+    host: str = "127.0.0.1",
+    api_key: str | None = None,
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    extra_args: Sequence[str] = (),
+) -> AsyncIterator[list[str]]:
+    """:func:`open_engine_processes`, yielding the servers' base URLs (``http://HOST:PORT``)."""
+    if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
+        raise ValueError(f"startup_timeout_s must be a positive number, got {startup_timeout_s}")
+    async with open_engine_processes(
+        num_engines,
+        model_dir,
+        log_dir,
+        seed=seed,
+        host=host,
+        api_key=api_key,
+        startup_timeout_s=startup_timeout_s,
+        shutdown_timeout_s=shutdown_timeout_s,
+        extra_args=extra_args,
+    ) as engines:
+        yield [e.url for e in engines]
