@@ -228,8 +228,9 @@ def policy_loss(
     ``ratio_max``, ``ratio_min`` and ``num_tokens`` (valid tokens in this call).
     With no valid token the loss is ``0.0`` (still part of the graph) and every metric ``0.0``.
 
-    Log-ratios are clamped to ``±LOG_RATIO_CLAMP`` before ``exp``, and masked positions are
-    zeroed before ``exp``, so garbage there cannot produce ``inf``/``nan`` values or gradients.
+    Log-ratios are clamped to ``±LOG_RATIO_CLAMP`` before ``exp``, and masked positions (of
+    log-probs and advantages) are zeroed first, so garbage there cannot produce ``inf``/``nan``
+    values or gradients.
 
     Raises ``ValueError`` on mismatched shapes, ``clip_low`` outside ``[0, 1)``, a negative
     ``clip_high`` or a ``num_tokens <= 0``.
@@ -256,9 +257,10 @@ def policy_loss(
             f"advantages must be [B] or [B, T] for logprobs of shape {tuple(logprobs.shape)}, "
             f"got {tuple(advantages.shape)}"
         )
-    adv = adv.detach().to(logprobs.dtype).expand_as(logprobs)
     valid = _valid(logprobs, mask)
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    # zeroed where masked too: an inf advantage there would make 0 * inf = nan gradients
+    adv = torch.where(valid, adv.detach().to(logprobs.dtype).expand_as(logprobs), zero)
 
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zero)
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
