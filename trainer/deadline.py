@@ -100,9 +100,22 @@ def current_step() -> int | None:
 
 def _record_where() -> None:
     """Called when a stage/operation unwinds with an exception: remember where expired deadlines hit."""
+    if not trio.lowlevel.in_trio_run():
+        # A worker thread (stage/operation also name work done there): it cannot read the
+        # scope's state, and the driver's own wait records where it was when it unwinds.
+        return
     for d in _deadlines.get():
         if d.where is None and d.scope.cancel_called:
             d.where = (_stage.get(), _operation.get() or AWAIT)
+
+
+def _cancelled_notes(exc: BaseException) -> list[str]:
+    """Notes that cleanup added to the ``Cancelled`` a deadline is about to swallow."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [n for e in exc.exceptions for n in _cancelled_notes(e)]
+    if isinstance(exc, trio.Cancelled):
+        return list(getattr(exc, "__notes__", ()))
+    return []
 
 
 @contextmanager
@@ -179,14 +192,23 @@ def step_deadline(
         scope = trio.CancelScope(deadline=now + budget_s)
         d = _Deadline(global_step, budget_s, error_cls, scope, now, time.monotonic())
         token = _deadlines.set((*_deadlines.get(), d))
+        notes: list[str] = []
         try:
             with scope:
-                yield
+                try:
+                    yield
+                except BaseException as exc:
+                    notes = _cancelled_notes(exc)
+                    raise
         finally:
             _deadlines.reset(token)
         if scope.cancelled_caught:
             stage_name, op = d.where or (_stage.get(), AWAIT)
-            raise d.make_error(stage_name, op) from None
+            error = d.make_error(stage_name, op)
+            # e.g. "cleanup '/resume' skipped": added to the Cancelled this scope swallowed.
+            for note in notes:
+                error.add_note(note)
+            raise error from None
     finally:
         _step.reset(step_token)
 
