@@ -1,0 +1,211 @@
+"""Typed errors (DESIGN 3 rule 8, 4.4): picklable with their fields, documented, pinned."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import re
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+import trainer.errors
+from trainer.errors import (
+    CheckpointEngineInitError,
+    ConfigError,
+    DataError,
+    EngineStartError,
+    FaultInjected,
+    InferenceServerError,
+    InferenceServerTimeoutError,
+    StepTimeoutError,
+    WeightSyncTimeoutError,
+    WorkerError,
+)
+
+URL = "http://127.0.0.1:8001"
+
+#: One builder per case; every class of trainer.errors has at least one (see the pin below).
+#: Builders (not instances) so a child process can build and raise the same error.
+CASES: dict[str, Callable[[], BaseException]] = {
+    "step-timeout": lambda: StepTimeoutError(
+        12, 1800, 1800.0, "train_critic_and_policy", "forward_backward"
+    ),
+    "weight-sync-timeout": lambda: WeightSyncTimeoutError(3, 15.0, 15.02, "sync_weights", "/pause"),
+    "step-timeout-no-stage": lambda: StepTimeoutError(1, 0.5, 0.51, None, "await"),
+    "server-error": lambda: InferenceServerError(URL, "/pause", 503, "engine is sleeping"),
+    "server-error-no-status": lambda: InferenceServerError(
+        URL, "/v1/completions", None, "malformed JSON body"
+    ),
+    "server-timeout": lambda: InferenceServerTimeoutError(URL, "/pause", 5),
+    "engine-start": lambda: EngineStartError(URL, "exited with code 1", "OSError: port in use"),
+    "group-init": lambda: CheckpointEngineInitError("weight_sync", 600),
+    "worker": lambda: WorkerError("policy", 0, "train_critic_and_policy", "CUDA out of memory"),
+    "fault": lambda: FaultInjected("forward_backward", "boom", 2),
+    "fault-no-step": lambda: FaultInjected("/pause", "boom"),
+    "config": lambda: ConfigError("trainer.step_timeout_s must be > 0, got -1"),
+    "data": lambda: DataError("data/train.jsonl:3: missing field 'prompt'"),
+}
+
+
+def _state(exc: BaseException) -> tuple[object, ...]:
+    return type(exc), exc.args, vars(exc), str(exc)
+
+
+def _raise_in_child(case: str) -> None:
+    """Runs in a spawned process: build the error, annotate it there, raise it."""
+    exc = CASES[case]()
+    exc.add_note(f"raised in a child process ({case})")
+    raise exc
+
+
+def test_every_error_class_has_a_case():
+    classes = {type(build()).__name__ for build in CASES.values()}
+    assert classes == set(trainer.errors.__all__)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_pickle_round_trips_fields_message_and_notes(case):
+    exc = CASES[case]()
+    exc.add_note("while syncing weights to http://127.0.0.1:8001")
+    back = pickle.loads(pickle.dumps(exc))
+    assert back is not exc
+    assert _state(back) == _state(exc)
+    assert back.__notes__ == ["while syncing weights to http://127.0.0.1:8001"]
+
+
+@pytest.fixture(scope="module")
+def child_process():
+    # spawn, not fork: the child shares nothing with this process but what pickle carries.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_error_raised_in_another_process_arrives_intact(child_process, case):
+    future = child_process.submit(_raise_in_child, case)
+    expected = CASES[case]()
+    with pytest.raises(type(expected)) as info:
+        future.result(timeout=120)
+    got = info.value
+    assert type(got) is type(expected)
+    assert got.args == expected.args
+    assert str(got) == str(expected)
+    fields = {k: v for k, v in vars(got).items() if k != "__notes__"}
+    assert fields == vars(expected)
+    assert got.__notes__ == [f"raised in a child process ({case})"]
+
+
+def test_step_timeout_message_has_the_documented_form():
+    assert str(CASES["step-timeout"]()) == (
+        "step 12 exceeded its 1800s budget after 1800.0s "
+        "(stage='train_critic_and_policy', operation='forward_backward')"
+    )
+    assert str(CASES["weight-sync-timeout"]()) == (
+        "step 3 exceeded its 15s budget after 15.0s (stage='sync_weights', operation='/pause')"
+    )
+
+
+def test_step_timeout_is_not_a_timeout_error():
+    assert not issubclass(StepTimeoutError, TimeoutError)
+    assert issubclass(WeightSyncTimeoutError, StepTimeoutError)
+    assert issubclass(StepTimeoutError, RuntimeError)
+
+    # A retry path that catches TimeoutError must not swallow a step's deadline.
+    def transport_with_retry() -> None:
+        try:
+            raise CASES["weight-sync-timeout"]()
+        except TimeoutError:
+            pytest.fail("a retry path swallowed the step deadline")
+
+    with pytest.raises(WeightSyncTimeoutError):
+        transport_with_retry()
+
+
+def test_server_errors_name_url_endpoint_and_status():
+    assert (
+        str(CASES["server-error"]()) == f"/pause on {URL} failed (status 503): engine is sleeping"
+    )
+    assert "no status" in str(CASES["server-error-no-status"]())
+    timeout = CASES["server-timeout"]()
+    assert isinstance(timeout, InferenceServerError)
+    assert not isinstance(timeout, TimeoutError)
+    assert (timeout.url, timeout.endpoint, timeout.status, timeout.timeout_s) == (
+        URL,
+        "/pause",
+        None,
+        5,
+    )
+    for part in (URL, "/pause", "5s", "engine.control_plane_timeout_s"):
+        assert part in str(timeout)
+
+
+def test_group_init_error_names_group_timeout_and_how_to_raise_it():
+    message = str(CASES["group-init"]())
+    for part in (
+        "'weight_sync'",
+        "600s",
+        "sync.group_init_timeout_s",
+        "TRAINER_GROUP_INIT_TIMEOUT_S",
+    ):
+        assert part in message
+
+
+def test_fault_injected_names_operation_and_step():
+    assert str(CASES["fault"]()) == "fault injected in 'forward_backward' at step 2: boom"
+    assert str(CASES["fault-no-step"]()) == "fault injected in '/pause': boom"
+
+
+def test_public_api_is_pinned():
+    assert sorted(trainer.errors.__all__) == [
+        "CheckpointEngineInitError",
+        "ConfigError",
+        "DataError",
+        "EngineStartError",
+        "FaultInjected",
+        "InferenceServerError",
+        "InferenceServerTimeoutError",
+        "StepTimeoutError",
+        "WeightSyncTimeoutError",
+        "WorkerError",
+    ]
+    # Every exception class the module defines is public.
+    defined = {
+        name
+        for name, obj in vars(trainer.errors).items()
+        if isinstance(obj, type)
+        and issubclass(obj, BaseException)
+        and obj.__module__ == "trainer.errors"
+    }
+    assert defined == set(trainer.errors.__all__)
+
+
+def _documented_tree() -> dict[str, str]:
+    """``{class: parent}`` read from the hierarchy drawn in the module docstring."""
+    doc = trainer.errors.__doc__ or ""
+    tree = doc.split("Hierarchy::", 1)[1]
+    parents: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []
+    for line in tree.splitlines():
+        m = re.match(r"^([\s│├└─]*?)(\w+)\b", line)
+        if not m or not m.group(2)[0].isupper():
+            if stack and line.strip() and not line.startswith(" "):
+                break  # prose after the drawing
+            continue
+        column, name = len(m.group(1)), m.group(2)
+        while stack and stack[-1][0] >= column:
+            stack.pop()
+        if stack:
+            parents[name] = stack[-1][1]
+        stack.append((column, name))
+    return parents
+
+
+def test_module_docstring_draws_every_class_under_its_real_parent():
+    tree = _documented_tree()
+    for name in trainer.errors.__all__:
+        cls = getattr(trainer.errors, name)
+        assert name in tree, f"{name} is missing from the hierarchy in the docstring"
+        assert tree[name] == cls.__base__.__name__, f"{name} is drawn under the wrong parent"
+        assert cls.__doc__, f"{name} has no docstring"
