@@ -1,0 +1,322 @@
+"""The reference server over real HTTP, in a real process started by ``engines.launch``.
+
+One server serves the whole module (``engine_urls``); tests leave it resumed and awake.
+The sleep test runs last: sleeping at level 2 discards the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engines.client import InferenceClient
+from engines.types import Completion, SamplingParams
+from trainer.errors import InferenceServerError
+from trainer.models import load_tokenizer
+
+LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0)
+
+
+async def stats(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/engine_stats")).json()
+
+
+def steps(s: dict[str, Any]) -> int:
+    return sum(s["batch_size_counts"].values())
+
+
+async def wait_running(url: str, n: int) -> dict[str, Any]:
+    """Until ``n`` requests are decoding and at least two steps ran with them."""
+    with trio.fail_after(60):
+        while True:
+            s = await stats(url)
+            if s["num_requests_running"] >= n:
+                first = steps(s)
+                while steps(s) < first + 2:
+                    await trio.sleep(0.02)
+                    s = await stats(url)
+                return s
+            await trio.sleep(0.02)
+
+
+async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list[str]) -> None:
+    url = engine_urls[0]
+    before = (await stats(url))["batch_size_counts"]
+    results: list[Completion | None] = [None] * 32
+    async with InferenceClient(engine_urls) as client:
+
+        async def one(i: int) -> None:
+            params = SamplingParams(max_tokens=24, ignore_eos=True, seed=i)
+            results[i] = await client.generate([5 + i % 10, 6, 7], params, trajectory_id=f"t{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(32):
+                nursery.start_soon(one, i)
+    for c in results:
+        assert c is not None
+        assert c.finish_reason == "length"
+        assert len(c.token_ids) == len(c.logprobs) == 24
+        assert all(lp <= 0 for lp in c.logprobs)
+    after = (await stats(url))["batch_size_counts"]
+    new_steps = {int(k): v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    assert max(new_steps) > 1, f"no batching: {new_steps}"
+    assert max(new_steps) >= 8  # most of the 32 shared decode steps
+
+
+async def test_completion_response_follows_vllm_shape(engine_urls: list[str], model_dir) -> None:
+    body = {
+        "prompt": "1 + 2 =",
+        "n": 2,
+        "seed": 7,
+        "max_tokens": 5,
+        "ignore_eos": True,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    async with httpx.AsyncClient() as http:
+        data = (await http.post(f"{engine_urls[0]}/v1/completions", json=body)).json()
+    assert data["object"] == "text_completion"
+    prompt_ids = load_tokenizer(model_dir).encode("1 + 2 =")
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    for choice in data["choices"]:
+        assert choice["prompt_token_ids"] == prompt_ids
+        assert len(choice["token_ids"]) == 5
+        assert len(choice["logprobs"]["token_logprobs"]) == 5
+        assert len(choice["logprobs"]["tokens"]) == 5
+        assert choice["finish_reason"] == "length"
+    assert data["usage"] == {
+        "prompt_tokens": 2 * len(prompt_ids),
+        "completion_tokens": 10,
+        "total_tokens": 2 * len(prompt_ids) + 10,
+    }
+
+
+async def test_same_seed_gives_the_same_tokens(engine_urls: list[str]) -> None:
+    async with InferenceClient(engine_urls) as client:
+        params = SamplingParams(max_tokens=12, ignore_eos=True, seed=1234)
+        a = await client.generate([3, 4, 5], params)
+        b = await client.generate([3, 4, 5], params)
+    assert a.token_ids == b.token_ids
+    assert a.logprobs == pytest.approx(b.logprobs)
+
+
+async def test_info_routes(engine_urls: list[str]) -> None:
+    url = engine_urls[0]
+    async with httpx.AsyncClient() as http:
+        assert (await http.get(f"{url}/health")).status_code == 200
+        models = (await http.get(f"{url}/v1/models")).json()
+        assert models["object"] == "list" and models["data"][0]["object"] == "model"
+        metrics = (await http.get(f"{url}/metrics")).text
+        assert "engine_decode_steps_total" in metrics
+    async with InferenceClient(engine_urls) as client:
+        assert await client.get_world_size() == [1]
+        await client.reset_prefix_cache()
+        await client.probe([*client_routes()])
+
+
+def client_routes() -> tuple[str, ...]:
+    from engines.client import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES
+
+    return (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *SLEEP_ROUTES, "/reset_prefix_cache")
+
+
+async def test_pause_keep_freezes_in_flight_requests_until_resume(engine_urls: list[str]) -> None:
+    url = engine_urls[0]
+    results: list[Completion] = []
+    async with InferenceClient(engine_urls) as client, trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(lambda i=i: _collect(client, results, [7, i + 1], LONG))
+        await wait_running(url, 4)
+        await client.pause("keep")
+        assert await client.is_paused() == [True]
+        frozen = await stats(url)
+        await trio.sleep(0.5)
+        still = await stats(url)
+        assert steps(still) == steps(frozen), "decoded while paused (keep)"
+        assert still["num_requests_running"] == 4
+        assert results == []
+        await client.resume()
+    assert [c.finish_reason for c in results] == ["length"] * 4
+    assert all(len(c.token_ids) == 200 for c in results)
+
+
+async def test_pause_abort_ends_in_flight_requests_with_partial_tokens(
+    engine_urls: list[str],
+) -> None:
+    url = engine_urls[0]
+    results: list[Completion] = []
+    async with InferenceClient(engine_urls) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(lambda i=i: _collect(client, results, [8, i + 1], LONG))
+            await wait_running(url, 4)
+            await client.pause("abort")
+        assert [c.finish_reason for c in results] == ["abort"] * 4
+        assert all(0 < len(c.token_ids) < 200 for c in results)
+        assert all(len(c.logprobs) == len(c.token_ids) for c in results)
+        assert await client.is_paused() == [True]
+        await client.resume()
+        assert await client.is_paused() == [False]
+
+
+async def test_pause_wait_drains_in_flight_requests_then_pauses(engine_urls: list[str]) -> None:
+    url = engine_urls[0]
+    events: list[str] = []
+    results: list[Completion] = []
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    async with InferenceClient(engine_urls) as client:
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+
+                async def one(i: int = i) -> None:
+                    await _collect(client, results, [9, i + 1], params)
+                    events.append("done")
+
+                nursery.start_soon(one)
+            await wait_running(url, 4)
+            await client.pause("wait")
+            events.append("paused")
+        assert events == ["done"] * 4 + ["paused"]
+        assert [len(c.token_ids) for c in results] == [60] * 4
+        # a request sent while paused waits for the resume
+        late: list[Completion] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_collect, client, late, [1, 2], SamplingParams(max_tokens=3))
+            with trio.move_on_after(1.0):
+                while not late:
+                    await trio.sleep(0.05)
+            assert late == []
+            await client.resume()
+        assert len(late) == 1 and late[0].finish_reason in ("length", "stop")
+
+
+async def _collect(
+    client: InferenceClient, out: list[Completion], prompt: list[int], params: SamplingParams
+) -> None:
+    out.append(await client.generate(prompt, params))
+
+
+BAD_REQUESTS = [
+    pytest.param("POST", "/v1/completions", b"{bad", id="malformed-json"),
+    pytest.param("POST", "/v1/completions", b"[1, 2]", id="not-an-object"),
+    pytest.param("POST", "/v1/completions", b'{"prompt": [1], "temperature": NaN}', id="nan"),
+    pytest.param("POST", "/v1/completions", {"max_tokens": 4}, id="no-prompt"),
+    pytest.param("POST", "/v1/completions", {"prompt": 5}, id="prompt-wrong-type"),
+    pytest.param("POST", "/v1/completions", {"prompt": [1, "a"]}, id="token-wrong-type"),
+    pytest.param(
+        "POST", "/v1/completions", {"prompt": [1], "max_tokens": "8"}, id="max-tokens-string"
+    ),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "ignore_eos": 1}, id="bool-wrong-type"),
+    pytest.param(
+        "POST", "/v1/completions", {"prompt": [1, 2], "max_tokens": -1}, id="negative-max-tokens"
+    ),
+    pytest.param("POST", "/v1/completions", {"prompt": [1, 10**6]}, id="out-of-vocab"),
+    pytest.param("POST", "/v1/completions", {"prompt": [-1]}, id="negative-token-id"),
+    pytest.param(
+        "POST", "/v1/completions", {"prompt": [1] * 250, "max_tokens": 100}, id="too-long"
+    ),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "top_p": 0}, id="top-p-zero"),
+    pytest.param(
+        "POST", "/v1/completions", {"prompt": [1], "stream": True}, id="stream-unsupported"
+    ),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "model": "nope"}, id="unknown-model"),
+    pytest.param("POST", "/pause?mode=later", None, id="unknown-pause-mode"),
+    pytest.param("POST", "/sleep?level=3", None, id="unknown-sleep-level"),
+    pytest.param("POST", "/wake_up?tags=gpu", None, id="unknown-wake-tag"),
+    pytest.param("POST", "/weight_checker", {"action": "explode"}, id="unknown-weight-action"),
+    pytest.param("GET", "/v1/completions", None, id="wrong-method"),
+    pytest.param("GET", "/no/such/route", None, id="unknown-route"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), BAD_REQUESTS)
+async def test_each_bad_input_class_gets_a_4xx_with_an_error_body(
+    engine_urls: list[str], method: str, path: str, body: Any
+) -> None:
+    content = (
+        body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
+    )
+    async with httpx.AsyncClient() as http:
+        response = await http.request(method, engine_urls[0] + path, content=content)
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert error["code"] == response.status_code
+
+
+JUNK = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.lists(st.integers(-3, 100), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
+REQUEST = st.fixed_dictionaries(
+    {},
+    optional={
+        "prompt": st.one_of(JUNK, st.lists(st.integers(-3, 70), max_size=6), st.text(max_size=12)),
+        "max_tokens": st.one_of(JUNK, st.integers(-3, 6)),
+        "n": st.one_of(JUNK, st.integers(-2, 3)),
+        "temperature": JUNK,
+        "top_p": JUNK,
+        "seed": JUNK,
+        "stop_token_ids": JUNK,
+        "ignore_eos": JUNK,
+        "logprobs": st.one_of(JUNK, st.integers(-1, 2)),
+        "return_token_ids": JUNK,
+        "model": JUNK,
+        "stream": JUNK,
+    },
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(body=st.one_of(REQUEST, st.binary(max_size=20)))
+async def test_no_request_body_yields_a_5xx(engine_urls: list[str], body: Any) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    async with httpx.AsyncClient(timeout=60) as http:
+        response = await http.post(f"{engine_urls[0]}/v1/completions", content=content)
+    assert response.status_code < 500, response.text
+    if response.status_code >= 400:
+        assert response.json()["error"]["code"] == response.status_code
+
+
+async def test_sleep_and_wake_up_follow_vllms_state_machine(engine_urls: list[str]) -> None:
+    url = engine_urls[0]
+    params = SamplingParams(max_tokens=4)
+    async with InferenceClient(engine_urls) as client, httpx.AsyncClient() as http:
+        before = await client.weight_checksums()
+        await client.sleep(1)
+        assert await client.is_sleeping() == [True]
+        with pytest.raises(InferenceServerError) as info:
+            await client.generate([1, 2], params)
+        assert info.value.status == 409 and "wake_up" in info.value.detail
+        with pytest.raises(InferenceServerError) as info:
+            await client.weight_checksums()
+        assert info.value.status == 409
+
+        await client.wake_up(["weights"])
+        state = (await http.get(f"{url}/is_sleeping")).json()
+        assert state == {"is_sleeping": True, "sleep_state": {"weights": False, "kv_cache": True}}
+        with pytest.raises(InferenceServerError):
+            await client.generate([1, 2], params)
+
+        await client.wake_up(["kv_cache"])
+        assert await client.is_sleeping() == [False]
+        assert (await client.generate([1, 2], params)).token_ids
+        assert await client.weight_checksums() == before  # level 1 kept the weights
+
+        await client.sleep(2)
+        await client.wake_up()
+        assert await client.is_sleeping() == [False]
+        assert await client.weight_checksums() != before  # level 2 discarded them
