@@ -187,11 +187,16 @@ async def test_pause_wait_drains_in_flight_requests_then_pauses(engine_urls: lis
         assert [len(c.token_ids) for c in results] == [60] * 4
         # a request sent while paused waits for the resume
         late: list[Completion] = []
+        answered = trio.Event()
+
+        async def late_request() -> None:
+            await _collect(client, late, [1, 2], SamplingParams(max_tokens=3))
+            answered.set()
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_collect, client, late, [1, 2], SamplingParams(max_tokens=3))
+            nursery.start_soon(late_request)
             with trio.move_on_after(1.0):
-                while not late:
-                    await trio.sleep(0.05)
+                await answered.wait()
             assert late == []
             await client.resume()
         assert len(late) == 1 and late[0].finish_reason in ("length", "stop")
