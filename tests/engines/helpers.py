@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import httpx
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
@@ -54,3 +55,28 @@ async def serve_app(handler: Handler) -> AsyncIterator[str]:
             yield binds[0]
         finally:
             shutdown.set()
+
+
+async def stats(url: str) -> dict[str, Any]:
+    """The reference server's ``GET /engine_stats``."""
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{url}/engine_stats")).json()
+
+
+def steps(s: dict[str, Any]) -> int:
+    """Decode steps run so far, from an ``/engine_stats`` answer."""
+    return sum(s["batch_size_counts"].values())
+
+
+async def wait_running(url: str, n: int) -> dict[str, Any]:
+    """Until ``n`` requests are decoding and at least two steps ran with them (60 s bound)."""
+    with trio.fail_after(60):
+        while True:
+            s = await stats(url)
+            if s["num_requests_running"] >= n:
+                first = steps(s)
+                while steps(s) < first + 2:
+                    await trio.sleep(0.02)
+                    s = await stats(url)
+                return s
+            await trio.sleep(0.02)

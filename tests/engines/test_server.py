@@ -17,33 +17,11 @@ from hypothesis import strategies as st
 
 from engines.client import InferenceClient
 from engines.types import Completion, SamplingParams
+from tests.engines.helpers import stats, steps, wait_running
 from trainer.errors import InferenceServerError
 from trainer.models import load_tokenizer
 
 LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0)
-
-
-async def stats(url: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as http:
-        return (await http.get(f"{url}/engine_stats")).json()
-
-
-def steps(s: dict[str, Any]) -> int:
-    return sum(s["batch_size_counts"].values())
-
-
-async def wait_running(url: str, n: int) -> dict[str, Any]:
-    """Until ``n`` requests are decoding and at least two steps ran with them."""
-    with trio.fail_after(60):
-        while True:
-            s = await stats(url)
-            if s["num_requests_running"] >= n:
-                first = steps(s)
-                while steps(s) < first + 2:
-                    await trio.sleep(0.02)
-                    s = await stats(url)
-                return s
-            await trio.sleep(0.02)
 
 
 async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list[str]) -> None:

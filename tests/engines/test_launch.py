@@ -1,0 +1,122 @@
+"""engines.launch: real server processes start, fail loudly, and never outlive their owner."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+from pathlib import Path
+
+import pytest
+import trio
+
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines, open_engine_processes
+from engines.types import SamplingParams
+from tests.engines.helpers import wait_running
+from trainer.errors import EngineStartError, InferenceServerError
+
+STARTUP_S = 180.0
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_server_killed_mid_request_gives_an_error_naming_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    async with open_engine_processes(
+        2, model_dir, tmp_path, startup_timeout_s=STARTUP_S
+    ) as engines:
+        pids = [e.pid for e in engines]
+        victim = engines[0]
+        caught: list[InferenceServerError] = []
+        async with InferenceClient([victim.url], max_retries=2, backoff_s=0.05) as client:
+
+            async def generate() -> None:
+                with pytest.raises(InferenceServerError) as info:
+                    await client.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
+                caught.append(info.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(generate)
+                await wait_running(victim.url, 1)
+                os.killpg(victim.pid, signal.SIGKILL)
+        assert caught[0].url == victim.url
+        assert victim.url in str(caught[0])
+        assert caught[0].status is None
+
+        # The launcher going away closes the server's stdin: it shuts down by itself.
+        survivor = engines[1]
+        assert survivor.process.stdin is not None
+        await survivor.process.stdin.aclose()
+        with trio.fail_after(60):
+            await survivor.process.wait()
+        assert survivor.process.returncode == 0
+    assert not any(alive(pid) for pid in pids)
+    assert (tmp_path / "engine-0.log").exists() and (tmp_path / "engine-1.log").exists()
+
+
+async def test_cancellation_stops_every_server(model_dir: Path, tmp_path: Path) -> None:
+    pids: list[int] = []
+    with trio.CancelScope() as scope:
+        async with open_engine_processes(
+            1, model_dir, tmp_path, startup_timeout_s=STARTUP_S
+        ) as engines:
+            pids = [e.pid for e in engines]
+            assert all(alive(pid) for pid in pids)
+            scope.cancel()
+            await trio.sleep_forever()
+    assert pids
+    assert not any(alive(pid) for pid in pids)
+
+
+async def test_a_server_that_dies_at_start_raises_engine_start_error_with_its_log(
+    tmp_path: Path,
+) -> None:
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    with pytest.raises(EngineStartError) as info:
+        async with launch_local_engines(
+            1, not_a_model, tmp_path / "logs", startup_timeout_s=STARTUP_S
+        ):
+            pytest.fail("started a server on a directory without a model")
+    err = info.value
+    assert "exited during start-up" in err.reason
+    assert "config.json" in err.log_tail
+    assert "config.json" in str(err)
+    clone = pickle.loads(pickle.dumps(err))
+    assert (clone.url, clone.reason, clone.log_tail) == (err.url, err.reason, err.log_tail)
+
+
+async def test_a_server_not_healthy_in_time_raises_and_is_stopped(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    before = set(_children_running_engines_local())
+    with pytest.raises(EngineStartError, match=r"not healthy within 0\.2s"):
+        async with open_engine_processes(1, model_dir, tmp_path, startup_timeout_s=0.2):
+            pytest.fail("a server became healthy in 0.2s")
+    assert set(_children_running_engines_local()) <= before
+
+
+def _children_running_engines_local() -> list[int]:
+    """Our own child processes still alive (any server this test process started)."""
+    me = os.getpid()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == me and b"engines.local" in cmdline:
+            found.append(int(entry.name))
+    return found
