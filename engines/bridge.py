@@ -4,8 +4,9 @@
 
     async with open_bridge() as bridge:                  # an asyncio loop in this nursery
         body = await bridge.run(fetch, session, url)      # an asyncio coroutine function
-        async for chunk in bridge.iterate(stream()):      # an asyncio async iterator
-            ...
+        async with bridge.iterate(stream()) as chunks:    # an asyncio async iterator
+            async for chunk in chunks:
+                ...
 
 The asyncio loop is trio-asyncio's loop on top of trio, owned by the ``open_bridge`` block:
 it starts when the block is entered and is closed (its remaining asyncio tasks cancelled)
@@ -65,15 +66,23 @@ class Bridge:
 
         return await self.loop.run_aio_coroutine(call())
 
-    async def iterate(self, iterator: AsyncIterator[T]) -> AsyncIterator[T]:
-        """Iterate an asyncio async iterator from trio: ``async for x in bridge.iterate(it)``.
+    @asynccontextmanager
+    async def iterate(self, iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
+        """Iterate an asyncio async iterator from trio::
+
+            async with bridge.iterate(stream()) as items:
+                async for item in items:
+                    ...
 
         Each ``__anext__`` runs as an asyncio task (cancelled with the trio scope, as in
-        :meth:`run`). When the trio loop stops early (``break``, an error, a cancellation)
-        the iterator's ``aclose`` runs on the asyncio loop, shielded and bounded by
-        ``ITERATOR_CLOSE_TIMEOUT_S``, so an async generator's ``finally`` runs in asyncio.
+        :meth:`run`). Leaving the block early (``break``, an error, a cancellation) closes
+        the iterator on the asyncio loop (``aclose``, shielded, bounded by
+        ``ITERATOR_CLOSE_TIMEOUT_S``), so an async generator's ``finally`` runs in asyncio
+        before the block exits. (A block, not a bare ``async for``: Python does not close an
+        abandoned async generator until it is garbage-collected.)
         """
         self._check_open()
+        finished = False
 
         async def next_item() -> Any:
             try:
@@ -81,15 +90,20 @@ class Bridge:
             except StopAsyncIteration:
                 return _DONE
 
-        finished = False
-        try:
+        async def items() -> AsyncIterator[T]:
+            nonlocal finished
             while True:
                 item = await self.loop.run_aio_coroutine(next_item())
                 if item is _DONE:
                     finished = True
                     return
                 yield item
+
+        gen = items()
+        try:
+            yield gen
         finally:
+            await gen.aclose()  # trio side: nothing to unwind but the generator frame
             aclose = getattr(iterator, "aclose", None)
             if not finished and aclose is not None and not self.loop.is_closed():
                 with trio.CancelScope(shield=True), trio.move_on_after(ITERATOR_CLOSE_TIMEOUT_S):

@@ -1,0 +1,130 @@
+"""engines.bridge against a real asyncio-only library: an aiohttp client and server."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import trio
+from aiohttp import web
+
+from engines.bridge import open_bridge
+from trainer.deadline import step_deadline
+from trainer.errors import StepTimeoutError
+
+
+async def start_server(handler_cancelled: list[bool]) -> tuple[str, web.AppRunner]:
+    """An aiohttp server (asyncio): /fast answers, /slow takes 60 s."""
+
+    async def fast(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def slow(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            handler_cancelled.append(True)
+            raise
+        return web.Response(text="late")
+
+    app = web.Application()
+    app.add_routes([web.get("/fast", fast), web.get("/slow", slow)])
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return f"http://127.0.0.1:{port}", runner
+
+
+async def test_a_step_deadline_cancels_the_asyncio_request_mid_flight() -> None:
+    client_tasks: list[asyncio.Task[object]] = []
+    client_cancelled: list[bool] = []
+    handler_cancelled: list[bool] = []
+
+    async def fetch(url: str) -> str:
+        client_tasks.append(asyncio.current_task())  # type: ignore[arg-type]
+        async with aiohttp.ClientSession() as session:
+            try:
+                async with session.get(url) as response:
+                    return await response.text()
+            except asyncio.CancelledError:
+                client_cancelled.append(True)
+                raise
+
+    async with open_bridge() as bridge:
+        url, runner = await bridge.run(start_server, handler_cancelled)
+        try:
+            assert await bridge.run(fetch, f"{url}/fast") == "ok"
+            with pytest.raises(StepTimeoutError) as info, step_deadline(3, 0.5):
+                await bridge.run(fetch, f"{url}/slow")
+            assert info.value.step == 3
+            assert client_cancelled == [True]
+            assert client_tasks[-1].cancelled()
+            # the server side sees the client go away and cancels its handler too
+            with trio.fail_after(10):
+                while not handler_cancelled:  # noqa: ASYNC110 - set by asyncio code
+                    await trio.sleep(0.02)
+        finally:
+            await bridge.run(runner.cleanup)
+
+
+async def test_iterating_an_asyncio_generator_and_leaving_early_closes_it_in_asyncio() -> None:
+    closed_in_asyncio: list[bool] = []
+
+    async def numbers() -> AsyncIterator[int]:
+        try:
+            for i in range(100):
+                await asyncio.sleep(0)
+                yield i
+        finally:
+            closed_in_asyncio.append(asyncio.current_task() is not None)
+
+    async with open_bridge() as bridge:
+        seen = []
+        async with bridge.iterate(numbers()) as items:
+            async for n in items:
+                seen.append(n)
+                if n == 2:
+                    break
+        assert seen == [0, 1, 2]
+        assert closed_in_asyncio == [True]
+
+        async with bridge.iterate(numbers()) as items:
+            full = [n async for n in items]
+        assert full == list(range(100))
+
+
+async def test_a_deadline_cancels_a_pending_next_item() -> None:
+    cancelled: list[bool] = []
+
+    async def stalls() -> AsyncIterator[int]:
+        yield 1
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        yield 2
+
+    async with open_bridge() as bridge:
+        seen = []
+        with trio.move_on_after(0.3) as scope:
+            async with bridge.iterate(stalls()) as items:
+                async for n in items:
+                    seen.append(n)
+        assert scope.cancelled_caught
+        assert seen == [1]
+        assert cancelled == [True]
+
+
+async def test_the_bridge_refuses_calls_after_its_block() -> None:
+    async def nothing() -> None:
+        return None
+
+    async with open_bridge() as bridge:
+        await bridge.run(nothing)
+    with pytest.raises(RuntimeError, match="closed"):
+        await bridge.run(nothing)
