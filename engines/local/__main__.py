@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
     s.add_argument(
+        "--num-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a busy machine a second thread that "
+        "must wait for a core makes each small forward pass many times slower)",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -87,6 +94,7 @@ async def _watch_stdin(on_eof: Callable[[], None]) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return."""
+    import torch
     from hypercorn.config import Config
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -94,6 +102,8 @@ async def serve(args: argparse.Namespace) -> None:
     from engines.local.server import ServerApp
     from trainer.models import resolve_model_path
 
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
     model_dir = await trio.to_thread.run_sync(resolve_model_path, args.model)
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:

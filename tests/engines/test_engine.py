@@ -1,0 +1,136 @@
+"""The reference engine's state machine in-process, and its server app's auth and fault hook."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from engines.client import InferenceClient
+from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engine
+from engines.local.server import ServerApp
+from engines.types import SamplingParams
+from trainer import faults
+from trainer.deadline import step_deadline
+from trainer.errors import InferenceServerError
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Like the server process (``--num-threads 1``): two threads on a busy two-core box make
+    every small forward pass tens of times slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@asynccontextmanager
+async def serving(engine: LocalEngine, api_key: str | None = None) -> AsyncIterator[str]:
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.graceful_timeout = 0.1
+    shutdown = trio.Event()
+    app = ServerApp(engine, served_model="tiny", api_key=api_key)
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
+        try:
+            yield binds[0]
+        finally:
+            shutdown.set()
+
+
+async def test_sleep_wake_and_weights_state_machine(model_dir: Path) -> None:
+    async with open_local_engine(model_dir) as engine:
+        params = SamplingParams(max_tokens=3)
+        state = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        await engine.sleep(1)
+        assert engine.sleep_state == {"weights": True, "kv_cache": True}
+        with pytest.raises(EngineAsleepError):
+            await engine.generate([1, 2], params)
+        with pytest.raises(EngineAsleepError):
+            await engine.load_weights(state)
+        with pytest.raises(ValueError, match="unknown wake_up tags"):
+            await engine.wake_up(["gpu"])
+        await engine.wake_up(["kv_cache"])
+        assert engine.is_sleeping and engine.sleep_state["weights"]
+        await engine.wake_up(["weights"])
+        assert not engine.is_sleeping
+        assert len((await engine.generate([1, 2], params)).token_ids) <= 3
+
+        checksum = engine.weight_checksum()
+        await engine.sleep(2)
+        await engine.wake_up()
+        assert engine.weight_checksum() != checksum  # level 2 discarded the weights
+        await engine.load_weights(state)
+        assert engine.weight_checksum() == checksum
+        assert engine.weight_version == 1
+        with pytest.raises(KeyError):
+            await engine.load_weights({"nope": torch.zeros(1)})
+
+
+async def test_keep_pause_runs_no_decode_step_until_resume(model_dir: Path) -> None:
+    async with open_local_engine(model_dir) as engine, trio.open_nursery() as nursery:
+        done = trio.Event()
+
+        async def long() -> None:
+            c = await engine.generate([1, 2], SamplingParams(max_tokens=100, ignore_eos=True))
+            assert c.finish_reason == "length" and len(c.token_ids) == 100
+            done.set()
+
+        nursery.start_soon(long)
+        while not engine.batch_size_counts:  # noqa: ASYNC110 - engine counter
+            await trio.sleep(0.01)
+        await engine.pause("keep")
+        frozen = sum(engine.batch_size_counts.values())
+        await trio.sleep(0.3)
+        assert sum(engine.batch_size_counts.values()) == frozen
+        assert engine.num_requests == 1 and not done.is_set()
+        engine.resume()
+        await done.wait()
+
+
+async def test_a_cancelled_caller_leaves_the_batch(model_dir: Path) -> None:
+    async with open_local_engine(model_dir) as engine:
+        with trio.move_on_after(0.2):
+            await engine.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
+        assert engine.num_requests == 0
+
+
+async def test_every_route_needs_the_api_key_when_one_is_set(model_dir: Path) -> None:
+    async with open_local_engine(model_dir) as engine, serving(engine, api_key="s3cret") as url:
+        async with httpx.AsyncClient() as http:
+            for path in ("/health", "/v1/models", "/is_paused", "/engine_stats"):
+                response = await http.get(url + path)
+                assert response.status_code == 401
+                assert response.json()["error"]["code"] == 401
+            authed = await http.get(url + "/health", headers={"Authorization": "Bearer s3cret"})
+            assert authed.status_code == 200
+        async with InferenceClient([url], api_key="s3cret") as client:
+            assert (await client.generate([1, 2], SamplingParams(max_tokens=2))).token_ids
+            assert await client.is_paused() == [False]
+
+
+async def test_injected_faults_fire_inside_the_server_on_their_step(model_dir: Path) -> None:
+    faults.install("/pause:error=engine fell over@3")
+    async with (
+        open_local_engine(model_dir) as engine,
+        serving(engine) as url,
+        InferenceClient([url]) as client,
+    ):
+        with step_deadline(2, None):
+            await client.pause("keep")  # step 2: no fault
+        await client.resume()
+        with pytest.raises(InferenceServerError) as info, step_deadline(3, None):
+            await client.pause("keep")
+        assert info.value.status == 500
+        assert "engine fell over" in info.value.detail
+        assert not engine.is_paused  # the fault fired before the engine was touched
