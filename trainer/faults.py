@@ -133,7 +133,7 @@ class Fault:
     """One parsed ``OP:ACTION[@STEPS]`` entry."""
 
     #: The operation it targets, one of :data:`OPERATIONS`.
-    op: str
+    op: str = attrs.field(validator=attrs.validators.in_(OPERATIONS))
     #: What it does.
     action: Action
     #: Seconds for ``sleep``/``delay``; ``None`` otherwise.
@@ -283,7 +283,6 @@ def parse_faults(spec: str) -> tuple[Fault, ...]:
 
 # --- the process-wide faults -------------------------------------------------------------
 
-_NONE = Faults()
 #: ``None`` until :func:`install` runs or the env var has been read.
 _active: Faults | None = None
 _table: Mapping[str, tuple[Fault, ...]] | None = None
@@ -363,7 +362,8 @@ def fire_sync(op: str, step: int | None = None) -> None:
     ``step`` defaults to :func:`trainer.deadline.current_step`. ``hang`` blocks this thread
     forever, ``sleep``/``delay`` block it for their seconds, ``error`` raises
     ``FaultInjected``. ``ValueError`` for an op not in :data:`OPERATIONS` (a caller's typo);
-    ``RuntimeError`` if a blocking action fires on the trio thread (use :func:`fire`).
+    ``RuntimeError`` if a blocking action fires on the trio thread (use :func:`fire`);
+    ``ConfigError`` if this is the process's first firing and ``TRAINER_FAULTS`` is malformed.
     """
     entries = _entries(op)
     if not entries:

@@ -520,3 +520,8 @@ async def test_an_installed_hang_really_hangs_a_worker_process_started_afterward
         assert info.value.operation == "forward_backward"
         proc.kill()
     assert proc.returncode is not None
+
+
+def test_a_fault_can_only_target_a_known_operation():
+    with pytest.raises(ValueError, match="'backward'"):
+        Fault("backward", Action.HANG)
