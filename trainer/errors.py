@@ -151,7 +151,9 @@ class WorkerError(RuntimeError):
         self.detail = detail
 
     def __str__(self) -> str:
-        return f"worker {self.worker} (rank {self.rank}) failed in stage={self.stage!r}: {self.detail}"
+        return (
+            f"worker {self.worker} (rank {self.rank}) failed in stage={self.stage!r}: {self.detail}"
+        )
 
 
 class FaultInjected(RuntimeError):

@@ -35,9 +35,30 @@ BUILDER_VERSION = 2
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 WORDS = [
     *[str(d) for d in range(10)],
-    *"+ - * = ? , : ; ( ) [ ] .".split(),
-    *"add sub mul sum copy reverse sort count max min answer is what the of and to a b c".split(),
-    *"user assistant tool call result error ok yes no".split(),
+    *["+", "-", "*", "=", "?", ",", ":", ";", "(", ")", "[", "]", "."],
+    *[
+        "add",
+        "sub",
+        "mul",
+        "sum",
+        "copy",
+        "reverse",
+        "sort",
+        "count",
+        "max",
+        "min",
+        "answer",
+        "is",
+        "what",
+        "the",
+        "of",
+        "and",
+        "to",
+        "a",
+        "b",
+        "c",
+    ],
+    *["user", "assistant", "tool", "call", "result", "error", "ok", "yes", "no"],
 ]
 
 TINY_MODEL_CONFIG = dict(
@@ -52,13 +73,26 @@ TINY_MODEL_CONFIG = dict(
 )
 
 
+def quiet_transformers() -> None:
+    """Silence transformers' per-load progress bars and info logs (they garble the run's display)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_warning()
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("TRAINER_CACHE_DIR", Path.home() / ".cache" / "trainer"))
 
 
 def _fingerprint(seed: int) -> str:
     blob = json.dumps(
-        {"v": BUILDER_VERSION, "seed": seed, "cfg": TINY_MODEL_CONFIG, "vocab": SPECIAL_TOKENS + WORDS},
+        {
+            "v": BUILDER_VERSION,
+            "seed": seed,
+            "cfg": TINY_MODEL_CONFIG,
+            "vocab": SPECIAL_TOKENS + WORDS,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
@@ -89,6 +123,8 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Return the directory of the built-in tiny model, building it on first use."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    quiet_transformers()
 
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"tiny-qwen2-{_fingerprint(seed)}"
@@ -150,6 +186,7 @@ def load_tokenizer(path: str | Path):
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    quiet_transformers()
     path = Path(path)
     if (path / "tokenizer.json").is_file():
         tok = PreTrainedTokenizerFast.from_pretrained(path)

@@ -1,0 +1,70 @@
+"""``engine.backend=inprocess``: the reference engine inside the trainer, no HTTP.
+
+Offers the same surface as ``engines.client.InferenceClient`` (data plane and the control
+plane the trainer uses), each control call inside ``operation("/path")`` with its fault
+hook, so the trainer cannot tell the two apart. Useful for tests and debugging; the HTTP
+path is what runs against real vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+
+from engines.local.engine import LocalEngine, PauseMode, open_local_engine
+from engines.types import Completion, SamplingParams
+from trainer import faults
+from trainer.deadline import operation
+
+__all__ = ["InProcessClient", "open_inprocess_client"]
+
+
+class InProcessClient:
+    """Drives one in-process :class:`LocalEngine` like an ``InferenceClient`` drives servers."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+        self.urls = ["inprocess://0"]
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
+    ) -> Completion:
+        return await self.engine.generate(prompt_ids, sampling)
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        with operation("/pause"):
+            await faults.fire("/pause")
+            await self.engine.pause(mode)
+
+    async def resume(self) -> None:
+        with operation("/resume"):
+            await faults.fire("/resume")
+            self.engine.resume()
+
+    async def sleep(self, level: int = 1) -> None:
+        with operation("/sleep"):
+            await faults.fire("/sleep")
+            await self.engine.sleep(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        with operation("/wake_up"):
+            await faults.fire("/wake_up")
+            await self.engine.wake_up(tags)
+
+    async def load_weights(self, named: dict[str, torch.Tensor]) -> None:
+        """Replace the engine's weights between two decode steps."""
+        await self.engine.load_weights(named)
+
+    async def weight_checksums(self) -> list[str]:
+        return [self.engine.weight_checksum()]
+
+
+@asynccontextmanager
+async def open_inprocess_client(
+    model_dir: str | Path, *, seed: int = 0
+) -> AsyncIterator[InProcessClient]:
+    async with open_local_engine(model_dir, seed=seed) as engine:
+        yield InProcessClient(engine)

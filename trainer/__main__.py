@@ -1,0 +1,108 @@
+"""``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
+
+Subcommands: ``ckpt {list,show,verify,prune} DIR``. On failure the last line on stderr is
+``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+import warnings
+
+__all__ = ["main"]
+
+USAGE = """\
+usage: python -m trainer [--config FILE.yaml] [key=value ...]
+       python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
+
+Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
+(e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8).
+"""
+
+
+def _print_help() -> None:
+    from trainer.config import help_text
+
+    print(USAGE)
+    print("Configuration keys (key = default  (type)):")
+    print(help_text())
+
+
+def _fail(exc: BaseException, *, code: int, show_traceback: bool) -> int:
+    if show_traceback:
+        traceback.print_exception(exc, file=sys.stderr)
+    message = str(exc).replace("\n", " | ")
+    print(f"{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def _train(argv: list[str]) -> int:
+    import trio
+
+    from trainer.config import ConfigWarning, load_config
+    from trainer.errors import ConfigError, DataError
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    args, overrides = parser.parse_known_args(argv)
+    unknown_flags = [o for o in overrides if o.startswith("-")]
+    if unknown_flags:
+        print(USAGE, file=sys.stderr)
+        return _fail(
+            ConfigError(f"unknown option {unknown_flags[0]!r}"), code=2, show_traceback=False
+        )
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ConfigWarning)
+            cfg = load_config(args.config, overrides)
+        for w in caught:
+            print(f"warning: {w.message}", file=sys.stderr)
+    except (ConfigError, DataError) as exc:
+        return _fail(exc, code=2, show_traceback=False)
+
+    from trainer.run import train
+
+    try:
+        summary = trio.run(train, cfg)
+    except KeyboardInterrupt:
+        print("KeyboardInterrupt: training interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, DataError) as exc:
+        return _fail(exc, code=2, show_traceback=False)
+    except BaseException as exc:
+        return _fail(exc, code=1, show_traceback=True)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary: dict) -> None:
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    console.print(
+        f"[bold]done[/bold]: {int(summary.get('steps', 0))} steps in {summary['run_dir']}"
+    )
+    if "reward/first_20pct" in summary:
+        console.print(
+            f"mean reward: first 20% of steps {summary['reward/first_20pct']:.3f} -> "
+            f"last 20% {summary['reward/last_20pct']:.3f}; "
+            f"mean step time {summary['step_time_mean_s']:.2f}s"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv) and not (argv and argv[0] == "ckpt"):
+        _print_help()
+        return 0
+    if argv and argv[0] == "ckpt":
+        from trainer.ckpt_cli import ckpt_main
+
+        return ckpt_main(argv[1:])
+    return _train(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

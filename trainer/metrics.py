@@ -1,0 +1,109 @@
+"""Where a run's numbers go: ``metrics.jsonl``, the run log, and the live progress display."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import sys
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+__all__ = ["MetricsLogger", "StepProgress", "reward_summary", "setup_run_logging"]
+
+log = logging.getLogger("trainer")
+
+
+def setup_run_logging(run_dir: Path) -> logging.Handler:
+    """Send the ``trainer`` logger (and warnings) to ``RUN_DIR/train.log``."""
+    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("trainer", "engines", "sync", "py.warnings"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    return handler
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    """Appends one JSON object per step to ``metrics.jsonl``, flushed after each line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StepProgress:
+    """A rich progress bar with step, reward and step time; quiet when disabled."""
+
+    def __init__(self, total: int, *, start: int = 0, enabled: bool = True) -> None:
+        self.console = Console(stderr=True)
+        self.enabled = enabled and self.console.is_terminal
+        self.plain = enabled and not self.console.is_terminal
+        self._progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("reward {task.fields[reward]:.3f}"),
+            TextColumn("{task.fields[step_s]:.2f}s/step"),
+            TimeElapsedColumn(),
+            console=self.console,
+            disable=not self.enabled,
+        )
+        self._task = self._progress.add_task(
+            "train", total=total, completed=start, reward=0.0, step_s=0.0
+        )
+        self.total = total
+
+    def update(self, step: int, reward: float, step_s: float) -> None:
+        self._progress.update(self._task, completed=step, reward=reward, step_s=step_s)
+        if self.plain:  # not a terminal (CI, a pipe): one line per step
+            print(
+                f"step {step}/{self.total} reward {reward:.3f} {step_s:.2f}s/step",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def __enter__(self) -> StepProgress:
+        self._progress.__enter__()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._progress.__exit__(et, e, tb)
+
+
+def reward_summary(rewards: list[float]) -> dict[str, float]:
+    """Mean reward of the first and last 20% of steps (at least one step each)."""
+    if not rewards:
+        return {}
+    k = max(1, round(len(rewards) * 0.2))
+    first = statistics.fmean(rewards[:k])
+    last = statistics.fmean(rewards[-k:])
+    return {"reward/first_20pct": first, "reward/last_20pct": last, "steps": float(len(rewards))}

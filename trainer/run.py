@@ -1,0 +1,275 @@
+"""One training run: build its parts, resume, drive ``train_loop``, tear everything down.
+
+Everything the run starts lives in ``async with`` blocks under :func:`train`, so a step
+error, a deadline or Ctrl-C unwinds them in order (engines and workers stopped, files
+closed) before the error reaches the command line.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import statistics
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+import yaml
+
+from engines.types import SamplingParams
+from trainer import faults
+from trainer.checkpoint import CheckpointManager
+from trainer.config import Config, to_dict
+from trainer.data import (
+    Example,
+    PromptLoader,
+    load_examples,
+    load_jsonl,
+    modular_sum_examples,
+    resolve_reward_fn,
+)
+from trainer.deadline import step_deadline
+from trainer.errors import ConfigError
+from trainer.generators.base import Generator
+from trainer.metrics import MetricsLogger, StepProgress, reward_summary, setup_run_logging
+from trainer.models import load_tokenizer, resolve_model_path
+from trainer.workers.local import LocalWorkerGroup
+
+__all__ = ["RunContext", "train"]
+
+log = logging.getLogger("trainer.run")
+
+
+@attrs.define(eq=False)
+class RunContext:
+    """What a step needs: config, data, generator, engine, workers, checkpoints, loggers."""
+
+    cfg: Config
+    run_dir: Path
+    tokenizer: Any
+    loader: PromptLoader
+    generator: Generator
+    eval_generator: Generator | None
+    eval_examples: list[Example]
+    engine: Any
+    workers: LocalWorkerGroup
+    ckpt: CheckpointManager
+    metrics: MetricsLogger
+    progress: StepProgress
+    weight_version: int = 0
+    last_saved_step: int = -1
+
+    def checkpoint_due(self, step: int) -> bool:
+        interval = self.cfg.trainer.ckpt_interval
+        return interval > 0 and step % interval == 0
+
+    def eval_due(self, step: int) -> bool:
+        interval = self.cfg.trainer.eval_interval
+        return interval > 0 and step % interval == 0 and self.eval_generator is not None
+
+    def loop_metrics(self) -> dict[str, float]:
+        return {}
+
+    def record_step(self, metrics: dict[str, Any]) -> None:
+        if "checkpoint/step" in metrics:
+            self.last_saved_step = metrics["checkpoint/step"]
+        self.metrics.log(metrics)
+        self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
+        log.info(
+            "step %d reward %.3f step_s %.2f",
+            metrics["step"],
+            metrics["reward/mean"],
+            metrics["timing/step"],
+        )
+
+    async def evaluate(self) -> dict[str, float]:
+        """Greedy rollouts of every eval prompt (not bounded by step_timeout_s)."""
+        from trainer.stages import generator_input
+
+        assert self.eval_generator is not None
+        out = await self.eval_generator.generate(generator_input(self, self.eval_examples, 0))
+        rewards = [t.reward for t in out.trajectories]
+        return {
+            "eval/reward_mean": statistics.fmean(rewards),
+            "eval/num_prompts": float(len(rewards)),
+        }
+
+    def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.log({"step": step, **metrics})
+        log.info("eval at step %d: %s", step, metrics)
+
+
+def _make_run_dir(cfg: Config) -> Path:
+    run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def _load_generator_cls(spec: str) -> type[Generator]:
+    module_name, _, name = spec.partition(":")
+    try:
+        cls = getattr(import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"config: generator.cls={spec!r} cannot be imported: {exc}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Generator)):
+        raise ConfigError(
+            f"config: generator.cls={spec!r} is not a subclass of trainer.generators.Generator"
+        )
+    return cls
+
+
+@asynccontextmanager
+async def open_engine(cfg: Config, model_dir: Path) -> AsyncIterator[Any]:
+    """The inference engines of ``engine.backend``, stopped when the block exits."""
+    from engines.local.inprocess import open_inprocess_client
+
+    async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
+        yield client
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop lines of steps after the resumed checkpoint (they will be run again)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if json.loads(line).get("step", 0) <= last_step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+async def train(cfg: Config) -> dict[str, Any]:
+    """Run training as configured; returns the summary (also written to ``summary.json``)."""
+    run_dir = _make_run_dir(cfg)
+    log_handler = setup_run_logging(run_dir)
+    faults.install(cfg.faults)
+    try:
+        return await _train(cfg, run_dir)
+    finally:
+        logging.getLogger("trainer").removeHandler(log_handler)
+        log_handler.close()
+
+
+async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    t = cfg.trainer
+    model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
+    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
+    examples, default_reward = load_examples(
+        cfg.data.train, cfg.data.task, cfg.data.num_examples, t.seed
+    )
+    reward_fn = resolve_reward_fn(cfg.data.reward_fn, default_reward)
+    eval_examples = (
+        load_jsonl(cfg.data.eval) if cfg.data.eval else modular_sum_examples(100, t.seed + 1)
+    )
+    loader = PromptLoader(examples, t.train_batch_size, t.seed)
+    last_step = loader.batches_per_epoch * t.epochs
+    if t.max_steps is not None:
+        last_step = min(last_step, t.max_steps)
+    ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep)
+    generator_cls = _load_generator_cls(cfg.generator.cls)
+    s = cfg.generator.sampling
+    sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
+    policy_kwargs = dict(
+        lr=cfg.optim.lr,
+        betas=cfg.optim.betas,
+        weight_decay=cfg.optim.weight_decay,
+        warmup_steps=cfg.optim.warmup_steps,
+        max_grad_norm=cfg.optim.max_grad_norm,
+        temperature=s.temperature,
+        clip_ratio_low=cfg.algorithm.clip_ratio_low,
+        clip_ratio_high=cfg.algorithm.clip_ratio_high,
+        kl_loss_coef=cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
+        kl_loss_type=cfg.algorithm.kl_loss_type,
+        micro_batch_size=t.micro_batch_size,
+        seed=t.seed,
+    )
+    async with AsyncExitStack() as stack:
+        engine = await stack.enter_async_context(open_engine(cfg, model_dir))
+        workers = await LocalWorkerGroup.create(
+            model_dir, policy_kwargs=policy_kwargs, with_ref=cfg.algorithm.use_kl_loss
+        )
+        stack.push_async_callback(workers.shutdown)
+
+        def make_generator(sp: SamplingParams) -> Generator:
+            return generator_cls(
+                engine=engine,
+                tokenizer=tokenizer,
+                reward_fn=reward_fn,
+                sampling=sp,
+                max_turns=cfg.generator.max_turns,
+                max_response_tokens=cfg.generator.max_response_tokens,
+            )
+
+        start = 0
+        resume_from = await trio.to_thread.run_sync(ckpt.resolve, t.resume_mode, t.resume_path)
+        if t.resume_mode != "none" and resume_from is None:
+            log.warning(
+                "resume_mode=%s but no checkpoint under %s: starting fresh",
+                t.resume_mode,
+                ckpt.root,
+            )
+        metrics_path = run_dir / "metrics.jsonl"
+        state: dict[str, Any] = {}
+        if resume_from is not None:
+            state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
+            await workers.load_checkpoint(resume_from)
+            loader.load_state_dict(state["loader"])
+            start = int(state["global_step"])
+            log.info("resumed from %s at step %d", resume_from, start)
+        _truncate_metrics(metrics_path, start)
+        ctx = RunContext(
+            cfg=cfg,
+            run_dir=run_dir,
+            tokenizer=tokenizer,
+            loader=loader,
+            generator=make_generator(sampling),
+            eval_generator=make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
+            if t.eval_interval
+            else None,
+            eval_examples=eval_examples,
+            engine=engine,
+            workers=workers,
+            ckpt=ckpt,
+            metrics=stack.enter_context(MetricsLogger(metrics_path)),
+            progress=stack.enter_context(StepProgress(last_step, start=start, enabled=t.progress)),
+            weight_version=int(state.get("weight_version", 0)),
+            last_saved_step=start if resume_from is not None else -1,
+        )
+        from trainer.loop import sync_weights, train_loop
+
+        # the initial sync, under weight_sync_timeout_s (a resumed policy differs from model.path)
+        await sync_weights(ctx, start)
+        await train_loop(ctx, start + 1, last_step)
+        if t.ckpt_interval and ctx.last_saved_step != last_step and last_step > start:
+            from trainer.stages import save_checkpoint
+
+            with step_deadline(
+                last_step, t.step_timeout_s
+            ):  # a save outside a step: its own budget
+                await save_checkpoint(ctx, last_step)
+    return _summarize(run_dir, metrics_path)
+
+
+def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:
+    rows = (
+        [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        if metrics_path.exists()
+        else []
+    )
+    steps = [r for r in rows if "reward/mean" in r]
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        **reward_summary([r["reward/mean"] for r in steps]),
+    }
+    if steps:
+        summary["step_time_mean_s"] = statistics.fmean(r["timing/step"] for r in steps)
+        summary["last_step"] = steps[-1]["step"]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

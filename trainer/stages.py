@@ -1,0 +1,89 @@
+"""The mechanism behind each stage of the step, so that ``loop.py`` reads on one screen."""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.algorithms import compute_advantages
+from trainer.generators.base import GeneratorInput, GeneratorOutput, TrajectoryInput
+from trainer.workers.batch import TrainBatch
+
+if TYPE_CHECKING:
+    from trainer.data import Example
+    from trainer.run import RunContext
+
+__all__ = ["advantages_for", "generator_input", "reward_metrics", "save_checkpoint", "train_policy"]
+
+
+def generator_input(ctx: RunContext, prompts: list[Example], step: int) -> GeneratorInput:
+    """Each prompt ``n_samples_per_prompt`` times, with reproducible per-trajectory seeds."""
+    n = ctx.cfg.generator.n_samples_per_prompt
+    items = []
+    for g, ex in enumerate(prompts):
+        prompt_ids = ctx.tokenizer.encode(ex.prompt, add_special_tokens=False)
+        for s in range(n):
+            items.append(
+                TrajectoryInput(
+                    prompt=ex.prompt,
+                    prompt_ids=prompt_ids,
+                    answer=ex.answer,
+                    group_id=g,
+                    trajectory_id=f"{step}-{g}-{s}",
+                    seed=(ctx.cfg.trainer.seed * 1_000_003 + step * 10_007 + g * 101 + s) % (2**62),
+                )
+            )
+    return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
+
+
+def reward_metrics(out: GeneratorOutput) -> dict[str, float]:
+    rewards = [t.reward for t in out.trajectories]
+    return {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "reward/max": max(rewards),
+        "response_length/mean": statistics.fmean(sum(t.loss_mask) for t in out.trajectories),
+        **out.metrics,
+    }
+
+
+def advantages_for(ctx: RunContext, out: GeneratorOutput) -> torch.Tensor:
+    a = ctx.cfg.algorithm
+    rewards = torch.tensor([t.reward for t in out.trajectories], dtype=torch.float32)
+    groups = [t.group_id for t in out.trajectories]
+    return compute_advantages(rewards, groups, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+
+
+async def train_policy(
+    ctx: RunContext, batch: TrainBatch, group_ids: list[int]
+) -> dict[str, float]:
+    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups."""
+    t = ctx.cfg.trainer
+    prompts_per_mini = t.policy_mini_batch_size or t.train_batch_size
+    groups = sorted(set(group_ids))
+    metrics: dict[str, list[float]] = {}
+    await ctx.workers.backload_to_gpu()
+    for _epoch in range(t.update_epochs):
+        for start in range(0, len(groups), prompts_per_mini):
+            chosen = set(groups[start : start + prompts_per_mini])
+            rows = [i for i, g in enumerate(group_ids) if g in chosen]
+            mini = batch.select(rows)
+            step_metrics = await ctx.workers.forward_backward(mini, max(1, mini.num_tokens))
+            step_metrics |= await ctx.workers.optim_step()
+            for k, v in step_metrics.items():
+                metrics.setdefault(k, []).append(v)
+    await ctx.workers.offload_to_cpu()
+    return {k: statistics.fmean(v) for k, v in metrics.items()}
+
+
+async def save_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
+    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer."""
+    state = {
+        "global_step": step,
+        "loader": ctx.loader.state_dict(),
+        "weight_version": ctx.weight_version,
+    }
+    path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
+    return {"checkpoint/step": step, "checkpoint/path": str(path)}

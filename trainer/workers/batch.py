@@ -1,0 +1,67 @@
+"""The padded tensor batch that workers train on, built from trajectories."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from trainer.generators.base import Trajectory
+
+__all__ = ["TrainBatch", "make_batch"]
+
+
+@attrs.define
+class TrainBatch:
+    """Right-padded ``prompt + response`` sequences; token-level tensors align with predictions.
+
+    ``loss_mask[b, t]`` is 1 where position ``t`` predicts a trained (model-generated)
+    response token ``input_ids[b, t + 1]``; logprob tensors share that ``[B, L - 1]`` shape.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    #: Per-trajectory advantages ``[B]`` (set after compute_advantages).
+    advantages: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def select(self, index: Sequence[int] | slice) -> TrainBatch:
+        """The rows ``index`` (tensors that are set are sliced alike)."""
+        idx = index if isinstance(index, slice) else torch.as_tensor(list(index), dtype=torch.long)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[idx]
+
+        return TrainBatch(
+            input_ids=self.input_ids[idx],
+            attention_mask=self.attention_mask[idx],
+            loss_mask=self.loss_mask[idx],
+            advantages=take(self.advantages),
+            old_logprobs=take(self.old_logprobs),
+            ref_logprobs=take(self.ref_logprobs),
+        )
+
+
+def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
+    """Pad ``prompt + response`` of each trajectory to a common length."""
+    seqs = [t.prompt_ids + t.response_ids for t in trajectories]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (t, s) in enumerate(zip(trajectories, seqs)):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+        p = len(t.prompt_ids)
+        mask[i, p : p + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=mask[:, 1:].contiguous())

@@ -1,0 +1,58 @@
+"""The worker-group interface the step loop drives, whatever runs the workers.
+
+Every method is awaited from the trio thread and names its operation (DESIGN 4.3), so a
+deadline that expires while the driver waits reports it. Only the driver's wait is
+interrupted: a worker stuck in a method keeps running, and ``shutdown`` (bounded) is how
+the trainer gets rid of it. Implementations: ``LocalWorkerGroup`` (threads in this
+process); a Ray backend implements the same protocol with actors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from trainer.checkpoint import CheckpointManager
+from trainer.workers.batch import TrainBatch
+
+__all__ = ["WorkerGroup"]
+
+
+class WorkerGroup(Protocol):
+    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Policy logprobs of each next token (operation ``forward``)."""
+        ...
+
+    async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """Reference logprobs (operation ``forward``); None without a reference model."""
+        ...
+
+    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
+        """Accumulate gradients over ``batch`` (operation ``forward_backward``)."""
+        ...
+
+    async def optim_step(self) -> dict[str, float]:
+        """Apply accumulated gradients (operation ``optim_step``)."""
+        ...
+
+    async def offload_to_cpu(self) -> None: ...
+
+    async def backload_to_gpu(self) -> None: ...
+
+    async def named_weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's weights, for a weight sync to the engines."""
+        ...
+
+    async def save_checkpoint(
+        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+    ) -> Path:
+        """Write checkpoint ``step`` atomically through ``ckpt`` (operation ``save_checkpoint``)."""
+        ...
+
+    async def load_checkpoint(self, directory: Path) -> None: ...
+
+    async def shutdown(self) -> None:
+        """Stop every worker; bounded, safe to call after a worker hung."""
+        ...

@@ -1,0 +1,134 @@
+"""``workers.backend=local``: policy and reference workers in this process, run in threads.
+
+Each call runs the worker's method through ``trio.to_thread.run_sync`` so the event loop
+keeps serving generation while the model computes; a per-worker ``CapacityLimiter(1)``
+serialises calls into one worker. The thread is abandoned when the driver's wait is
+cancelled (a step deadline): a hung method keeps its thread, which holds the limiter until
+it returns, so no second call can run concurrently with it. Worker threads are daemons:
+they die with the process.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import trio
+
+from trainer import faults
+from trainer.checkpoint import CheckpointManager
+from trainer.deadline import operation
+from trainer.workers.batch import TrainBatch
+from trainer.workers.policy import PolicyWorker, RefWorker
+
+__all__ = ["LocalWorkerGroup"]
+
+T = TypeVar("T")
+
+
+def _fire_then(op: str, fn: Callable[..., T], *args: Any) -> T:
+    faults.fire_sync(op)  # where the operation really runs: this worker thread
+    return fn(*args)
+
+
+class LocalWorkerGroup:
+    """Implements :class:`trainer.workers.group.WorkerGroup` with in-process workers."""
+
+    def __init__(self, policy: PolicyWorker, ref: RefWorker | None) -> None:
+        self.policy = policy
+        self.ref = ref
+        self._policy_limiter = trio.CapacityLimiter(1)
+        self._ref_limiter = trio.CapacityLimiter(1)
+
+    @classmethod
+    async def create(
+        cls, model_dir: Path, *, policy_kwargs: dict[str, Any], with_ref: bool
+    ) -> LocalWorkerGroup:
+        policy = await trio.to_thread.run_sync(
+            functools.partial(PolicyWorker, model_dir, **policy_kwargs)
+        )
+        ref = None
+        if with_ref:
+            ref = await trio.to_thread.run_sync(
+                functools.partial(
+                    RefWorker,
+                    model_dir,
+                    temperature=policy_kwargs.get("temperature", 1.0),
+                    micro_batch_size=policy_kwargs.get("micro_batch_size"),
+                )
+            )
+        return cls(policy, ref)
+
+    async def _call(
+        self, op: str, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any
+    ) -> T:
+        with operation(op):
+            return await trio.to_thread.run_sync(
+                _fire_then,
+                op,
+                fn,
+                *args,
+                abandon_on_cancel=True,
+                limiter=limiter,
+                thread_name=f"worker:{op}",
+            )
+
+    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return await self._call(
+            "forward", self._policy_limiter, self.policy.compute_logprobs, batch
+        )
+
+    async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref is None:
+            return None
+        return await self._call("forward", self._ref_limiter, self.ref.compute_logprobs, batch)
+
+    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
+        return await self._call(
+            "forward_backward",
+            self._policy_limiter,
+            self.policy.forward_backward,
+            batch,
+            num_tokens,
+        )
+
+    async def optim_step(self) -> dict[str, float]:
+        return await self._call("optim_step", self._policy_limiter, self.policy.optim_step)
+
+    async def offload_to_cpu(self) -> None:
+        await self._call("offload_to_cpu", self._policy_limiter, self.policy.offload_to_cpu)
+
+    async def backload_to_gpu(self) -> None:
+        await self._call("backload_to_gpu", self._policy_limiter, self.policy.backload_to_gpu)
+
+    async def named_weights(self) -> dict[str, torch.Tensor]:
+        return await trio.to_thread.run_sync(
+            self.policy.named_weights, abandon_on_cancel=True, limiter=self._policy_limiter
+        )
+
+    async def save_checkpoint(
+        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+    ) -> Path:
+        """Write ``global_step_N`` atomically through ``ckpt`` (operation ``save_checkpoint``)."""
+        return await self._call(
+            "save_checkpoint",
+            self._policy_limiter,
+            ckpt.save,
+            step,
+            self.policy.save_checkpoint,
+            trainer_state,
+        )
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        await trio.to_thread.run_sync(
+            self.policy.load_checkpoint,
+            directory,
+            abandon_on_cancel=True,
+            limiter=self._policy_limiter,
+        )
+
+    async def shutdown(self) -> None:
+        """Nothing to stop: a thread still stuck in a method is a daemon and dies with the process."""
