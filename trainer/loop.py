@@ -31,7 +31,7 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
         batch = make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
         batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
-        metrics = stages.reward_metrics(rollouts)
+        metrics = stages.rollout_metrics(prompts, rollouts)
     with Timer("compute_advantages", timings):
         batch.advantages = stages.advantages_for(ctx, rollouts)
     with Timer("train_critic_and_policy", timings):

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from trainer.data import Example
     from trainer.run import RunContext
 
-__all__ = ["advantages_for", "generator_input", "reward_metrics", "save_checkpoint", "train_policy"]
+__all__ = ["advantages_for", "generator_input", "rollout_metrics", "save_checkpoint", "train_policy"]
 
 
 def generator_input(ctx: RunContext, prompts: list[Example], step: int) -> GeneratorInput:
@@ -38,9 +38,11 @@ def generator_input(ctx: RunContext, prompts: list[Example], step: int) -> Gener
     return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
 
 
-def reward_metrics(out: GeneratorOutput) -> dict[str, float]:
+def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, Any]:
+    """Reward and length statistics, plus which examples the step used (its data order)."""
     rewards = [t.reward for t in out.trajectories]
     return {
+        "data/example_index": [ex.index for ex in prompts],
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         "reward/max": max(rewards),

@@ -1,0 +1,92 @@
+"""Data files, rewards and the resumable prompt order."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.data import (
+    PromptLoader,
+    load_jsonl,
+    modular_sum_examples,
+    modular_sum_reward,
+    resolve_reward_fn,
+)
+from trainer.errors import ConfigError, DataError
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        ("[1, 2]", "expected an object with 'prompt' and 'answer', got list"),
+        ('{"answer": "1"}', "missing required field 'prompt'"),
+        ('{"prompt": "sum 1 2 ="}', "missing required field 'answer'"),
+        ('{"prompt": "", "answer": "1"}', "'prompt' must be a non-empty string, got ''"),
+        ('{"prompt": 5, "answer": "1"}', "'prompt' must be a non-empty string, got 5"),
+        ('{"prompt": "p", "answer": [1]}', "'answer' must be a string or number, got list"),
+    ],
+)
+def test_bad_row_names_file_line_and_problem(tmp_path, line, problem):
+    f = tmp_path / "train.jsonl"
+    f.write_text('{"prompt": "sum 1 2 =", "answer": "3"}\n\n' + line + "\n")
+    with pytest.raises(DataError) as info:
+        load_jsonl(f)
+    assert str(info.value) == f"{f}:3: {problem}"
+
+
+def test_empty_and_missing_files(tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="has no rows"):
+        load_jsonl(empty)
+    with pytest.raises(DataError, match="cannot read the data file"):
+        load_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_numbers_are_accepted_as_answers(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "sum 1 2 =", "answer": 3}\n')
+    (ex,) = load_jsonl(f)
+    assert (ex.answer, ex.index) == ("3", 1)
+
+
+def test_reward_fn_resolution():
+    assert resolve_reward_fn(None, modular_sum_reward) is modular_sum_reward
+    assert resolve_reward_fn("trainer.data:exact_match_reward", modular_sum_reward)("7 ", "7") == 1.0
+    with pytest.raises(ConfigError, match="cannot import 'no_such_module'"):
+        resolve_reward_fn("no_such_module:f", modular_sum_reward)
+    with pytest.raises(ConfigError, match="has no callable 'nope'"):
+        resolve_reward_fn("trainer.data:nope", modular_sum_reward)
+
+
+def test_builtin_task_reward_pays_partial_credit_in_order():
+    assert modular_sum_reward("7", "7") == 1.0
+    assert modular_sum_reward("7 3", "7") == 0.5
+    assert modular_sum_reward("4", "7") == 0.1
+    assert modular_sum_reward("sum", "7") == 0.0
+    assert modular_sum_reward("", "7") == 0.0
+
+
+def test_builtin_task_answers_are_the_last_digit_of_the_sum():
+    for ex in modular_sum_examples(100, seed=0):
+        _, a, b, _ = ex.prompt.split()
+        assert ex.answer == str((int(a) + int(b)) % 10)
+    assert len({ex.prompt for ex in modular_sum_examples(100, seed=0)}) == 100
+
+
+def test_loader_resumes_with_the_same_order_across_epochs():
+    examples = modular_sum_examples(10, seed=0)
+    full = PromptLoader(examples, batch_size=3, seed=5)
+    seen = [[e.index for e in full.next_batch()] for _ in range(7)]  # crosses two epoch ends
+    first = PromptLoader(examples, batch_size=3, seed=5)
+    for _ in range(4):
+        first.next_batch()
+    resumed = PromptLoader(examples, batch_size=3, seed=5)
+    resumed.load_state_dict(first.state_dict())
+    assert [[e.index for e in resumed.next_batch()] for _ in range(3)] == seen[4:]
+    assert seen[0] != seen[3]  # each epoch has its own permutation
+
+
+def test_batch_larger_than_data_is_a_config_error():
+    with pytest.raises(ConfigError, match="only 10 prompts"):
+        PromptLoader(modular_sum_examples(10, 0), batch_size=11, seed=0)
