@@ -5,9 +5,10 @@ request together (a single batched forward pass, off the event loop in a worker 
 new requests join the batch between decode steps. Weight loads take the same lock as a
 decode step, so a request never samples from half-updated weights.
 
-The engine is deliberately simple: no KV cache (each step re-reads the whole sequence,
-left-padded), which is cheap for the short sequences of a tiny model and keeps batching and
-weight swaps trivially correct.
+Each request keeps its own KV cache (see :mod:`engines.local.decode`); a request without one
+(new, or its cache dropped) is prefilled in the next step. Sleeping the KV cache and loading
+weights drop every cache, so kept requests are recomputed from their tokens with the weights
+then loaded (never continued on stale keys and values).
 
 Control-plane state (each change wakes the scheduler):
 
@@ -36,9 +37,18 @@ import attrs
 import torch
 import trio
 
+from engines.local.decode import KVCache, decode_step, sample_token
 from engines.types import Completion, FinishReason, SamplingParams
+from trainer.deadline import open_owner_nursery
 
-__all__ = ["EngineAsleepError", "LocalEngine", "PauseMode", "open_local_engine"]
+__all__ = [
+    "EngineAsleepError",
+    "LocalEngine",
+    "PauseMode",
+    "open_local_engine",
+    "sample_token",
+    "state_checksum",
+]
 
 log = logging.getLogger(__name__)
 PauseMode = Literal["keep", "abort", "wait"]
@@ -55,6 +65,8 @@ class _Request:
     generator: torch.Generator
     out_ids: list[int] = attrs.field(factory=list)
     out_logprobs: list[float] = attrs.field(factory=list)
+    #: KV cache of ``prompt_ids + out_ids[:-1]``; None until prefilled (or after a drop).
+    kv: KVCache | None = None
     finish_reason: FinishReason | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
 
@@ -229,6 +241,7 @@ class LocalEngine:
         async with self._step_lock:
             self._weights_asleep = True
             self._kv_asleep = True
+            self._drop_kv()  # the KV cache is discarded, as vLLM's sleep does
             if level == 2 and not self._weights_discarded:
                 await trio.to_thread.run_sync(self._zero_weights_sync)
                 self._weights_discarded = True
@@ -261,6 +274,7 @@ class LocalEngine:
             raise EngineAsleepError("the weights are asleep; call /wake_up?tags=weights first")
         async with self._step_lock:
             await trio.to_thread.run_sync(self._load_weights_sync, state)
+            self._drop_kv()  # keys and values of the old weights: recompute
             self._weights_discarded = False
             self.weight_version += 1
 
@@ -355,40 +369,12 @@ class LocalEngine:
             return "length"
         return None
 
-    @torch.no_grad()
     def _decode_step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
-        seqs = [r.prompt_ids + r.out_ids for r in batch]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s) :] = torch.tensor(s)
-            mask[i, width - len(s) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
-        logits = logits[:, -1, :].float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-        tokens: list[int] = []
-        for i, req in enumerate(batch):
-            tok = sample_token(logits[i], req.params, req.generator)
-            tokens.append(tok)
-        picked = raw_logprobs[torch.arange(len(batch)), torch.tensor(tokens)]
-        return tokens, picked.tolist()
+        return decode_step(self.model, batch, self.pad_token_id)
 
-
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Sample from one row of logits with temperature and top-p (temperature 0: greedy)."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # keep a token if the mass before it is below top_p (the top token is always kept)
-        drop = (cumulative - sorted_probs) >= params.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    def _drop_kv(self) -> None:
+        for req in (*self._active, *self._pending):
+            req.kv = None
 
 
 def state_checksum(named: dict[str, torch.Tensor]) -> str:
@@ -408,7 +394,7 @@ async def open_local_engine(
     engine = await trio.to_thread.run_sync(
         lambda: LocalEngine(model_dir, seed=seed, max_num_seqs=max_num_seqs)
     )
-    async with trio.open_nursery() as nursery:
+    async with open_owner_nursery() as nursery:
         await nursery.start(engine.run)
         try:
             yield engine

@@ -134,3 +134,32 @@ async def test_injected_faults_fire_inside_the_server_on_their_step(model_dir: P
         assert info.value.status == 500
         assert "engine fell over" in info.value.detail
         assert not engine.is_paused  # the fault fired before the engine was touched
+
+
+async def test_batched_greedy_decoding_matches_transformers_generate(model_dir: Path) -> None:
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14, 15], [20]]
+    results: dict[int, list[int]] = {}
+    async with open_local_engine(model_dir) as engine:
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            results[i] = (await engine.generate(prompts[i], greedy)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        assert max(engine.batch_size_counts) == len(prompts)  # they really shared steps
+
+        def reference(prompt: list[int]) -> list[int]:
+            out = engine.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                pad_token_id=engine.pad_token_id,
+            )
+            return out[0, len(prompt) :].tolist()
+
+        for i, prompt in enumerate(prompts):
+            assert results[i] == await trio.to_thread.run_sync(reference, prompt)

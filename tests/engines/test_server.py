@@ -21,7 +21,7 @@ from tests.engines.helpers import stats, steps, wait_running
 from trainer.errors import InferenceServerError
 from trainer.models import load_tokenizer
 
-LONG = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0)
+LONG = SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0)
 
 
 async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list[str]) -> None:
@@ -122,7 +122,7 @@ async def test_pause_keep_freezes_in_flight_requests_until_resume(engine_urls: l
         assert results == []
         await client.resume()
     assert [c.finish_reason for c in results] == ["length"] * 4
-    assert all(len(c.token_ids) == 200 for c in results)
+    assert all(len(c.token_ids) == 250 for c in results)
 
 
 async def test_pause_abort_ends_in_flight_requests_with_partial_tokens(
@@ -137,7 +137,7 @@ async def test_pause_abort_ends_in_flight_requests_with_partial_tokens(
             await wait_running(url, 4)
             await client.pause("abort")
         assert [c.finish_reason for c in results] == ["abort"] * 4
-        assert all(0 < len(c.token_ids) < 200 for c in results)
+        assert all(0 < len(c.token_ids) < 250 for c in results)
         assert all(len(c.logprobs) == len(c.token_ids) for c in results)
         assert await client.is_paused() == [True]
         await client.resume()
