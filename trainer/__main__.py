@@ -33,6 +33,8 @@ def _print_help() -> None:
 def _fail(exc: BaseException, *, code: int, show_traceback: bool) -> int:
     if show_traceback:
         traceback.print_exception(exc, file=sys.stderr)
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]  # a nursery's wrapper around the one real error
     message = str(exc).replace("\n", " | ")
     print(f"{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
     return code

@@ -22,7 +22,7 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import TypeVar
 
@@ -38,6 +38,7 @@ __all__ = [
     "current_operation",
     "current_stage",
     "current_step",
+    "open_owner_nursery",
     "operation",
     "remaining",
     "stage",
@@ -313,3 +314,32 @@ async def cleanup_bracket(cleanup: Callable[[], Awaitable[object]], label: str):
         await cleanup_preserving_primary(primary, cleanup, label)
         raise
     await cleanup()
+
+
+@asynccontextmanager
+async def open_owner_nursery() -> AsyncIterator[trio.Nursery]:
+    """A nursery whose failure surfaces as the typed error itself, not an ExceptionGroup.
+
+    trio wraps every error leaving a nursery in an ``ExceptionGroup``. Where one error is
+    the usual outcome (the body failed, or one child task did), this re-raises that error
+    with its own traceback and cause. When several tasks failed at once, the first is
+    raised with the whole group as its ``__cause__`` and a note counting the others.
+    """
+    try:
+        async with trio.open_nursery() as nursery:
+            yield nursery
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        errors = [e for e in leaves if not isinstance(e, trio.Cancelled)] or leaves
+        first = errors[0]
+        if len(errors) == 1:
+            raise first from first.__cause__
+        first.add_note(f"({len(errors) - 1} more concurrent errors; see the cause)")
+        raise first from group
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    return out

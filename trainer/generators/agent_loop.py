@@ -12,10 +12,9 @@ from __future__ import annotations
 import statistics
 
 import attrs
-import trio
 
 from trainer import faults
-from trainer.deadline import operation
+from trainer.deadline import open_owner_nursery, operation
 from trainer.generators.base import (
     Generator,
     GeneratorInput,
@@ -47,7 +46,7 @@ class AgentLoopGenerator(Generator):
         async def run_one(i: int, item: TrajectoryInput) -> None:
             results[i] = await self.rollout(item)
 
-        async with trio.open_nursery() as nursery:
+        async with open_owner_nursery() as nursery:
             for i, item in enumerate(batch):
                 nursery.start_soon(run_one, i, item)
         trajectories = [t for t in results if t is not None]

@@ -1,0 +1,69 @@
+"""Running ``python -m trainer`` for real, and checking that nothing of it survives."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def trainer_env(marker: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "TRAINER_FAULTS"}
+    env["TRAINER_TEST_MARKER"] = marker  # inherited by every process the run starts
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def new_marker() -> str:
+    return uuid.uuid4().hex
+
+
+def run_trainer(*args: str, marker: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", "trainer.progress=false", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=trainer_env(marker or new_marker()),
+        cwd=REPO,
+    )
+
+
+def popen_trainer(*args: str, marker: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "trainer", "trainer.progress=false", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=trainer_env(marker),
+        cwd=REPO,
+    )
+
+
+def processes_with_marker(marker: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``marker`` (the run and its children)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes()
+            state = (proc / "stat").read_text().split()[2]
+        except OSError:
+            continue
+        if f"TRAINER_TEST_MARKER={marker}".encode() in environ and state != "Z":
+            found.append(int(proc.name))
+    return found
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def last_stderr_line(proc: subprocess.CompletedProcess[str]) -> str:
+    return proc.stderr.strip().splitlines()[-1]

@@ -1,0 +1,51 @@
+"""A real hang in a real run becomes a typed error on the last stderr line; nothing survives."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.e2e.helpers import last_stderr_line, new_marker, processes_with_marker, run_trainer
+
+pytestmark = pytest.mark.slow
+
+STEP_TIMEOUT = re.compile(
+    r"StepTimeoutError: step 2 exceeded its 20s budget after (?P<elapsed>[\d.]+)s "
+    r"\(stage='train_critic_and_policy', operation='forward_backward'\)"
+)
+
+
+def test_hung_forward_backward_exits_with_step_timeout_naming_stage_and_operation(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        "trainer.max_steps=3",
+        "trainer.step_timeout_s=20",
+        "faults=forward_backward:hang@2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode != 0
+    match = STEP_TIMEOUT.fullmatch(last_stderr_line(proc))
+    assert match, last_stderr_line(proc)
+    assert 20.0 <= float(match["elapsed"]) <= 22.0  # within 10% of the budget
+    assert processes_with_marker(marker) == []
+
+
+def test_hung_pause_exits_with_weight_sync_timeout(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        "trainer.max_steps=3",
+        "trainer.weight_sync_timeout_s=15",
+        "faults=/pause:hang@2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode != 0
+    line = last_stderr_line(proc)
+    assert re.fullmatch(
+        r"WeightSyncTimeoutError: step 2 exceeded its 15s budget after 1[56]\.\ds "
+        r"\(stage='sync_weights', operation='/pause'\)",
+        line,
+    ), line
+    assert processes_with_marker(marker) == []
