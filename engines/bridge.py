@@ -22,9 +22,9 @@ exits raises ``RuntimeError``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import trio
 import trio_asyncio
@@ -64,7 +64,7 @@ class Bridge:
         async def call() -> T:
             return await fn(*args, **kwargs)
 
-        return await self.loop.run_aio_coroutine(call())
+        return cast(T, await self.loop.run_aio_coroutine(call()))
 
     @asynccontextmanager
     async def iterate(self, iterator: AsyncIterator[T]) -> AsyncIterator[AsyncIterator[T]]:
@@ -90,14 +90,14 @@ class Bridge:
             except StopAsyncIteration:
                 return _DONE
 
-        async def items() -> AsyncIterator[T]:
+        async def items() -> AsyncGenerator[T, None]:
             nonlocal finished
             while True:
                 item = await self.loop.run_aio_coroutine(next_item())
                 if item is _DONE:
                     finished = True
                     return
-                yield item
+                yield cast(T, item)
 
         gen = items()
         try:

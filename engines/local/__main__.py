@@ -21,6 +21,7 @@ import signal
 import sys
 from collections.abc import Callable
 from functools import partial
+from typing import Any, cast
 
 import trio
 
@@ -36,7 +37,7 @@ GRACEFUL_TIMEOUT_S = 2.0
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m engines.local", description=__doc__.split("\n")[0]
+        prog="python -m engines.local", description=(__doc__ or "").split("\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the reference engine over vLLM's HTTP protocol")
@@ -131,7 +132,7 @@ async def serve(args: argparse.Namespace) -> None:
                 )
             async with trio.open_nursery() as server_nursery:
                 binds = await server_nursery.start(
-                    partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
+                    partial(hypercorn_serve, cast(Any, app), config, shutdown_trigger=shutdown.wait)
                 )
                 port = int(binds[0].rsplit(":", 1)[1])
                 print(f"{READY_PREFIX} port={port} url=http://{host}:{port}", flush=True)

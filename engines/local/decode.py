@@ -16,20 +16,21 @@ results equal per-request ones up to floating-point noise.
 from __future__ import annotations
 
 import inspect
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 from transformers import DynamicCache
 
 from engines.types import SamplingParams
 
-__all__ = ["KVCache", "Sequence", "decode_step", "sample_token"]
+__all__ = ["DecodeRequest", "KVCache", "decode_step", "sample_token"]
 
 #: One ``(keys, values)`` pair per layer, each ``[kv_heads, length, head_dim]``.
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-class Sequence(Protocol):
+class DecodeRequest(Protocol):
     """What a decode step reads and updates on a request."""
 
     prompt_ids: list[int]
@@ -54,17 +55,17 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
+def _cache_kwarg(model: Any) -> str:
     """transformers >= 5.x names the cache argument ``cache`` (``past_key_values`` before)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(layer.keys, layer.values) for layer in cast(Any, cache.layers)]
 
 
-def _prefill(model: torch.nn.Module, reqs: list[Sequence], pad_id: int) -> torch.Tensor:
+def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Tensor:
     seqs = [r.prompt_ids + r.out_ids for r in reqs]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
@@ -88,7 +89,7 @@ def _prefill(model: torch.nn.Module, reqs: list[Sequence], pad_id: int) -> torch
     return out.logits[:, -1, :].float()
 
 
-def _decode(model: torch.nn.Module, reqs: list[Sequence]) -> torch.Tensor:
+def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
     lengths = [r.kv[0][0].shape[1] for r in reqs]  # type: ignore[index]
     past = max(lengths)
     layers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -122,7 +123,7 @@ def _decode(model: torch.nn.Module, reqs: list[Sequence]) -> torch.Tensor:
 
 @torch.no_grad()
 def decode_step(
-    model: torch.nn.Module, batch: list[Sequence], pad_id: int
+    model: Any, batch: Sequence[DecodeRequest], pad_id: int
 ) -> tuple[list[int], list[float]]:
     """Advance every request of ``batch`` by one sampled token; returns (tokens, logprobs).
 

@@ -18,21 +18,25 @@ event loop. With an API key every route needs ``Authorization: Bearer KEY``.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs
 
-import attrs
 import torch
 import trio
 
 from engines.local.engine import EngineAsleepError, LocalEngine
+from engines.local.http import (
+    MAX_BODY_BYTES,
+    Request,
+    Response,
+    error_response,
+    json_response,
+)
 from engines.local.protocol import (
     ProtocolError,
     completion_response,
-    error_body,
     parse_bool,
     parse_completion_request,
     parse_json_object,
@@ -43,54 +47,6 @@ from engines.types import Completion
 __all__ = ["CONTROL_PLANE_PATHS", "Request", "Response", "ServerApp", "error_response"]
 
 log = logging.getLogger(__name__)
-
-#: Largest request body accepted (413 beyond).
-MAX_BODY_BYTES = 8 * 1024 * 1024
-#: Header carrying the trainer's current step (for fault injection inside the server).
-STEP_HEADER = "x-trainer-step"
-
-
-@attrs.frozen
-class Request:
-    """One HTTP request, fully read."""
-
-    method: str
-    path: str
-    query: dict[str, list[str]]
-    headers: dict[str, str]
-    body: bytes
-
-    def arg(self, name: str) -> str | None:
-        """The last value of query parameter ``name``, or None."""
-        values = self.query.get(name)
-        return values[-1] if values else None
-
-    @property
-    def step(self) -> int | None:
-        """The trainer step from ``X-Trainer-Step``; None when absent or not an integer."""
-        raw = self.headers.get(STEP_HEADER)
-        try:
-            return int(raw) if raw is not None else None
-        except ValueError:
-            return None
-
-
-@attrs.frozen
-class Response:
-    """One HTTP response."""
-
-    status: int = 200
-    body: bytes = b""
-    content_type: str = "application/json"
-
-
-def json_response(payload: Any, status: int = 200) -> Response:
-    return Response(status, json.dumps(payload).encode())
-
-
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    return json_response(error_body(status, message, param), status)
-
 
 Handler = Callable[["ServerApp", Request], Awaitable[Response]]
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engines.local.http import Request, Response, error_response
+
 if TYPE_CHECKING:
-    from engines.local.server import Request, Response, ServerApp
+    from engines.local.server import ServerApp
 
 __all__ = ["WEIGHT_TRANSFER_PATHS", "handle_weight_transfer"]
 
@@ -26,8 +28,6 @@ WEIGHT_TRANSFER_PATHS = (
 
 async def handle_weight_transfer(app: ServerApp, request: Request) -> Response:
     """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (any method): 501 for now."""
-    from engines.local.server import error_response
-
     return error_response(
         501,
         f"{request.path} is not implemented by the reference engine yet "

@@ -1,0 +1,68 @@
+"""The reference server's request and response values (plain data, no framework)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from engines.local.protocol import error_body
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "STEP_HEADER",
+    "Request",
+    "Response",
+    "error_response",
+    "json_response",
+]
+
+#: Largest request body accepted (413 beyond).
+MAX_BODY_BYTES = 8 * 1024 * 1024
+#: Header carrying the trainer's current step (for fault injection inside the server).
+STEP_HEADER = "x-trainer-step"
+
+
+@attrs.frozen
+class Request:
+    """One HTTP request, fully read."""
+
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+
+    def arg(self, name: str) -> str | None:
+        """The last value of query parameter ``name``, or None."""
+        values = self.query.get(name)
+        return values[-1] if values else None
+
+    @property
+    def step(self) -> int | None:
+        """The trainer step from ``X-Trainer-Step``; None when absent or not an integer."""
+        raw = self.headers.get(STEP_HEADER)
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+
+@attrs.frozen
+class Response:
+    """One HTTP response."""
+
+    status: int = 200
+    body: bytes = b""
+    content_type: str = "application/json"
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    """A JSON response."""
+    return Response(status, json.dumps(payload).encode())
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    """A vLLM ``ErrorResponse`` with HTTP ``status``."""
+    return json_response(error_body(status, message, param), status)

@@ -1,0 +1,109 @@
+"""The routes ``InferenceClient`` may need, the ``vllm serve`` flag behind each, and the probe.
+
+A plain ``vllm serve`` has the OpenAI routes only. The control plane appears with
+``VLLM_SERVER_DEV_MODE=1`` (pause/resume, cache, and the rest of the dev routes), sleep needs
+``--enable-sleep-mode`` too, and the weight-transfer routes need ``--weight-transfer-config``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import trio
+
+from trainer.errors import InferenceServerError, InferenceServerTimeoutError
+
+if TYPE_CHECKING:
+    from engines.client import InferenceClient
+
+__all__ = [
+    "DATA_PLANE_ROUTES",
+    "PAUSE_ROUTES",
+    "ROUTE_FLAGS",
+    "SLEEP_ROUTES",
+    "WEIGHT_TRANSFER_ROUTES",
+    "probe",
+    "raise_first",
+]
+
+_DEV = "VLLM_SERVER_DEV_MODE=1"
+#: Route -> (method, what to set on ``vllm serve`` when the route is missing).
+ROUTE_FLAGS: Mapping[str, tuple[str, str]] = {
+    "/health": ("GET", "nothing (every vllm serve has it): is this a vLLM server?"),
+    "/v1/completions": ("POST", "nothing (every vllm serve has it): is this a vLLM server?"),
+    "/pause": ("POST", _DEV),
+    "/resume": ("POST", _DEV),
+    "/is_paused": ("GET", _DEV),
+    "/reset_prefix_cache": ("POST", _DEV),
+    "/sleep": ("POST", f"--enable-sleep-mode (and {_DEV})"),
+    "/wake_up": ("POST", f"--enable-sleep-mode (and {_DEV})"),
+    "/is_sleeping": ("GET", f"--enable-sleep-mode (and {_DEV})"),
+    "/init_weight_transfer_engine": ("POST", f"--weight-transfer-config (and {_DEV})"),
+    "/start_weight_update": ("POST", f"--weight-transfer-config (and {_DEV})"),
+    "/update_weights": ("POST", f"--weight-transfer-config (and {_DEV})"),
+    "/finish_weight_update": ("POST", f"--weight-transfer-config (and {_DEV})"),
+}
+DATA_PLANE_ROUTES = ("/health", "/v1/completions")
+PAUSE_ROUTES = ("/pause", "/resume", "/is_paused")
+SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping")
+WEIGHT_TRANSFER_ROUTES = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
+
+
+def raise_first(errors: list[tuple[int, Exception]]) -> None:
+    """Raise the first error (by server index), the others attached to it as notes."""
+    errors.sort(key=lambda pair: pair[0])
+    first = errors[0][1]
+    for _, other in errors[1:]:
+        first.add_note(f"also: {type(other).__name__}: {other}")
+    raise first
+
+
+async def probe(client: InferenceClient, required: Iterable[str]) -> None:
+    """Check that every server serves ``required`` routes; name the vllm flag when one is missing.
+
+    Side-effect free: a POST route is probed with GET (405 = present, 404 = missing).
+    Raises ``InferenceServerError`` (status 404) naming the missing routes and what to
+    set on ``vllm serve`` (``VLLM_SERVER_DEV_MODE=1``, ``--enable-sleep-mode``,
+    ``--weight-transfer-config``); status 501 when the server has the route but does
+    not implement it; ``ValueError`` for a route this client does not know.
+    """
+    routes = list(dict.fromkeys(required))
+    unknown = [r for r in routes if r not in ROUTE_FLAGS]
+    if unknown:
+        raise ValueError(f"unknown routes {unknown}; known: {', '.join(ROUTE_FLAGS)}")
+    errors: list[tuple[int, Exception]] = []
+
+    async def probe_one(i: int, url: str) -> None:
+        missing: list[str] = []
+        for route in routes:
+            try:
+                await client._control_one(url, "GET", route, None, None)
+            except InferenceServerTimeoutError as exc:
+                errors.append((i, exc))
+                return
+            except InferenceServerError as exc:
+                if exc.status == 404:
+                    missing.append(route)
+                elif exc.status == 501:
+                    detail = f"the server has {route} but does not implement it: {exc.detail}"
+                    errors.append((i, InferenceServerError(url, route, 501, detail)))
+                    return
+                elif exc.status != 405 or ROUTE_FLAGS[route][0] == "GET":
+                    errors.append((i, exc))
+                    return
+        if missing:
+            flags = "; ".join(f"{r} -> set {ROUTE_FLAGS[r][1]}" for r in missing)
+            detail = f"missing routes {missing}: start `vllm serve` with the flags: {flags}"
+            errors.append((i, InferenceServerError(url, missing[0], 404, detail)))
+
+    async with trio.open_nursery() as nursery:
+        for i, url in enumerate(client.urls):
+            nursery.start_soon(probe_one, i, url)
+    if errors:
+        raise_first(errors)
