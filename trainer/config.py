@@ -229,7 +229,9 @@ class DataConfig:
         "Reward function 'module:function' (response: str, answer: str) -> float (None: the task's).",
         check=module_attr,
     )
-    task: Literal["modular_sum"] = _field("modular_sum", "Built-in task when data.train is None.")
+    task: Literal["max_digit", "modular_sum"] = _field(
+        "max_digit", "Built-in task when data.train is None (see docs/concepts.md)."
+    )
     num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
 
 

@@ -1,12 +1,16 @@
 """Prompts, answers, rewards and the resumable data order.
 
-The built-in task, ``modular_sum``, asks ``sum A B =`` and expects the last digit of A + B
-(``sum 7 5 =`` -> ``2``). Why this task: the tiny model starts from random weights, so the
-task must (1) pay a random policy something, so GRPO groups have reward variance from step
-one, (2) be a real input-dependent mapping (100 prompts, 10 answers, no single answer wins),
-and (3) be learnable on two CPU cores in minutes. The reward is shaped for (1): 1.0 for
-exactly the right digit, 0.5 when the right digit comes first but more text follows, 0.1 for
-a lone wrong digit, 0 otherwise; a random policy earns ~0.02, a learned one ~1.0.
+The built-in tasks ask about a pair of digits: ``max_digit`` (the default) asks ``max A B =``
+and expects the larger digit (``max 7 5 =`` -> ``7``); ``modular_sum`` asks ``sum A B =`` and
+expects the last digit of A + B. Why ``max_digit`` by default: the tiny model starts from
+random weights, so the task must (1) pay a random policy something, so GRPO groups have
+reward variance from step one, (2) be a real input-dependent mapping (100 prompts, 10
+answers, no single answer wins), and (3) be learnable on two CPU cores in minutes: the answer
+is always one of the prompt's digits, so copying a digit is a first foothold and comparing
+them the rest. ``modular_sum`` needs both digits combined and learns much more slowly here.
+The reward is shaped for (1): 1.0 for exactly the right digit, 0.5 when the right digit comes
+first but more text follows, 0.1 for a lone wrong digit, 0 otherwise; a random policy earns
+~0.02, a learned one ~1.0.
 
 ``data.train=FILE.jsonl`` replaces it with ``{"prompt": str, "answer": str}`` rows, scored by
 ``data.reward_fn='module:function'`` (``(response: str, answer: str) -> float``); without a
@@ -33,8 +37,10 @@ __all__ = [
     "exact_match_reward",
     "load_examples",
     "load_jsonl",
+    "TASKS",
+    "digit_task_reward",
     "modular_sum_examples",
-    "modular_sum_reward",
+    "task_examples",
     "resolve_reward_fn",
 ]
 
@@ -51,17 +57,32 @@ class Example:
     index: int = 0
 
 
-def modular_sum_examples(n: int, seed: int) -> list[Example]:
-    """``n`` prompts ``sum A B =`` (A, B digits) cycling over all 100 pairs in seeded order."""
+#: Built-in tasks: prompt verb and the answer digit for a pair of digits.
+TASKS: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "max_digit": ("max", max),
+    "modular_sum": ("sum", lambda a, b: (a + b) % 10),
+}
+
+
+def task_examples(task: str, n: int, seed: int) -> list[Example]:
+    """``n`` prompts ``VERB A B =`` (A, B digits) cycling over all 100 pairs in seeded order."""
+    if task not in TASKS:
+        raise ConfigError(f"config: data.task={task!r} is not allowed: choose one of {', '.join(map(repr, TASKS))}")
+    verb, answer = TASKS[task]
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(seed).shuffle(pairs)
     return [
-        Example(f"sum {a} {b} =", str((a + b) % 10), i)
+        Example(f"{verb} {a} {b} =", str(answer(a, b)), i)
         for i, (a, b) in ((i, pairs[i % len(pairs)]) for i in range(n))
     ]
 
 
-def modular_sum_reward(response: str, answer: str) -> float:
+def modular_sum_examples(n: int, seed: int) -> list[Example]:
+    """The ``modular_sum`` task: ``sum A B =`` -> last digit of A + B."""
+    return task_examples("modular_sum", n, seed)
+
+
+def digit_task_reward(response: str, answer: str) -> float:
     """1.0 exact, 0.5 right digit first, 0.1 a lone wrong digit, else 0 (see module doc)."""
     words = response.split()
     if words == [answer]:
@@ -141,9 +162,7 @@ def load_examples(
     """The training examples and their default reward function."""
     if train is not None:
         return load_jsonl(train), exact_match_reward
-    if task == "modular_sum":
-        return modular_sum_examples(num_examples, seed), modular_sum_reward
-    raise ConfigError(f"config: data.task={task!r} is not allowed: choose one of 'modular_sum'")
+    return task_examples(task, num_examples, seed), digit_task_reward
 
 
 @attrs.define(eq=False)

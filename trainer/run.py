@@ -166,7 +166,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
     )
     reward_fn = resolve_reward_fn(cfg.data.reward_fn, default_reward)
     eval_examples = (
-        load_jsonl(cfg.data.eval) if cfg.data.eval else modular_sum_examples(100, t.seed + 1)
+        load_jsonl(cfg.data.eval) if cfg.data.eval else task_examples(cfg.data.task, 100, t.seed + 1)
     )
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
     last_step = loader.batches_per_epoch * t.epochs

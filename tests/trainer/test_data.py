@@ -8,8 +8,9 @@ from trainer.data import (
     PromptLoader,
     load_jsonl,
     modular_sum_examples,
-    modular_sum_reward,
+    digit_task_reward,
     resolve_reward_fn,
+    task_examples,
 )
 from trainer.errors import ConfigError, DataError
 
@@ -51,20 +52,20 @@ def test_numbers_are_accepted_as_answers(tmp_path):
 
 
 def test_reward_fn_resolution():
-    assert resolve_reward_fn(None, modular_sum_reward) is modular_sum_reward
-    assert resolve_reward_fn("trainer.data:exact_match_reward", modular_sum_reward)("7 ", "7") == 1.0
+    assert resolve_reward_fn(None, digit_task_reward) is digit_task_reward
+    assert resolve_reward_fn("trainer.data:exact_match_reward", digit_task_reward)("7 ", "7") == 1.0
     with pytest.raises(ConfigError, match="cannot import 'no_such_module'"):
-        resolve_reward_fn("no_such_module:f", modular_sum_reward)
+        resolve_reward_fn("no_such_module:f", digit_task_reward)
     with pytest.raises(ConfigError, match="has no callable 'nope'"):
-        resolve_reward_fn("trainer.data:nope", modular_sum_reward)
+        resolve_reward_fn("trainer.data:nope", digit_task_reward)
 
 
 def test_builtin_task_reward_pays_partial_credit_in_order():
-    assert modular_sum_reward("7", "7") == 1.0
-    assert modular_sum_reward("7 3", "7") == 0.5
-    assert modular_sum_reward("4", "7") == 0.1
-    assert modular_sum_reward("sum", "7") == 0.0
-    assert modular_sum_reward("", "7") == 0.0
+    assert digit_task_reward("7", "7") == 1.0
+    assert digit_task_reward("7 3", "7") == 0.5
+    assert digit_task_reward("4", "7") == 0.1
+    assert digit_task_reward("sum", "7") == 0.0
+    assert digit_task_reward("", "7") == 0.0
 
 
 def test_builtin_task_answers_are_the_last_digit_of_the_sum():
@@ -85,6 +86,15 @@ def test_loader_resumes_with_the_same_order_across_epochs():
     resumed.load_state_dict(first.state_dict())
     assert [[e.index for e in resumed.next_batch()] for _ in range(3)] == seen[4:]
     assert seen[0] != seen[3]  # each epoch has its own permutation
+
+
+def test_max_digit_task_answers_the_larger_digit():
+    examples = task_examples("max_digit", 100, seed=0)
+    for ex in examples:
+        _, a, b, _ = ex.prompt.split()
+        assert ex.answer == str(max(int(a), int(b)))
+    with pytest.raises(ConfigError, match="choose one of 'max_digit', 'modular_sum'"):
+        task_examples("nope", 10, 0)
 
 
 def test_batch_larger_than_data_is_a_config_error():
