@@ -364,9 +364,15 @@ class InferenceClient:
         """``POST /resume`` on every server."""
         await self.control("POST", "/resume")
 
-    async def sleep(self, level: int = 1) -> None:
-        """``POST /sleep?level=...`` on every server (1: offload weights, 2: discard them)."""
-        await self.control("POST", "/sleep", params={"level": level})
+    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+        """``POST /sleep?level=...`` on every server (1: offload weights, 2: discard them).
+
+        ``mode`` says what happens to in-flight requests, as for :meth:`pause`; None leaves
+        it to the server (vLLM's default: abort)."""
+        params: dict[str, Any] = {"level": level}
+        if mode is not None:
+            params["mode"] = mode
+        await self.control("POST", "/sleep", params=params)
 
     async def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """``POST /wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None wakes both)."""

@@ -186,6 +186,21 @@ async def _collect(
     out.append(await client.generate(prompt, params))
 
 
+async def test_a_client_that_goes_away_takes_its_request_out_of_the_batch(
+    engine_urls: list[str],
+) -> None:
+    url = engine_urls[0]
+    before = steps(await stats(url))
+    async with InferenceClient(engine_urls) as client, trio.open_nursery() as nursery:
+        nursery.start_soon(client.generate, [4, 4], LONG)
+        await wait_running(url, 1)
+        nursery.cancel_scope.cancel()  # e.g. a step deadline
+    with trio.fail_after(30):
+        while (await stats(url))["num_requests_running"]:  # noqa: ASYNC110 - remote state
+            await trio.sleep(0.02)
+    assert steps(await stats(url)) - before < LONG.max_tokens  # it did not run to the end
+
+
 BAD_REQUESTS = [
     pytest.param("POST", "/v1/completions", b"{bad", id="malformed-json"),
     pytest.param("POST", "/v1/completions", b"[1, 2]", id="not-an-object"),
