@@ -377,12 +377,12 @@ def _assemble(cls: type, leaves: dict[str, Any], prefix: str) -> Any:
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets."""
     t = cfg.trainer
-    if t.weight_sync_timeout_s is not None and t.step_timeout_s is not None:
-        if t.weight_sync_timeout_s > t.step_timeout_s:
-            raise ConfigError(
-                f"config: trainer.weight_sync_timeout_s={t.weight_sync_timeout_s:g} is out of range: "
-                f"must be <= trainer.step_timeout_s={t.step_timeout_s:g}"
-            )
+    ws, st = t.weight_sync_timeout_s, t.step_timeout_s
+    if ws is not None and st is not None and ws > st:
+        raise ConfigError(
+            f"config: trainer.weight_sync_timeout_s={ws:g} is out of range: "
+            f"must be <= trainer.step_timeout_s={st:g}"
+        )
     if t.policy_mini_batch_size is not None and t.train_batch_size % t.policy_mini_batch_size:
         raise ConfigError(
             f"config: trainer.policy_mini_batch_size={t.policy_mini_batch_size} is out of range: "

@@ -31,17 +31,17 @@ import attrs
 from trainer.errors import ConfigError, DataError
 
 __all__ = [
+    "TASKS",
     "Example",
     "PromptLoader",
     "RewardFn",
+    "digit_task_reward",
     "exact_match_reward",
     "load_examples",
     "load_jsonl",
-    "TASKS",
-    "digit_task_reward",
     "modular_sum_examples",
-    "task_examples",
     "resolve_reward_fn",
+    "task_examples",
 ]
 
 RewardFn = Callable[[str, str], float]
@@ -67,7 +67,9 @@ TASKS: dict[str, tuple[str, Callable[[int, int], int]]] = {
 def task_examples(task: str, n: int, seed: int) -> list[Example]:
     """``n`` prompts ``VERB A B =`` (A, B digits) cycling over all 100 pairs in seeded order."""
     if task not in TASKS:
-        raise ConfigError(f"config: data.task={task!r} is not allowed: choose one of {', '.join(map(repr, TASKS))}")
+        raise ConfigError(
+            f"config: data.task={task!r} is not allowed: choose one of {', '.join(map(repr, TASKS))}"
+        )
     verb, answer = TASKS[task]
     pairs = [(a, b) for a in range(10) for b in range(10)]
     random.Random(seed).shuffle(pairs)

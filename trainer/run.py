@@ -30,8 +30,8 @@ from trainer.data import (
     PromptLoader,
     load_examples,
     load_jsonl,
-    modular_sum_examples,
     resolve_reward_fn,
+    task_examples,
 )
 from trainer.deadline import step_deadline
 from trainer.errors import ConfigError
@@ -166,7 +166,9 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
     )
     reward_fn = resolve_reward_fn(cfg.data.reward_fn, default_reward)
     eval_examples = (
-        load_jsonl(cfg.data.eval) if cfg.data.eval else task_examples(cfg.data.task, 100, t.seed + 1)
+        load_jsonl(cfg.data.eval)
+        if cfg.data.eval
+        else task_examples(cfg.data.task, 100, t.seed + 1)
     )
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
     last_step = loader.batches_per_epoch * t.epochs

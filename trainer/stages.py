@@ -15,7 +15,13 @@ if TYPE_CHECKING:
     from trainer.data import Example
     from trainer.run import RunContext
 
-__all__ = ["advantages_for", "generator_input", "rollout_metrics", "save_checkpoint", "train_policy"]
+__all__ = [
+    "advantages_for",
+    "generator_input",
+    "rollout_metrics",
+    "save_checkpoint",
+    "train_policy",
+]
 
 
 def generator_input(ctx: RunContext, prompts: list[Example], step: int) -> GeneratorInput:

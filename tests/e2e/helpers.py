@@ -23,7 +23,9 @@ def new_marker() -> str:
     return uuid.uuid4().hex
 
 
-def run_trainer(*args: str, marker: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_trainer(
+    *args: str, marker: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainer", "trainer.progress=false", *args],
         capture_output=True,

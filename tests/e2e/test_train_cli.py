@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import new_marker, popen_trainer, processes_with_marker, read_metrics, run_trainer
+from tests.e2e.helpers import (
+    new_marker,
+    popen_trainer,
+    processes_with_marker,
+    read_metrics,
+    run_trainer,
+)
 from trainer.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
@@ -18,13 +24,26 @@ SMALL = ("trainer.train_batch_size=4", "generator.n_samples_per_prompt=4")
 
 def test_four_steps_write_metrics_checkpoints_and_latest(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_trainer("trainer.max_steps=4", "trainer.ckpt_interval=2", f"trainer.run_dir={run_dir}")
+    proc = run_trainer(
+        "trainer.max_steps=4", "trainer.ckpt_interval=2", f"trainer.run_dir={run_dir}"
+    )
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert {"reward/mean", "policy/loss", "policy/grad_norm", "response_length/mean"} <= r.keys()
-        for stage in ("generate", "fwd_logprobs_values_reward", "compute_advantages", "train_critic_and_policy", "sync_weights"):
+        assert {
+            "reward/mean",
+            "policy/loss",
+            "policy/grad_norm",
+            "response_length/mean",
+        } <= r.keys()
+        for stage in (
+            "generate",
+            "fwd_logprobs_values_reward",
+            "compute_advantages",
+            "train_critic_and_policy",
+            "sync_weights",
+        ):
             assert r[f"timing/{stage}"] >= 0
     assert "timing/save_checkpoints" in rows[1] and "timing/save_checkpoints" not in rows[2]
     ckpts = run_dir / "checkpoints"
@@ -45,7 +64,9 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
     marker = new_marker()
     # step 4's generation waits (non-blocking) long enough for us to kill the run there,
     # after step 3 was logged and global_step_2 saved
-    proc = popen_trainer(*common, f"trainer.run_dir={killed_dir}", "faults=generate:delay=600@4", marker=marker)
+    proc = popen_trainer(
+        *common, f"trainer.run_dir={killed_dir}", "faults=generate:delay=600@4", marker=marker
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
@@ -74,12 +95,16 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
 
     resumed_rows, straight_rows = read_metrics(killed_dir), read_metrics(straight_dir)
     assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5, 6]  # step 3 ran again, once
-    assert [r["data/example_index"] for r in resumed_rows] == [r["data/example_index"] for r in straight_rows]
+    assert [r["data/example_index"] for r in resumed_rows] == [
+        r["data/example_index"] for r in straight_rows
+    ]
     assert "resumed from" in (killed_dir / "train.log").read_text()
 
 
 def test_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path):
-    proc = run_trainer(*SMALL, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}", "trainer.resume_mode=latest")
+    proc = run_trainer(
+        *SMALL, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}", "trainer.resume_mode=latest"
+    )
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     assert "starting fresh" in (tmp_path / "train.log").read_text()

@@ -15,16 +15,34 @@ from trainer.errors import ConfigError
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["trainer.max_step=3"], "config: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)"),
+        (
+            ["trainer.max_step=3"],
+            "config: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)",
+        ),
         (["nonsense.key=1"], "config: unknown key 'nonsense.key'; see `python -m trainer --help`"),
-        (["trainer=3"], "config: trainer is a section, not a value; set its keys (trainer.KEY=...)"),
-        (["trainer.max_steps=abc"], "config: trainer.max_steps='abc' has the wrong type: expected int | None"),
+        (
+            ["trainer=3"],
+            "config: trainer is a section, not a value; set its keys (trainer.KEY=...)",
+        ),
+        (
+            ["trainer.max_steps=abc"],
+            "config: trainer.max_steps='abc' has the wrong type: expected int | None",
+        ),
         (["trainer.progress=7"], "config: trainer.progress=7 has the wrong type: expected bool"),
-        (["optim.betas=[0.9]"], "config: optim.betas=[0.9] has the wrong type: expected tuple[float, float]"),
+        (
+            ["optim.betas=[0.9]"],
+            "config: optim.betas=[0.9] has the wrong type: expected tuple[float, float]",
+        ),
         (["trainer.max_steps=0"], "config: trainer.max_steps=0 is out of range: must be >= 1"),
         (["optim.lr=-1"], "config: optim.lr=-1.0 is out of range: must be > 0"),
-        (["trainer.step_timeout_s=0"], "config: trainer.step_timeout_s=0.0 is out of range: must be > 0"),
-        (["generator.sampling.top_p=1.5"], "config: generator.sampling.top_p=1.5 is out of range: must be in [1e-06, 1]"),
+        (
+            ["trainer.step_timeout_s=0"],
+            "config: trainer.step_timeout_s=0.0 is out of range: must be > 0",
+        ),
+        (
+            ["generator.sampling.top_p=1.5"],
+            "config: generator.sampling.top_p=1.5 is out of range: must be in [1e-06, 1]",
+        ),
         (
             ["engine.pause_mode=freeze"],
             "config: engine.pause_mode='freeze' is not allowed: choose one of 'keep', 'abort', 'wait'",
@@ -33,7 +51,10 @@ from trainer.errors import ConfigError
             ["algorithm.advantage_estimator=ppo"],
             "config: algorithm.advantage_estimator='ppo' is not allowed: choose one of 'grpo', 'rloo'",
         ),
-        (["generator.cls=nocolon"], "config: generator.cls='nocolon' is out of range: must be 'package.module:Name'"),
+        (
+            ["generator.cls=nocolon"],
+            "config: generator.cls='nocolon' is out of range: must be 'package.module:Name'",
+        ),
         (
             ["trainer.step_timeout_s=5000", "trainer.weight_sync_timeout_s=6000"],
             "config: trainer.weight_sync_timeout_s=6000 is out of range: must be <= trainer.step_timeout_s=5000",
@@ -42,7 +63,10 @@ from trainer.errors import ConfigError
             ["trainer.train_batch_size=16", "trainer.policy_mini_batch_size=5"],
             "config: trainer.policy_mini_batch_size=5 is out of range: must divide trainer.train_batch_size=16",
         ),
-        (["trainer.resume_mode=path"], "config: trainer.resume_mode='path' needs trainer.resume_path=DIR"),
+        (
+            ["trainer.resume_mode=path"],
+            "config: trainer.resume_mode='path' needs trainer.resume_path=DIR",
+        ),
         (["trainer.max_steps"], "config: override 'trainer.max_steps' is not key=value"),
     ],
 )
@@ -83,13 +107,17 @@ def test_yaml_file_problems_are_config_errors(tmp_path):
 
 
 def test_budget_below_collective_timeout_warns():
-    with pytest.warns(ConfigWarning, match=r"trainer.step_timeout_s=20 is below the collective timeout"):
+    with pytest.warns(
+        ConfigWarning, match=r"trainer.step_timeout_s=20 is below the collective timeout"
+    ):
         load_config(None, ["trainer.step_timeout_s=20"])
 
 
 def test_resolved_config_round_trips_through_yaml():
     cfg = load_config(None, ["trainer.max_steps=3", "optim.betas=[0.8,0.9]"])
-    again = load_config(None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v is not None and v != ""])
+    again = load_config(
+        None, [f"{k}={v}" for k, v in _flat(to_dict(cfg)).items() if v is not None and v != ""]
+    )
     assert again == cfg
 
 

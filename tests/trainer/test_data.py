@@ -6,9 +6,9 @@ import pytest
 
 from trainer.data import (
     PromptLoader,
+    digit_task_reward,
     load_jsonl,
     modular_sum_examples,
-    digit_task_reward,
     resolve_reward_fn,
     task_examples,
 )
@@ -18,7 +18,10 @@ from trainer.errors import ConfigError, DataError
 @pytest.mark.parametrize(
     ("line", "problem"),
     [
-        ("{not json", "not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+        (
+            "{not json",
+            "not valid JSON (Expecting property name enclosed in double quotes at column 2)",
+        ),
         ("[1, 2]", "expected an object with 'prompt' and 'answer', got list"),
         ('{"answer": "1"}', "missing required field 'prompt'"),
         ('{"prompt": "sum 1 2 ="}', "missing required field 'answer'"),
