@@ -34,6 +34,7 @@ from trainer.data import (
     task_examples,
 )
 from trainer.deadline import step_deadline
+from trainer.debug import StallInstrument
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
 from trainer.metrics import MetricsLogger, StepProgress, reward_summary, setup_run_logging
@@ -63,6 +64,7 @@ class RunContext:
     progress: StepProgress
     weight_version: int = 0
     last_saved_step: int = -1
+    stalls: StallInstrument = attrs.field(factory=StallInstrument)
 
     def checkpoint_due(self, step: int) -> bool:
         interval = self.cfg.trainer.ckpt_interval
@@ -73,7 +75,8 @@ class RunContext:
         return interval > 0 and step % interval == 0 and self.eval_generator is not None
 
     def loop_metrics(self) -> dict[str, float]:
-        return {}
+        """Event-loop health over the step: the longest time the trio thread did not yield."""
+        return {"loop/max_stall_ms": self.stalls.take_max_ms()}
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         if "checkpoint/step" in metrics:
@@ -245,6 +248,9 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             last_saved_step=start if resume_from is not None else -1,
         )
         from trainer.loop import sync_weights, train_loop
+
+        trio.lowlevel.add_instrument(ctx.stalls)
+        stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
 
         # the initial sync, under weight_sync_timeout_s (a resumed policy differs from model.path)
         await sync_weights(ctx, start)
