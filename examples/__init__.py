@@ -1,0 +1,1 @@
+"""Runnable examples: custom generators (select them with ``generator.cls=examples.MODULE:Class``)."""

@@ -1,0 +1,52 @@
+"""A two-turn environment: a wrong first answer gets "no , what is the answer ?" and a retry.
+
+Run it from the repository root (``examples`` is importable from there)::
+
+    python -m trainer generator.cls=examples.multi_turn_generator:RetryOnWrongGenerator \
+        generator.max_turns=2
+
+How it plugs into the agent loop (``trainer.generators.agent_loop``): after every model turn
+the loop awaits ``env_step(item, response_ids, turn)``. Returning ``EnvStep(done=False,
+observation=TEXT)`` makes the loop append ``TEXT``'s tokens to the response with loss mask 0
+(the policy is not trained on them; their rollout logprobs are 0.0) and sample the next
+model turn from prompt + everything so far. ``EnvStep(done=True, reward=R)`` ends the
+trajectory with reward ``R``. The observation uses only words of the built-in tiny
+tokenizer's vocabulary (``trainer.models.WORDS``); an unknown word would become ``<unk>``.
+"""
+
+from __future__ import annotations
+
+from trainer.generators import TrajectoryInput
+from trainer.generators.agent_loop import AgentLoopGenerator, EnvStep
+
+__all__ = ["RETRY_OBSERVATION", "RetryOnWrongGenerator"]
+
+#: What the environment says after a wrong first answer.
+RETRY_OBSERVATION = "no , what is the answer ?"
+
+
+class RetryOnWrongGenerator(AgentLoopGenerator):
+    """Scores each model turn; a wrong answer before the last turn earns a retry.
+
+    The reward of a trajectory is that of its last model turn, times ``retry_discount`` per
+    retry, so answering right the first time pays most. With ``generator.max_turns=1`` it
+    behaves like the default single-turn generator.
+    """
+
+    #: Reward factor per retry taken.
+    retry_discount: float = 0.5
+
+    async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
+        text = self.tokenizer.decode(self._last_turn(response_ids), skip_special_tokens=True)
+        reward = float(self.reward_fn(text, item.answer))
+        if reward >= 1.0 or turn + 1 >= self.max_turns:
+            return EnvStep(done=True, reward=reward * self.retry_discount**turn)
+        return EnvStep(done=False, observation=RETRY_OBSERVATION)
+
+    def _last_turn(self, response_ids: list[int]) -> list[int]:
+        """The tokens the model produced after the last observation (all of them on turn 0)."""
+        obs = self.tokenizer.encode(RETRY_OBSERVATION, add_special_tokens=False)
+        for start in range(len(response_ids) - len(obs), -1, -1):
+            if response_ids[start : start + len(obs)] == obs:
+                return response_ids[start + len(obs) :]
+        return response_ids

@@ -1,0 +1,110 @@
+"""The examples run for real: the multi-turn generator against the in-process engine and in training."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trainer.run
+from engines.local.inprocess import open_inprocess_client
+from engines.types import SamplingParams
+from examples.multi_turn_generator import RETRY_OBSERVATION, RetryOnWrongGenerator
+from trainer.config import load_config
+from trainer.generators import GeneratorInput, TrajectoryInput
+from trainer.models import build_tiny_model, load_tokenizer
+
+GENERATOR = "examples.multi_turn_generator:RetryOnWrongGenerator"
+
+
+def always_wrong(response: str, answer: str) -> float:
+    """A reward function under which every first answer is wrong (so every trajectory retries)."""
+    return 0.0
+
+
+def always_right(response: str, answer: str) -> float:
+    return 1.0
+
+
+def _batch(tokenizer, n: int) -> GeneratorInput:
+    prompt = "max 7 5 ="
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return GeneratorInput(
+        tuple(
+            TrajectoryInput(
+                prompt=prompt,
+                prompt_ids=ids,
+                answer="7",
+                group_id=0,
+                trajectory_id=f"1-0-{i}",
+                seed=i,
+            )
+            for i in range(n)
+        )
+    )
+
+
+async def _generate(reward_fn, max_turns: int):
+    model_dir = build_tiny_model()
+    tokenizer = load_tokenizer(model_dir)
+    async with open_inprocess_client(model_dir) as engine:
+        gen = RetryOnWrongGenerator(
+            engine=engine,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            sampling=SamplingParams(temperature=1.0, max_tokens=6),
+            max_turns=max_turns,
+            max_response_tokens=64,
+        )
+        out = await gen.generate(_batch(tokenizer, 4))
+    return tokenizer, out
+
+
+async def test_wrong_first_answer_gets_an_observation_and_a_second_model_turn():
+    tokenizer, out = await _generate(always_wrong, max_turns=2)
+    obs = tokenizer.encode(RETRY_OBSERVATION, add_special_tokens=False)
+    assert len(out.trajectories) == 4
+    assert out.metrics["generate/num_turns_mean"] == 2.0
+    for t in out.trajectories:
+        assert t.num_turns == 2
+        assert t.reward == 0.0
+        env_tokens = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m == 0]
+        assert env_tokens == obs  # exactly the observation is masked out, nothing else
+        first_env = t.loss_mask.index(0)
+        assert t.response_ids[first_env : first_env + len(obs)] == obs
+        assert all(m == 1 for m in t.loss_mask[first_env + len(obs) :])  # the second model turn
+        assert len(t.loss_mask) > first_env + len(obs)
+        assert all(lp == 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask) if m == 0)
+
+
+async def test_right_first_answer_ends_the_trajectory_after_one_turn():
+    _, out = await _generate(always_right, max_turns=2)
+    for t in out.trajectories:
+        assert t.num_turns == 1
+        assert t.reward == 1.0
+        assert all(m == 1 for m in t.loss_mask)
+
+
+@pytest.mark.filterwarnings(
+    # trainer/workers/policy.py sums float(loss) of a tensor that requires grad
+    "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
+)
+async def test_multi_turn_generator_trains_end_to_end(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            f"generator.cls={GENERATOR}",
+            "generator.max_turns=2",
+            "trainer.max_steps=2",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=2",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.progress=false",
+            "data.reward_fn=tests.test_examples:always_wrong",
+        ],
+    )
+    await trainer.run.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["generate/num_turns_mean"] == 2.0 for r in rows)
+    assert all(r["reward/mean"] == 0.0 for r in rows)
