@@ -62,7 +62,7 @@ def module_attr(v: Any) -> str | None:
 @attrs.define
 class TrainerConfig:
     max_steps: int | None = _field(
-        60, "Stop after this many steps (None: run all `epochs`).", check=at_least(1)
+        200, "Stop after this many steps (None: run all `epochs`).", check=at_least(1)
     )
     epochs: int = _field(
         100, "Passes over the training prompts (max_steps usually stops first).", check=at_least(1)
@@ -125,7 +125,7 @@ class SamplingConfig:
         1.0, "Sampling temperature (also applied to the trainer's logprobs).", check=positive
     )
     top_p: float = _field(1.0, "Nucleus sampling mass.", check=in_range(1e-6, 1.0))
-    max_tokens: int = _field(6, "Most tokens per generation call.", check=at_least(1))
+    max_tokens: int = _field(4, "Most tokens per generation call.", check=at_least(1))
 
 
 @attrs.define
@@ -149,22 +149,45 @@ class GeneratorConfig:
 
 @attrs.define
 class EngineConfig:
-    backend: Literal["inprocess"] = _field(
-        "inprocess",
-        "Inference engine: 'inprocess' runs the CPU reference engine inside the trainer.",
+    backend: Literal["local", "remote", "inprocess"] = _field(
+        "local",
+        "Inference engines: 'local' starts CPU reference servers (vLLM's HTTP protocol) and stops "
+        "them at exit; 'remote' uses servers at engine.urls (e.g. `vllm serve`); 'inprocess' runs "
+        "the reference engine inside the trainer, without HTTP.",
     )
-    num_engines: int = _field(1, "Number of inference engines.", check=in_range(1, 1))
+    num_engines: int = _field(1, "Servers to start (backend=local).", check=at_least(1))
+    urls: tuple[str, ...] = _field(
+        (), "Server base URLs for backend=remote, e.g. [http://host:8000]."
+    )
+    api_key: str | None = _field(
+        None, "Bearer token for the servers (also given to servers we start)."
+    )
     pause_mode: Literal["keep", "abort", "wait"] = _field(
         "keep", "How generation pauses for a weight sync: keep (freeze), abort, wait (drain)."
     )
     max_concurrency: int = _field(
         256, "Most generation requests in flight at once.", check=at_least(1)
     )
-    control_plane_timeout_s: float | None = _field(
+    startup_timeout_s: float = _field(
+        180.0, "How long started servers may take to become healthy.", check=positive
+    )
+    control_plane_timeout_s: float = _field(
         600.0,
-        "Per-request timeout of control-plane calls (pause, resume, sleep, weight transfer); "
-        "<= 0 or None disables.",
+        "Per-request timeout of control-plane calls (pause, resume, sleep, weight transfer), "
+        "inside or outside a step; <= 0 disables. Generation requests are not bounded by it.",
         env="TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S",
+    )
+
+
+@attrs.define
+class SyncConfig:
+    transport: Literal["disk"] = _field(
+        "disk",
+        "How weights reach HTTP engines: 'disk' writes safetensors buckets the engines load "
+        "(same machine or shared mount). backend=inprocess always hands tensors over in memory.",
+    )
+    bucket_size_mb: int = _field(
+        256, "Largest weight bucket per transfer call, in MB.", check=at_least(1)
     )
 
 
@@ -209,7 +232,7 @@ class AlgorithmConfig:
 
 @attrs.define
 class OptimConfig:
-    lr: float = _field(3e-3, "AdamW learning rate.", check=positive)
+    lr: float = _field(1e-3, "AdamW learning rate.", check=positive)
     weight_decay: float = _field(0.0, "AdamW weight decay.", check=at_least(0))
     betas: tuple[float, float] = _field((0.9, 0.99), "AdamW betas.")
     max_grad_norm: float = _field(1.0, "Gradient clipping norm.", check=positive)
@@ -240,6 +263,7 @@ class Config:
     trainer: TrainerConfig = _section(TrainerConfig, "The step loop.")
     generator: GeneratorConfig = _section(GeneratorConfig, "Rollout generation.")
     engine: EngineConfig = _section(EngineConfig, "Inference engines.")
+    sync: SyncConfig = _section(SyncConfig, "Weight sync from the policy to the engines.")
     workers: WorkersConfig = _section(WorkersConfig, "Policy and reference workers.")
     model: ModelConfig = _section(ModelConfig, "The policy model.")
     algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
@@ -274,7 +298,7 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " | ".join(_type_name(t) for t in typing.get_args(tp))
     if origin is tuple:
-        return f"tuple[{', '.join(_type_name(t) for t in typing.get_args(tp))}]"
+        return f"tuple[{', '.join('...' if t is Ellipsis else _type_name(t) for t in typing.get_args(tp))}]"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
@@ -302,6 +326,12 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return value
     if origin is tuple:
         args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            if isinstance(value, str):  # engine.urls=http://a:8000 (one item)
+                value = [value]
+            if not isinstance(value, list | tuple):
+                raise wrong
+            return tuple(_coerce(key, v, args[0]) for v in value)
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise wrong
         return tuple(_coerce(key, v, t) for v, t in zip(value, args))
@@ -387,6 +417,10 @@ def validate_cfg(cfg: Config) -> None:
         raise ConfigError(
             f"config: trainer.policy_mini_batch_size={t.policy_mini_batch_size} is out of range: "
             f"must divide trainer.train_batch_size={t.train_batch_size}"
+        )
+    if cfg.engine.backend == "remote" and not cfg.engine.urls:
+        raise ConfigError(
+            "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"
         )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")

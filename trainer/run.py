@@ -21,7 +21,11 @@ import attrs
 import trio
 import yaml
 
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
+from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.types import SamplingParams
+from sync.transports import DiskTransport, InProcessTransport, WeightTransport
 from trainer import faults
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
@@ -58,6 +62,7 @@ class RunContext:
     eval_generator: Generator | None
     eval_examples: list[Example]
     engine: Any
+    transport: WeightTransport
     workers: LocalWorkerGroup
     ckpt: CheckpointManager
     metrics: MetricsLogger
@@ -128,12 +133,46 @@ def _load_generator_cls(spec: str) -> type[Generator]:
 
 
 @asynccontextmanager
-async def open_engine(cfg: Config, model_dir: Path) -> AsyncIterator[Any]:
-    """The inference engines of ``engine.backend``, stopped when the block exits."""
-    from engines.local.inprocess import open_inprocess_client
+async def open_engine(
+    cfg: Config, model_dir: Path, run_dir: Path
+) -> AsyncIterator[tuple[Any, WeightTransport]]:
+    """The engines of ``engine.backend`` and the weight transport to reach them.
 
-    async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
-        yield client
+    Servers the trainer starts are stopped when the block exits, whatever the error.
+    """
+    e = cfg.engine
+    if e.backend == "inprocess":
+        from engines.local.inprocess import open_inprocess_client
+
+        async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
+            yield client, InProcessTransport()
+        return
+    async with AsyncExitStack() as stack:
+        if e.backend == "local":
+            urls = await stack.enter_async_context(
+                launch_local_engines(
+                    e.num_engines,
+                    model_dir,
+                    run_dir / "engines",
+                    seed=cfg.trainer.seed,
+                    api_key=e.api_key,
+                    startup_timeout_s=e.startup_timeout_s,
+                )
+            )
+        else:
+            urls = list(e.urls)
+        client = await stack.enter_async_context(
+            InferenceClient(
+                urls,
+                api_key=e.api_key,
+                max_concurrency=e.max_concurrency,
+                control_plane_timeout_s=e.control_plane_timeout_s,
+            )
+        )
+        await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
+        transport = DiskTransport(run_dir / "weight_sync", cfg.sync.bucket_size_mb * 2**20)
+        await transport.init(client)
+        yield client, transport
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -196,7 +235,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         seed=t.seed,
     )
     async with AsyncExitStack() as stack:
-        engine = await stack.enter_async_context(open_engine(cfg, model_dir))
+        engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         workers = await LocalWorkerGroup.create(
             model_dir, policy_kwargs=policy_kwargs, with_ref=cfg.algorithm.use_kl_loss
         )
@@ -240,6 +279,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             else None,
             eval_examples=eval_examples,
             engine=engine,
+            transport=transport,
             workers=workers,
             ckpt=ckpt,
             metrics=stack.enter_context(MetricsLogger(metrics_path)),

@@ -1,22 +1,33 @@
-"""The weight-transfer routes of the reference server, registered in this one place.
+"""The weight-transfer routes of the reference server (vLLM's four-phase protocol).
 
-vLLM's four-phase protocol (``/init_weight_transfer_engine`` once, then
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``) is implemented with
-the weight-sync work (``sync/``); until then every method on these paths answers
-``501 Not Implemented`` with a vLLM-style error body, so a client can tell "route missing"
-(404: the ``vllm serve`` flag is not set) from "not implemented by this server" (501).
+``/init_weight_transfer_engine`` once, then per sync ``/start_weight_update``, one
+``/update_weights`` per bucket, ``/finish_weight_update``. The reference engine implements the
+``disk`` backend: each ``update_info`` names a safetensors file (vLLM's ``names``,
+``dtype_names`` and ``shapes``, plus ``path``) that the server reads in a thread and stages;
+``finish`` applies everything staged in one step, between two decode steps, so no request
+ever samples from half-updated weights. Until ``finish`` the engine serves the old weights.
+A new ``start`` discards a staged update that was never finished (an interrupted sync).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import logging
+from typing import TYPE_CHECKING, Any
 
-from engines.local.http import Request, Response, error_response
+import attrs
+import torch
+import trio
+
+from engines.local.engine import EngineAsleepError
+from engines.local.http import Request, Response, json_response
+from engines.local.protocol import ProtocolError, parse_json_object
 
 if TYPE_CHECKING:
     from engines.local.server import ServerApp
 
-__all__ = ["WEIGHT_TRANSFER_PATHS", "handle_weight_transfer"]
+__all__ = ["WEIGHT_TRANSFER_PATHS", "WeightReceiver", "handle_weight_transfer"]
+
+log = logging.getLogger(__name__)
 
 WEIGHT_TRANSFER_PATHS = (
     "/init_weight_transfer_engine",
@@ -24,12 +35,113 @@ WEIGHT_TRANSFER_PATHS = (
     "/update_weights",
     "/finish_weight_update",
 )
+BACKENDS = ("disk",)
+
+
+@attrs.define(eq=False)
+class WeightReceiver:
+    """Per-server state of the protocol: which backend, and the update being staged."""
+
+    backend: str | None = None
+    staged: dict[str, torch.Tensor] | None = None
+    updates_finished: int = 0
+
+
+def _receiver(app: ServerApp) -> WeightReceiver:
+    receiver = getattr(app, "weight_receiver", None)
+    if receiver is None:
+        receiver = WeightReceiver()
+        app.weight_receiver = receiver  # type: ignore[attr-defined]
+    return receiver
 
 
 async def handle_weight_transfer(app: ServerApp, request: Request) -> Response:
-    """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (any method): 501 for now."""
-    return error_response(
-        501,
-        f"{request.path} is not implemented by the reference engine yet "
-        "(implemented with weight sync)",
-    )
+    """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (POST only)."""
+    if request.method != "POST":
+        raise ProtocolError(405, f"{request.path} accepts POST only")
+    body = parse_json_object(request.body) if request.body.strip() else {}
+    rx = _receiver(app)
+    if request.path == "/init_weight_transfer_engine":
+        info = body.get("init_info", {})
+        backend = info.get("backend", "disk") if isinstance(info, dict) else None
+        if backend not in BACKENDS:
+            raise ProtocolError(
+                400,
+                f"init_info.backend must be one of {', '.join(BACKENDS)}, got {backend!r}",
+                "init_info",
+            )
+        rx.backend = backend
+        return json_response({"backend": backend})
+    if rx.backend is None:
+        raise ProtocolError(409, "call /init_weight_transfer_engine first")
+    if request.path == "/start_weight_update":
+        if rx.staged is not None:
+            log.warning("a weight update was started and never finished: discarding it")
+        rx.staged = {}
+        return json_response({})
+    if rx.staged is None:
+        raise ProtocolError(
+            409, f"{request.path} outside an update: call /start_weight_update first"
+        )
+    if request.path == "/update_weights":
+        info = body.get("update_info")
+        if not isinstance(info, dict):
+            raise ProtocolError(400, "the body needs an 'update_info' object", "update_info")
+        rx.staged.update(await _read_bucket(app, info))
+        return json_response({"staged": len(rx.staged)})
+    staged, rx.staged = rx.staged, None
+    try:
+        await app.engine.load_weights(staged)
+    except EngineAsleepError as exc:
+        raise ProtocolError(409, f"{exc} before finishing a weight update") from None
+    rx.updates_finished += 1
+    return json_response({"weight_version": app.engine.weight_version, "loaded": len(staged)})
+
+
+async def _read_bucket(app: ServerApp, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    names, dtypes, shapes, path = (info.get(k) for k in ("names", "dtype_names", "shapes", "path"))
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+        raise ProtocolError(
+            400, "update_info needs lists 'names', 'dtype_names' and 'shapes'", "update_info"
+        )
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ProtocolError(
+            400, "update_info: names, dtype_names and shapes differ in length", "update_info"
+        )
+    if not isinstance(path, str):
+        raise ProtocolError(
+            400, "update_info.path (a safetensors file) is required by the disk backend", "path"
+        )
+    params = dict(app.engine.model.named_parameters())
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if name not in params:
+            raise ProtocolError(400, f"unknown parameter {name!r}", "names")
+        if list(params[name].shape) != shape:
+            raise ProtocolError(
+                400,
+                f"{name}: shape {shape} does not match the model's {list(params[name].shape)}",
+                "shapes",
+            )
+        if not hasattr(torch, str(dtype)):
+            raise ProtocolError(400, f"{name}: unknown dtype {dtype!r}", "dtype_names")
+
+    def load() -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(path)
+
+    try:
+        tensors = await trio.to_thread.run_sync(load)
+    except (OSError, ValueError, RuntimeError) as exc:  # missing file, corrupt header
+        raise ProtocolError(400, f"cannot read {path}: {exc}", "path") from None
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ProtocolError(400, f"{path} lacks {missing[0]!r} announced in names", "path")
+    for name, shape in zip(names, shapes):
+        if list(tensors[name].shape) != shape:
+            raise ProtocolError(
+                400,
+                f"{path}: {name} has shape {list(tensors[name].shape)}, announced {shape}",
+                "path",
+            )
+    return {n: tensors[n] for n in names}

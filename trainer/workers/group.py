@@ -45,6 +45,10 @@ class WorkerGroup(Protocol):
         """Rank 0's weights, for a weight sync to the engines."""
         ...
 
+    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
+        """Rank 0's weights as safetensors buckets under ``directory``; one update_info each."""
+        ...
+
     async def save_checkpoint(
         self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
     ) -> Path:

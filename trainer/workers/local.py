@@ -109,6 +109,16 @@ class LocalWorkerGroup:
             self.policy.named_weights, abandon_on_cancel=True, limiter=self._policy_limiter
         )
 
+    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
+        """Write rank 0's weights as safetensors buckets (for the disk transport)."""
+        return await trio.to_thread.run_sync(
+            self.policy.export_weights,
+            directory,
+            bucket_bytes,
+            abandon_on_cancel=True,
+            limiter=self._policy_limiter,
+        )
+
     async def save_checkpoint(
         self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
     ) -> Path:

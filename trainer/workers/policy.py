@@ -171,6 +171,43 @@ class PolicyWorker:
         """Detached copies of every parameter, as the inference engines name them."""
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
+    def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
+        """Write parameters as safetensors buckets of at most ``bucket_bytes`` (one tensor may exceed it).
+
+        Returns one ``update_info`` per bucket (vLLM's names/dtype_names/shapes, plus ``path``).
+        """
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        buckets: list[dict[str, Any]] = []
+        current: dict[str, torch.Tensor] = {}
+        size = 0
+
+        def flush() -> None:
+            nonlocal current, size
+            if not current:
+                return
+            path = directory / f"bucket_{len(buckets)}.safetensors"
+            save_file(current, str(path))
+            buckets.append(
+                {
+                    "names": list(current),
+                    "dtype_names": [str(t.dtype).removeprefix("torch.") for t in current.values()],
+                    "shapes": [list(t.shape) for t in current.values()],
+                    "path": str(path.resolve()),
+                }
+            )
+            current, size = {}, 0
+
+        for name, param in self.model.named_parameters():
+            nbytes = param.numel() * param.element_size()
+            if current and size + nbytes > bucket_bytes:
+                flush()
+            current[name] = param.detach().contiguous()
+            size += nbytes
+        flush()
+        return buckets
+
     def save_checkpoint(self, directory: Path) -> None:
         """Write model (HF-loadable), optimizer, scheduler and RNG states into ``directory``."""
         save_model(self.model, directory / "policy")
