@@ -221,7 +221,10 @@ class AlgorithmConfig:
         0.2, "PPO clip: lower bound is 1 - clip_ratio_low.", check=in_range(0, 1)
     )
     clip_ratio_high: float = _field(
-        0.2, "PPO clip: upper bound is 1 + clip_ratio_high.", check=at_least(0)
+        0.28,
+        "PPO clip: upper bound is 1 + clip_ratio_high (above clip_ratio_low, as DAPO's clip-higher, "
+        "to keep exploring: with 0.2 the tiny default model collapses to one answer per prompt).",
+        check=at_least(0),
     )
     use_kl_loss: bool = _field(
         False, "Add a KL penalty to a frozen reference model (loads a ref worker)."
