@@ -7,6 +7,7 @@ The sleep test runs last: sleeping at level 2 discards the weights.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -22,6 +23,15 @@ from trainer.errors import InferenceServerError
 from trainer.models import load_tokenizer
 
 LONG = SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0)
+
+
+@pytest.fixture(autouse=True)
+async def _leave_the_server_serving(engine_urls: list[str]) -> AsyncIterator[None]:
+    """Whatever a test did (or failed to undo), the next one finds the server resumed and awake."""
+    yield
+    async with httpx.AsyncClient(timeout=30) as http:
+        await http.post(f"{engine_urls[0]}/resume")
+        await http.post(f"{engine_urls[0]}/wake_up")
 
 
 async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list[str]) -> None:
@@ -160,9 +170,11 @@ async def test_pause_wait_drains_in_flight_requests_then_pauses(engine_urls: lis
                 nursery.start_soon(one)
             await wait_running(url, 4)
             await client.pause("wait")
-            events.append("paused")
-        assert events == ["done"] * 4 + ["paused"]
-        assert [len(c.token_ids) for c in results] == [60] * 4
+            drained = await stats(url)  # the 4 responses may still be on their way
+        assert (drained["num_requests_running"], drained["num_requests_waiting"]) == (0, 0)
+        assert [(c.finish_reason, len(c.token_ids)) for c in results] == [("length", 60)] * 4
+        assert events == ["done"] * 4
+        assert steps(await stats(url)) == steps(drained)  # paused: nothing decodes
         # a request sent while paused waits for the resume
         late: list[Completion] = []
         answered = trio.Event()
