@@ -1,0 +1,101 @@
+"""The disk transport through a real reference server: the engine ends up with the policy's weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
+from engines.local.engine import state_checksum
+from engines.types import SamplingParams
+from sync.transports import DiskTransport
+from sync.weights import save_weights_for_sampler
+from trainer.errors import InferenceServerError
+from trainer.models import build_tiny_model
+from trainer.workers.local import LocalWorkerGroup
+
+
+async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_path):
+    model_dir = build_tiny_model()
+    workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    with torch.no_grad():  # the policy moves away from the weights the server started with
+        for p in workers.policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    policy_sum = state_checksum(dict(workers.policy.model.named_parameters()))
+    async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
+        async with InferenceClient(urls) as client:
+            (before,) = [
+                r["checksum"]
+                for r in await client.control_json(
+                    "POST", "/weight_checker", json={"action": "checksum"}
+                )
+            ]
+            assert before != policy_sum
+            # a small bucket size: several /update_weights calls, applied together at finish
+            transport = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
+            await transport.init(client)
+            result = await save_weights_for_sampler(workers, client, transport)
+            (after,) = [
+                r["checksum"]
+                for r in await client.control_json(
+                    "POST", "/weight_checker", json={"action": "checksum"}
+                )
+            ]
+            assert after == policy_sum
+            assert result["sync/last_weight_sync_seconds"] > 0
+            assert not (await client.is_paused())[0]  # the bracket resumed generation
+            completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))
+            assert completion.finish_reason in ("stop", "length")
+    assert not list((tmp_path / "sync").glob("v*"))  # bucket files are removed after the sync
+
+
+async def test_protocol_misuse_and_bad_buckets_are_4xx_not_5xx(tmp_path):
+    model_dir = build_tiny_model()
+    async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
+        async with InferenceClient(urls) as client:
+
+            async def status_of(path: str, body: dict) -> int:
+                with pytest.raises(InferenceServerError) as info:
+                    await client.control("POST", path, json=body)
+                assert info.value.status is not None
+                return info.value.status
+
+            assert await status_of("/start_weight_update", {}) == 409  # before init
+            assert (
+                await status_of("/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})
+                == 400
+            )
+            await client.control(
+                "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
+            )
+            assert (
+                await status_of("/update_weights", {"update_info": {}}) == 409
+            )  # outside an update
+            assert await status_of("/finish_weight_update", {}) == 409
+            await client.control("POST", "/start_weight_update", json={})
+            unknown = {
+                "names": ["no.such"],
+                "dtype_names": ["float32"],
+                "shapes": [[1]],
+                "path": "/nope",
+            }
+            assert await status_of("/update_weights", {"update_info": unknown}) == 400
+            name = "model.norm.weight"
+            missing_file = {
+                "names": [name],
+                "dtype_names": ["float32"],
+                "shapes": [[64]],
+                "path": "/nope",
+            }
+            assert await status_of("/update_weights", {"update_info": missing_file}) == 400
+            wrong_shape = {
+                "names": [name],
+                "dtype_names": ["float32"],
+                "shapes": [[3]],
+                "path": "/nope",
+            }
+            assert await status_of("/update_weights", {"update_info": wrong_shape}) == 400
+            await client.control(
+                "POST", "/finish_weight_update", json={}
+            )  # an empty update is fine
