@@ -165,7 +165,18 @@ class LocalEngine:
 
     @property
     def num_requests(self) -> int:
+        """Requests not finished yet (decoding or queued)."""
         return len(self._pending) + len(self._active)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted to the batch (frozen ones included while paused)."""
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission."""
+        return len(self._pending)
 
     @property
     def _awake(self) -> bool:

@@ -337,8 +337,8 @@ class ServerApp:
         e = self.engine
         return {
             "batch_size_counts": {str(k): v for k, v in sorted(e.batch_size_counts.items())},
-            "num_requests_running": len(e._active),
-            "num_requests_waiting": len(e._pending),
+            "num_requests_running": e.num_running,
+            "num_requests_waiting": e.num_waiting,
             "is_paused": e.is_paused,
             "is_sleeping": e.is_sleeping,
             "weight_version": e.weight_version,
