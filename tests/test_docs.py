@@ -71,15 +71,19 @@ def reference_markdown() -> str:
         title = f"### `{section}`"
         doc = sections.get(section, "")
         subs = [
-            f"`{name}`: {sdoc}"
-            for name, sdoc in sections.items()
-            if name.startswith(section + ".")
+            f"`{name}`: {sdoc}" for name, sdoc in sections.items() if name.startswith(section + ".")
         ]
         intro = " ".join(filter(None, [doc, *subs]))
         parts.append(
             "\n".join(
-                [title, "", *([intro, ""] if intro else []), "| key | default | type | doc |",
-                 "|---|---|---|---|", *rows]
+                [
+                    title,
+                    "",
+                    *([intro, ""] if intro else []),
+                    "| key | default | type | doc |",
+                    "|---|---|---|---|",
+                    *rows,
+                ]
             )
         )
     return "\n\n".join(parts) + "\n"
@@ -111,8 +115,12 @@ def test_configuration_reference_defaults_match_the_config_and_list_no_removed_k
     }
     current = {key: repr(_default(key)) for key, _a, _tp in iter_fields()}
     removed = sorted(set(documented) - set(current))
-    assert not removed, f"docs/configuration.md documents keys that no longer exist: {removed}; {REGENERATE}"
-    stale = {k: (documented[k], v) for k, v in current.items() if k in documented and documented[k] != v}
+    assert not removed, (
+        f"docs/configuration.md documents keys that no longer exist: {removed}; {REGENERATE}"
+    )
+    stale = {
+        k: (documented[k], v) for k, v in current.items() if k in documented and documented[k] != v
+    }
     assert not stale, f"docs/configuration.md has stale defaults (doc, code): {stale}; {REGENERATE}"
 
 
