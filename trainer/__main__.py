@@ -44,7 +44,7 @@ def _train(argv: list[str]) -> int:
     import trio
 
     from trainer.config import ConfigWarning, load_config
-    from trainer.errors import ConfigError, DataError
+    from trainer.errors import CheckpointError, ConfigError, DataError
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config")
@@ -71,7 +71,7 @@ def _train(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("KeyboardInterrupt: training interrupted", file=sys.stderr)
         return 130
-    except (ConfigError, DataError) as exc:
+    except (ConfigError, DataError, CheckpointError) as exc:
         return _fail(exc, code=2, show_traceback=False)
     except BaseException as exc:
         return _fail(exc, code=1, show_traceback=True)

@@ -60,6 +60,8 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+from trainer.errors import CheckpointError
+
 __all__ = [
     "LATEST_FILE",
     "MANIFEST_FILE",
@@ -95,13 +97,6 @@ MANIFEST_FORMAT = 1
 
 _STEP_RE = re.compile(re.escape(STEP_DIR_PREFIX) + r"(0|[1-9][0-9]*)")
 _CHUNK = 1 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupted, or holds something we refuse to load.
-
-    The message names the path, what was wrong and what to do. Picklable (one argument).
-    """
 
 
 # --------------------------------------------------------------------------- file helpers

@@ -10,7 +10,7 @@ is always one of the prompt's digits, so copying a digit is a first foothold and
 them the rest. ``modular_sum`` needs both digits combined and learns much more slowly here.
 The reward is shaped for (1): 1.0 for exactly the right digit, 0.5 when the right digit comes
 first but more text follows, 0.1 for a lone wrong digit, 0 otherwise; a random policy earns
-~0.02, a learned one ~1.0.
+~0.01, a learned one ~1.0.
 
 ``data.train=FILE.jsonl`` replaces it with ``{"prompt": str, "answer": str}`` rows, scored by
 ``data.reward_fn='module:function'`` (``(response: str, answer: str) -> float``); without a

@@ -13,6 +13,7 @@ Hierarchy::
     │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
     │   ├── EngineStartError               an engine server died or never became healthy
     │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
+    │   ├── CheckpointError                a checkpoint is missing, incomplete or corrupted
     │   ├── WorkerError                    a policy/ref worker failed or died
     │   └── FaultInjected                  an ``error=`` fault from ``faults=`` fired
     └── ValueError
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 __all__ = [
     "CheckpointEngineInitError",
+    "CheckpointError",
     "ConfigError",
     "DataError",
     "EngineStartError",
@@ -138,6 +140,13 @@ class CheckpointEngineInitError(RuntimeError):
             f"{_fmt_seconds(self.timeout_s)}s; if the init is slow but healthy, raise "
             f"sync.group_init_timeout_s (env TRAINER_GROUP_INIT_TIMEOUT_S)"
         )
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, corrupted, or holds something we refuse to load.
+
+    The message names the path, what was wrong and what to do.
+    """
 
 
 class WorkerError(RuntimeError):

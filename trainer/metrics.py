@@ -14,21 +14,42 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-__all__ = ["MetricsLogger", "StepProgress", "reward_summary", "setup_run_logging"]
+__all__ = [
+    "MetricsLogger",
+    "StepProgress",
+    "reward_summary",
+    "setup_run_logging",
+    "teardown_run_logging",
+]
 
 log = logging.getLogger("trainer")
+LOGGERS = ("trainer", "engines", "sync", "py.warnings")
 
 
-def setup_run_logging(run_dir: Path) -> logging.Handler:
-    """Send the ``trainer`` logger (and warnings) to ``RUN_DIR/train.log``."""
-    handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in ("trainer", "engines", "sync", "py.warnings"):
+def setup_run_logging(run_dir: Path) -> list[logging.Handler]:
+    """Send our loggers (and warnings) to ``RUN_DIR/train.log``; warnings also to stderr."""
+    file_handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    handlers: list[logging.Handler] = [file_handler, console]
+    for name in LOGGERS:
         logger = logging.getLogger(name)
-        logger.addHandler(handler)
+        for h in handlers:
+            logger.addHandler(h)
         logger.setLevel(logging.INFO)
     logging.captureWarnings(True)
-    return handler
+    return handlers
+
+
+def teardown_run_logging(handlers: list[logging.Handler]) -> None:
+    for name in LOGGERS:
+        for h in handlers:
+            logging.getLogger(name).removeHandler(h)
+    for h in handlers:
+        h.close()
+    logging.captureWarnings(False)
 
 
 def _jsonable(value: Any) -> Any:

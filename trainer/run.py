@@ -41,7 +41,13 @@ from trainer.deadline import step_deadline
 from trainer.debug import StallInstrument
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
-from trainer.metrics import MetricsLogger, StepProgress, reward_summary, setup_run_logging
+from trainer.metrics import (
+    MetricsLogger,
+    StepProgress,
+    reward_summary,
+    setup_run_logging,
+    teardown_run_logging,
+)
 from trainer.models import load_tokenizer, resolve_model_path
 from trainer.workers.local import LocalWorkerGroup
 
@@ -100,7 +106,7 @@ class RunContext:
         from trainer.stages import generator_input
 
         assert self.eval_generator is not None
-        out = await self.eval_generator.generate(generator_input(self, self.eval_examples, 0))
+        out = await self.eval_generator.generate(generator_input(self, self.eval_examples, 0, n=1))
         rewards = [t.reward for t in out.trajectories]
         return {
             "eval/reward_mean": statistics.fmean(rewards),
@@ -190,13 +196,29 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
 async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
     run_dir = _make_run_dir(cfg)
-    log_handler = setup_run_logging(run_dir)
+    handlers = setup_run_logging(run_dir)
     faults.install(cfg.faults)
+    _limit_torch_threads(cfg)
     try:
         return await _train(cfg, run_dir)
     finally:
-        logging.getLogger("trainer").removeHandler(log_handler)
-        log_handler.close()
+        teardown_run_logging(handlers)
+
+
+def _limit_torch_threads(cfg: Config) -> None:
+    """On a CPU-only machine, share the cores with the engine servers instead of oversubscribing.
+
+    Each process defaulting to all cores makes tiny forward passes tens of times slower on a
+    busy two-core box; the servers we start use one thread each.
+    """
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
 
 
 async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:

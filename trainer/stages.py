@@ -24,9 +24,11 @@ __all__ = [
 ]
 
 
-def generator_input(ctx: RunContext, prompts: list[Example], step: int) -> GeneratorInput:
-    """Each prompt ``n_samples_per_prompt`` times, with reproducible per-trajectory seeds."""
-    n = ctx.cfg.generator.n_samples_per_prompt
+def generator_input(
+    ctx: RunContext, prompts: list[Example], step: int, n: int | None = None
+) -> GeneratorInput:
+    """Each prompt ``n`` times (default ``n_samples_per_prompt``), with reproducible seeds."""
+    n = n or ctx.cfg.generator.n_samples_per_prompt
     items = []
     for g, ex in enumerate(prompts):
         prompt_ids = ctx.tokenizer.encode(ex.prompt, add_special_tokens=False)

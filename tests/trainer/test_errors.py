@@ -13,6 +13,7 @@ import pytest
 import trainer.errors
 from trainer.errors import (
     CheckpointEngineInitError,
+    CheckpointError,
     ConfigError,
     DataError,
     EngineStartError,
@@ -41,6 +42,9 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "server-timeout": lambda: InferenceServerTimeoutError(URL, "/pause", 5),
     "engine-start": lambda: EngineStartError(URL, "exited with code 1", "OSError: port in use"),
     "group-init": lambda: CheckpointEngineInitError("weight_sync", 600),
+    "checkpoint": lambda: CheckpointError(
+        "runs/x/checkpoints/global_step_4: manifest.json is missing"
+    ),
     "worker": lambda: WorkerError("policy", 0, "train_critic_and_policy", "CUDA out of memory"),
     "fault": lambda: FaultInjected("forward_backward", "boom", 2),
     "fault-no-step": lambda: FaultInjected("/pause", "boom"),
@@ -160,6 +164,7 @@ def test_fault_injected_names_operation_and_step():
 def test_public_api_is_pinned():
     assert sorted(trainer.errors.__all__) == [
         "CheckpointEngineInitError",
+        "CheckpointError",
         "ConfigError",
         "DataError",
         "EngineStartError",

@@ -6,6 +6,7 @@ backend) or inside an actor process (Ray backend), so every method may block.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -146,11 +147,19 @@ class PolicyWorker:
                 kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
                 kl_loss = algorithms.masked_sum(kl, mb.loss_mask) / num_tokens
                 loss = loss + self.kl_loss_coef * kl_loss
-                totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss)
+                totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss.detach())
             loss.backward()
-            totals["policy/loss"] = totals.get("policy/loss", 0.0) + float(loss)
+            totals["policy/loss"] = totals.get("policy/loss", 0.0) + float(loss.detach())
             for k, v in metrics.items():
-                totals[f"policy/{k}"] = totals.get(f"policy/{k}", 0.0) + v * weight
+                key = f"policy/{k}"
+                if k.endswith("_max"):
+                    totals[key] = max(totals.get(key, -math.inf), v)
+                elif k.endswith("_min"):
+                    totals[key] = min(totals.get(key, math.inf), v)
+                elif k == "num_tokens":
+                    totals[key] = totals.get(key, 0.0) + v
+                else:  # token-weighted mean over micro-batches
+                    totals[key] = totals.get(key, 0.0) + v * weight
         return totals
 
     def optim_step(self) -> dict[str, float]:
