@@ -74,18 +74,24 @@ class EngineProcess:
     url: str
     #: True once it answered ``/health``.
     ready: bool = False
+    #: Size of the (appended) log when this process started: only what follows is its own.
+    log_offset: int = 0
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     async def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        """The last ``chars`` characters of its log ("" if the log cannot be read)."""
+        """The last ``chars`` characters this process wrote to its log ("" if unreadable).
+
+        The log is appended across runs (a resumed run reuses its run directory), so
+        earlier runs' lines, such as a stale ready line with an old port, are skipped.
+        """
         try:
-            text = await trio.Path(self.log_path).read_text(errors="replace")
+            data = await trio.Path(self.log_path).read_bytes()
         except OSError:
             return ""
-        return text[-chars:]
+        return data[self.log_offset :].decode(errors="replace")[-chars:]
 
 
 def _server_command(
@@ -110,6 +116,7 @@ def _child_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, 
 
 async def _spawn(index: int, cmd: list[str], log_path: Path, env: dict[str, str]) -> EngineProcess:
     log_file = await trio.to_thread.run_sync(lambda: open(log_path, "ab"))  # noqa: SIM115
+    offset = log_file.seek(0, 2)
     try:
         process = await trio.lowlevel.open_process(
             cmd,
@@ -121,7 +128,9 @@ async def _spawn(index: int, cmd: list[str], log_path: Path, env: dict[str, str]
         )
     finally:
         log_file.close()  # the child holds its own descriptor
-    return EngineProcess(index, process, log_path, f"engine-{index} (pid {process.pid})")
+    return EngineProcess(
+        index, process, log_path, f"engine-{index} (pid {process.pid})", log_offset=offset
+    )
 
 
 async def _wait_ready(

@@ -49,3 +49,23 @@ def test_hung_pause_exits_with_weight_sync_timeout(tmp_path):
         line,
     ), line
     assert processes_with_marker(marker) == []
+
+
+def test_control_plane_timeout_names_the_endpoint_before_the_weight_sync_budget(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        "trainer.max_steps=3",
+        "trainer.weight_sync_timeout_s=15",
+        "engine.control_plane_timeout_s=5",
+        "faults=/pause:hang@2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode != 0
+    line = last_stderr_line(proc)
+    assert re.fullmatch(
+        r"InferenceServerTimeoutError: /pause on http://127\.0\.0\.1:\d+ did not answer within 5s "
+        r"\(engine\.control_plane_timeout_s, env TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S\)",
+        line,
+    ), line
+    assert processes_with_marker(marker) == []

@@ -120,3 +120,20 @@ def _children_running_engines_local() -> list[int]:
         if ppid == me and b"engines.local" in cmdline:
             found.append(int(entry.name))
     return found
+
+
+async def test_a_second_launch_in_the_same_log_dir_ignores_the_first_servers_ready_line(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    # a resumed run reuses its run directory, so the appended log holds an old ready line
+    async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=STARTUP_S) as first:
+        pass
+    with trio.fail_after(STARTUP_S):
+        async with launch_local_engines(
+            1, model_dir, tmp_path, startup_timeout_s=STARTUP_S
+        ) as second:
+            async with InferenceClient(second) as client:
+                completion = await client.generate([5, 6], SamplingParams(max_tokens=1, seed=0))
+    assert completion.finish_reason == "length"
+    assert (tmp_path / "engine-0.log").read_text().count("ENGINE_READY") == 2
+    del first

@@ -16,7 +16,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.client import InferenceClient
+from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.types import Completion, SamplingParams
 from tests.engines.helpers import stats, steps, wait_running
 from trainer.errors import InferenceServerError
@@ -133,6 +133,22 @@ async def test_pause_keep_freezes_in_flight_requests_until_resume(engine_urls: l
         await client.resume()
     assert [c.finish_reason for c in results] == ["length"] * 4
     assert all(len(c.token_ids) == 250 for c in results)
+
+
+async def test_control_plane_answers_while_frozen_requests_hold_every_data_connection(
+    engine_urls: list[str],
+) -> None:
+    n = DATA_CONNECTIONS_PER_SERVER + 8  # more frozen requests than the data-plane pool holds
+    results: list[Completion] = []
+    async with InferenceClient(engine_urls) as client, trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(lambda i=i: _collect(client, results, [7, i % 40 + 1], LONG))
+        await wait_running(engine_urls[0], DATA_CONNECTIONS_PER_SERVER)
+        await client.pause("keep")
+        with trio.fail_after(30):  # a control call must not queue behind frozen generation
+            assert await client.is_paused() == [True]
+            await client.resume()
+    assert len(results) == n
 
 
 async def test_pause_abort_ends_in_flight_requests_with_partial_tokens(
