@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +62,15 @@ def processes_with_marker(marker: str) -> list[int]:
         if f"TRAINER_TEST_MARKER={marker}".encode() in environ and state != "Z":
             found.append(int(proc.name))
     return found
+
+
+def wait_until_gone(marker: str, timeout: float = 30.0) -> list[int]:
+    """Processes with ``marker`` still alive after ``timeout`` seconds (servers of a SIGKILLed
+    trainer exit when their stdin pipe closes; give them a bounded moment)."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -11,9 +11,9 @@ import pytest
 from tests.e2e.helpers import (
     new_marker,
     popen_trainer,
-    processes_with_marker,
     read_metrics,
     run_trainer,
+    wait_until_gone,
 )
 from trainer.checkpoint import CheckpointManager
 
@@ -84,7 +84,7 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
             proc.kill()
         if proc.stdout:
             proc.stdout.close()
-    assert processes_with_marker(marker) == []
+    assert wait_until_gone(marker) == []  # its engine server followed it
     assert (killed_dir / "checkpoints" / "latest").read_text().strip() == "global_step_2"
     assert [r["step"] for r in read_metrics(killed_dir)] == [1, 2, 3]
 
