@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,7 @@ def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFn:
         raise ConfigError(
             f"config: data.reward_fn={spec!r}: {module_name} has no callable {attr!r}"
         )
-    return fn
+    return typing.cast(RewardFn, fn)
 
 
 def load_examples(

@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "SPECIAL_TOKENS",
@@ -61,7 +62,7 @@ WORDS = [
     *["user", "assistant", "tool", "call", "result", "error", "ok", "yes", "no"],
 ]
 
-TINY_MODEL_CONFIG = dict(
+TINY_MODEL_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=2,
@@ -134,9 +135,9 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     tokenizer = _build_tokenizer()
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=int(tokenizer.pad_token_id),  # type: ignore[arg-type]
+        eos_token_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
+        bos_token_id=int(tokenizer.bos_token_id),  # type: ignore[arg-type]
         **TINY_MODEL_CONFIG,
     )
     gen = torch.random.fork_rng()

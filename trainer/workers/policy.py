@@ -132,6 +132,7 @@ class PolicyWorker:
         totals: dict[str, float] = {}
         for s in _micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s)
+            assert mb.old_logprobs is not None and mb.advantages is not None
             logprobs = _forward_logprobs(self.model, mb, self.temperature)
             loss, metrics = algorithms.policy_loss(
                 logprobs,
@@ -168,7 +169,10 @@ class PolicyWorker:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"policy/grad_norm": float(grad_norm), "policy/lr": self.scheduler.get_last_lr()[0]}
+        return {
+            "policy/grad_norm": float(grad_norm),
+            "policy/lr": float(self.scheduler.get_last_lr()[0]),
+        }
 
     def offload_to_cpu(self) -> None:
         """Move optimizer state and gradients to host memory (a no-op on a CPU-only run)."""
