@@ -11,6 +11,7 @@ import datetime
 import json
 import logging
 import statistics
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from importlib import import_module
@@ -181,6 +182,20 @@ async def open_engine(
         yield client, transport
 
 
+class _TeardownClock:
+    """Logs how long stopping engines and workers took after a failure (bounded by design)."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.monotonic()
+
+    def report(self, *exc_info: object) -> None:
+        if self._started is not None:
+            log.info("teardown after failure took %.2fs", time.monotonic() - self._started)
+
+
 def _truncate_metrics(path: Path, last_step: int) -> None:
     """Drop lines of steps after the resumed checkpoint (they will be run again)."""
     if not path.exists():
@@ -257,6 +272,8 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         seed=t.seed,
     )
     async with AsyncExitStack() as stack:
+        teardown = _TeardownClock()
+        stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
         engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         workers = await LocalWorkerGroup.create(
             model_dir, policy_kwargs=policy_kwargs, with_ref=cfg.algorithm.use_kl_loss
@@ -315,15 +332,17 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
 
         # the initial sync, under weight_sync_timeout_s (a resumed policy differs from model.path)
-        await sync_weights(ctx, start)
-        await train_loop(ctx, start + 1, last_step)
-        if t.ckpt_interval and ctx.last_saved_step != last_step and last_step > start:
-            from trainer.stages import save_checkpoint
+        try:
+            await sync_weights(ctx, start)
+            await train_loop(ctx, start + 1, last_step)
+            if t.ckpt_interval and ctx.last_saved_step != last_step and last_step > start:
+                from trainer.stages import save_checkpoint
 
-            with step_deadline(
-                last_step, t.step_timeout_s
-            ):  # a save outside a step: its own budget
-                await save_checkpoint(ctx, last_step)
+                with step_deadline(last_step, t.step_timeout_s):  # outside a step: its own budget
+                    await save_checkpoint(ctx, last_step)
+        except BaseException:
+            teardown.start()
+            raise
     return _summarize(run_dir, metrics_path)
 
 
