@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ELAPSED = re.compile(r"exceeded its [\d.]+s budget after ([\d.]+)s")
+#: The run's log keeps the error's repr: StepTimeoutError(step, budget_s, elapsed_s, stage, op)
+ELAPSED = re.compile(r"run failed: StepTimeoutError\(\d+, [\d.]+, ([\d.]+),")
 TEARDOWN = re.compile(r"teardown after failure took ([\d.]+)s")
 
 
@@ -43,11 +44,12 @@ def main() -> None:
             )
             wall = time.monotonic() - t0
             last = proc.stderr.strip().splitlines()[-1]
-            elapsed = ELAPSED.search(last)
-            teardown = TEARDOWN.search((Path(tmp) / "train.log").read_text())
+            log = (Path(tmp) / "train.log").read_text()
+            elapsed = ELAPSED.search(log)
+            teardown = TEARDOWN.search(log)
             over = float(elapsed[1]) - budget if elapsed else float("nan")
             down = float(teardown[1]) if teardown else float("nan")
-            print(f"{i:>3} {over:>11.2f} {down:>10.2f} {wall:>7.1f}  {last[:100]}")
+            print(f"{i:>3} {over:>11.3f} {down:>10.2f} {wall:>7.1f}  {last[:100]}")
 
 
 if __name__ == "__main__":

@@ -216,6 +216,10 @@ async def train(cfg: Config) -> dict[str, Any]:
     _limit_torch_threads(cfg)
     try:
         return await _train(cfg, run_dir)
+    except BaseException as exc:
+        # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
+        log.info("run failed: %r", exc)
+        raise
     finally:
         teardown_run_logging(handlers)
 
