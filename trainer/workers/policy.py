@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from trainer import algorithms
-from trainer.checkpoint import (
+from trainer.checkpoint_io import (
     load_model,
     load_state,
     rng_state,
