@@ -1,0 +1,56 @@
+"""The local worker group: calls run off the event loop, and a hung worker times out at its call site."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+
+from trainer import faults
+from trainer.deadline import Timer, step_deadline
+from trainer.errors import StepTimeoutError
+from trainer.models import build_tiny_model
+from trainer.workers.local import LocalWorkerGroup
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return build_tiny_model()
+
+
+async def test_a_worker_hung_in_backload_times_out_through_the_group_call_site(model_dir):
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    faults.install("backload_to_gpu:hang@1")
+    t0 = time.monotonic()
+    with pytest.raises(StepTimeoutError) as info:
+        with step_deadline(1, 1.0), Timer("train_critic_and_policy"):
+            await group.backload_to_gpu()  # the worker thread really blocks, forever
+    assert (info.value.step, info.value.stage, info.value.operation) == (
+        1,
+        "train_critic_and_policy",
+        "backload_to_gpu",
+    )
+    assert time.monotonic() - t0 < 30  # generous: the driver's wait ended at the deadline
+    # the hung thread still holds the worker: a second call waits (bounded) instead of racing it
+    with trio.move_on_after(0.5) as scope:
+        await group.offload_to_cpu()
+    assert scope.cancelled_caught
+
+
+async def test_the_event_loop_keeps_running_while_a_worker_computes(model_dir):
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    faults.install("optim_step:sleep=1")  # a real blocking second inside the worker thread
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await trio.sleep(0.01)
+            ticks += 1
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(tick)
+        await group.optim_step()
+        nursery.cancel_scope.cancel()
+    assert ticks >= 10  # a blocking optim_step on the loop would have allowed none
