@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -108,3 +110,36 @@ def test_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in read_metrics(tmp_path)] == [1]
     assert "starting fresh" in (tmp_path / "train.log").read_text()
+
+
+def test_ckpt_subcommands_list_verify_and_prune(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_trainer(
+        *SMALL, "trainer.max_steps=4", "trainer.ckpt_interval=2", f"trainer.run_dir={run_dir}"
+    )
+    assert proc.returncode == 0, proc.stderr
+
+    def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "trainer", "ckpt", *args], capture_output=True, text=True
+        )
+
+    listed = ckpt("list", str(run_dir))
+    assert listed.returncode == 0
+    assert [line.split("\t")[0] for line in listed.stdout.splitlines()] == [
+        "global_step_2",
+        "global_step_4",
+    ]
+    assert listed.stdout.splitlines()[-1].endswith("(latest)")
+    assert ckpt("verify", str(run_dir)).returncode == 0
+    optimizer = run_dir / "checkpoints" / "global_step_2" / "optimizer.pt"
+    data = bytearray(optimizer.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    optimizer.write_bytes(bytes(data))
+    broken = ckpt("verify", str(run_dir))
+    assert broken.returncode == 1
+    assert "global_step_2: BROKEN" in broken.stdout and "global_step_4: OK" in broken.stdout
+    pruned = ckpt("prune", str(run_dir), "--keep", "1")
+    assert pruned.returncode == 0
+    assert not (run_dir / "checkpoints" / "global_step_2").exists()
+    assert (run_dir / "checkpoints" / "global_step_4").is_dir()
