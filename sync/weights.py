@@ -1,42 +1,153 @@
 """``save_weights_for_sampler``: push the policy's weights to the inference engines.
 
-The bracket (non-colocated default): pause generation (``engine.pause_mode``), transfer,
-resume — the resume in a cleanup bracket, so a failed or cancelled transfer still resumes
-generation, within what is left of the step's budget. The transfer runs off the event loop:
-the worker writes or copies weights in its own thread, engines load them in theirs.
+The engine bracket around the transfer depends on where the engines live:
+
+- non-colocated (default): pause generation (``engine.pause_mode``) -> transfer -> resume,
+  the resume in a cleanup bracket;
+- colocated (``engine.colocated``): wake weights -> transfer -> wake kv_cache, the KV wake
+  in a cleanup bracket;
+- ``engine.offload_kv_for_weight_sync`` with the synchronous trainer: sleep -> wake
+  weights -> transfer, the KV wake in a cleanup bracket;
+- the same with the fully-async trainer: pause -> sleep -> wake weights -> transfer ->
+  wake kv_cache -> resume, the KV wake its own cleanup bracket *inside* the resume bracket,
+  so a failed or cancelled transfer still wakes the KV cache before generation resumes.
+
+Cleanups run as DESIGN 3 rule 7 says (what is left of the step's budget; skipped with a
+note once it has passed).
+
+The transfer (DESIGN 3 rule 6) runs where the step does not abandon it: in a shielded
+scope whose deadline is the step's deadline, its blocking parts in threads that are not
+abandoned. A cancellation that lands mid-transfer therefore waits for the transfer to
+finish (its waits bounded by the remaining budget) and then propagates; if the transfer
+failed, the error raised is chained (``__cause__``) to the transfer's error. Generation is
+never resumed while the transfer is still writing.
+
+``sync/last_weight_sync_seconds`` is the transfer alone (the bracket is ``timing/sync_weights``).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
 
 from sync.transports.base import WeightTransport
+from trainer import deadline as _dl
 from trainer import faults
 from trainer.deadline import cleanup_bracket, operation
 
-__all__ = ["save_weights_for_sampler"]
+__all__ = ["run_transfer", "save_weights_for_sampler"]
+
+OP = "broadcast_to_inference_engines"
 
 
 class _Engine(Protocol):
     async def pause(self, mode: Any = "keep") -> None: ...
     async def resume(self) -> None: ...
+    async def sleep(self, level: int = 1, mode: Any = None) -> None: ...
+    async def wake_up(self, tags: Any = None) -> None: ...
+
+
+def _step_deadline() -> float:
+    """The trio-clock deadline of the step (the innermost effective one), or +inf."""
+    ds = _dl._deadlines.get()  # the shared deadline stack (sync may use trainer.deadline)
+    return min((d.deadline for d in ds), default=math.inf)
+
+
+def _deadline_error(cause: BaseException) -> BaseException | None:
+    """The typed error of the deadline whose cancellation is pending, chained to ``cause``."""
+    for d in _dl._deadlines.get():  # outermost first: ties go to the parent
+        if d.scope.cancel_called:
+            error = d.make_error(_dl.current_stage(), OP)
+            error.__cause__ = cause
+            return error
+    return None
+
+
+async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
+    """Run ``transfer()`` to completion even if cancelled; return its wall seconds.
+
+    It runs in a shielded scope bounded by the step's deadline: a cancellation from outside
+    waits for it, then propagates at the next checkpoint. If the transfer failed after a
+    cancellation, the deadline's typed error (or the failure itself, for a cancellation
+    that is not a deadline's) is raised with the transfer's error as ``__cause__``.
+    """
+    t0 = time.perf_counter()
+    failure: BaseException | None = None
+    with operation(OP):
+        with trio.CancelScope(shield=True, deadline=_step_deadline()):
+            try:
+                # the fault fires where the transfer runs: a thread the step does not abandon
+                await trio.to_thread.run_sync(faults.fire_sync, OP)
+                await transfer()
+            except Exception as exc:
+                failure = exc
+        elapsed = time.perf_counter() - t0
+        if failure is None:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return elapsed
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        except trio.Cancelled as cancelled:
+            typed = _deadline_error(failure)
+            if typed is not None:
+                raise typed from failure
+            raise cancelled from failure
+        raise failure
+
+
+async def _transfer_and_record(
+    workers: Any, engine: Any, transport: WeightTransport, out: dict[str, float]
+) -> None:
+    out["sync/last_weight_sync_seconds"] = await run_transfer(
+        lambda: transport.transfer(workers, engine)
+    )
 
 
 async def save_weights_for_sampler(
-    workers: Any, engine: _Engine, transport: WeightTransport, *, pause_mode: str = "keep"
+    workers: Any,
+    engine: _Engine,
+    transport: WeightTransport,
+    *,
+    pause_mode: str = "keep",
+    colocated: bool = False,
+    offload_kv: bool = False,
+    fully_async: bool = False,
 ) -> dict[str, float]:
-    """Pause, transfer, resume (always); returns ``sync/last_weight_sync_seconds``."""
-    await engine.pause(pause_mode)
-    async with cleanup_bracket(engine.resume, "/resume"):
-        with operation("broadcast_to_inference_engines"):
-            t0 = time.perf_counter()
-            # the fault fires where the transfer runs: a thread, never the event loop
-            await trio.to_thread.run_sync(
-                faults.fire_sync, "broadcast_to_inference_engines", abandon_on_cancel=True
-            )
-            await transport.transfer(workers, engine)
-            transfer_s = time.perf_counter() - t0
-    return {"sync/last_weight_sync_seconds": transfer_s}
+    """Transfer the policy's weights inside the engine bracket; return the sync's metrics.
+
+    ``sync/last_weight_sync_seconds`` is the transfer alone. Raises the transfer's error,
+    or the step deadline's typed error chained to it; cleanups never replace it.
+    """
+    out: dict[str, float] = {}
+    if colocated:
+        await engine.wake_up(["weights"])
+        async with _wake_kv_after(engine):
+            await _transfer_and_record(workers, engine, transport, out)
+    elif offload_kv and fully_async:
+        await engine.pause(pause_mode)
+        async with cleanup_bracket(engine.resume, "/resume"):
+            await engine.sleep(1)
+            await engine.wake_up(["weights"])
+            async with _wake_kv_after(engine):
+                await _transfer_and_record(workers, engine, transport, out)
+    elif offload_kv:
+        await engine.sleep(1)
+        await engine.wake_up(["weights"])
+        async with _wake_kv_after(engine):
+            await _transfer_and_record(workers, engine, transport, out)
+    else:
+        await engine.pause(pause_mode)
+        async with cleanup_bracket(engine.resume, "/resume"):
+            await _transfer_and_record(workers, engine, transport, out)
+    return out
+
+
+def _wake_kv_after(engine: _Engine):
+    async def wake_kv() -> None:
+        await engine.wake_up(["kv_cache"])
+
+    return cleanup_bracket(wake_kv, "/wake_up")

@@ -1,0 +1,215 @@
+"""``save_weights_for_sampler``: the transfer never freezes the loop, is never abandoned, and
+the engine bracket runs its steps in order whatever happens to the transfer.
+
+The engine is a recording fake; the transfer is a real blocking thread (``time.sleep``),
+followed by a cancellable engine call, so only ``save_weights_for_sampler`` itself can
+keep a cancellation from cutting the transfer short.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import trio
+
+from sync.weights import save_weights_for_sampler
+from trainer import faults
+from trainer.deadline import step_deadline
+from trainer.errors import WeightSyncTimeoutError
+
+
+class RecordingEngine:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+        self.paused = trio.Event()
+
+    async def pause(self, mode: str = "keep") -> None:
+        self.events.append("paused")
+        self.paused.set()
+
+    async def resume(self) -> None:
+        self.events.append("resumed")
+
+    async def sleep(self, level: int = 1, mode: str | None = None) -> None:
+        self.events.append("sleep")
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        self.events.append("wake_" + "+".join(tags or ["all"]))
+
+
+class BlockingTransport:
+    """A bucket written by a real blocking thread, then an engine call that finishes the update.
+
+    The thread is awaited without abandoning it (a transfer's writing thread); the finishing
+    call is an ordinary cancellable await, as ``/finish_weight_update`` is.
+    """
+
+    def __init__(self, events: list[str], seconds: float, fail: str | None = None) -> None:
+        self.events = events
+        self.seconds = seconds
+        self.fail = fail
+        self.started = trio.Event()
+        self.thread_started = threading.Event()
+
+    async def init(self, engine: object) -> None:
+        return None
+
+    def _write_bucket(self) -> None:
+        self.thread_started.set()
+        time.sleep(self.seconds)
+        if self.fail:
+            self.events.append("broadcast_failed")
+            raise RuntimeError(self.fail)
+        self.events.append("bucket_written")
+
+    async def transfer(self, workers: object, engine: object) -> None:
+        self.started.set()
+        await trio.to_thread.run_sync(self._write_bucket)
+        await trio.sleep(0.01)  # /finish_weight_update
+        self.events.append("broadcast_done")
+
+
+@pytest.mark.parametrize("blocking_in", ["transport", "fault"])
+async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
+    events: list[str] = []
+    if blocking_in == "fault":  # a slow transfer as users rehearse it: a blocking sleep
+        faults.install("broadcast_to_inference_engines:sleep=0.5")
+    transport = BlockingTransport(events, 0.5 if blocking_in == "transport" else 0.0)
+    engine = RecordingEngine(events)
+    result: dict[str, float] = {}
+
+    async def sync() -> None:
+        result.update(await save_weights_for_sampler(None, engine, transport))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sync)
+        await engine.paused.wait()
+        with trio.fail_after(0.2):  # fires if the loop is frozen by the transfer
+            await trio.sleep(0.05)
+        assert "broadcast_done" not in events  # the sync is still in progress
+        assert not result
+    assert result["sync/last_weight_sync_seconds"] >= 0.5
+    assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]
+
+
+async def test_a_cancellation_waits_for_the_transfer_before_resuming():
+    events: list[str] = []
+    transport = BlockingTransport(events, 0.3)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(save_weights_for_sampler, None, RecordingEngine(events), transport)
+        await transport.started.wait()
+        await trio.to_thread.run_sync(transport.thread_started.wait)
+        nursery.cancel_scope.cancel()
+    assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]
+
+
+async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finishes():
+    events: list[str] = []
+    transport = BlockingTransport(events, 0.6)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncTimeoutError) as info:
+        with step_deadline(3, 0.1, WeightSyncTimeoutError):
+            await save_weights_for_sampler(None, RecordingEngine(events), transport)
+    assert time.monotonic() - t0 >= 0.6  # the transfer was waited for, not abandoned
+    assert info.value.operation == "broadcast_to_inference_engines"
+    # the transfer's own waits end at the deadline (the finishing call is cut off), and
+    # the deadline had passed: resuming is skipped (rule 7) and says so
+    assert events == ["paused", "bucket_written"]
+    assert any("/resume" in n for n in getattr(info.value, "__notes__", ()))
+
+
+async def test_a_cancellation_then_a_failed_transfer_chains_the_transfer_error():
+    events: list[str] = []
+    transport = BlockingTransport(events, 0.4, fail="bucket 3 went missing")
+    with pytest.raises(WeightSyncTimeoutError) as info:
+        with step_deadline(2, 0.1, WeightSyncTimeoutError):
+            await save_weights_for_sampler(None, RecordingEngine(events), transport)
+    cause = info.value.__cause__
+    assert isinstance(cause, RuntimeError) and str(cause) == "bucket 3 went missing"
+    assert events == ["paused", "broadcast_failed"]
+
+
+async def test_a_failed_transfer_without_cancellation_raises_its_own_error_and_resumes():
+    events: list[str] = []
+    transport = BlockingTransport(events, 0.05, fail="boom")
+    with pytest.raises(RuntimeError, match="boom"):
+        await save_weights_for_sampler(None, RecordingEngine(events), transport)
+    assert events == ["paused", "broadcast_failed", "resumed"]
+
+
+class CancelAfterThread(BlockingTransport):
+    """Cancels ``scope`` from inside the transfer, once its thread is running."""
+
+    def __init__(self, events: list[str], seconds: float, scope: trio.CancelScope) -> None:
+        super().__init__(events, seconds)
+        self.scope = scope
+
+    def _write_bucket(self) -> None:
+        trio.from_thread.run_sync(self.scope.cancel)
+        super()._write_bucket()
+
+
+@pytest.mark.parametrize("outcome", ["failure", "cancellation"])
+async def test_offload_kv_fully_async_wakes_kv_before_resuming(outcome):
+    events: list[str] = []
+    engine = RecordingEngine(events)
+    with trio.CancelScope() as scope:
+        if outcome == "failure":
+            transport = BlockingTransport(events, 0.2, fail="broken pipe")
+        else:
+            transport = CancelAfterThread(events, 0.2, scope)
+        with (
+            pytest.raises(RuntimeError, match="broken pipe")
+            if outcome == "failure"
+            else _no_raise()
+        ):
+            await save_weights_for_sampler(
+                None, engine, transport, offload_kv=True, fully_async=True
+            )
+    done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
+    assert [e for e in events if e != "bucket_written"] == [
+        "paused",
+        "sleep",
+        "wake_weights",
+        done,
+        "wake_kv_cache",
+        "resumed",
+    ]
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure", "cancellation"])
+async def test_offload_kv_sync_trainer_always_wakes_kv_after_the_transfer(outcome):
+    events: list[str] = []
+    engine = RecordingEngine(events)
+    with trio.CancelScope() as scope:
+        if outcome == "cancellation":
+            transport: BlockingTransport = CancelAfterThread(events, 0.2, scope)
+        else:
+            transport = BlockingTransport(events, 0.2, fail="x" if outcome == "failure" else None)
+        with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
+            await save_weights_for_sampler(None, engine, transport, offload_kv=True)
+    done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
+    assert [e for e in events if e != "bucket_written"] == [
+        "sleep",
+        "wake_weights",
+        done,
+        "wake_kv_cache",
+    ]
+
+
+@pytest.mark.parametrize("outcome", ["success", "failure"])
+async def test_colocated_wakes_weights_then_transfers_then_wakes_kv(outcome):
+    events: list[str] = []
+    transport = BlockingTransport(events, 0.05, fail="x" if outcome == "failure" else None)
+    with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
+        await save_weights_for_sampler(None, RecordingEngine(events), transport, colocated=True)
+    done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
+    assert [e for e in events if e != "bucket_written"] == ["wake_weights", done, "wake_kv_cache"]
+
+
+def _no_raise():
+    import contextlib
+
+    return contextlib.nullcontext()
