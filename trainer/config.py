@@ -193,11 +193,26 @@ class SyncConfig:
 
 @attrs.define
 class WorkersConfig:
-    backend: Literal["local"] = _field(
-        "local", "Where policy/ref workers run: 'local' (threads in this process)."
+    backend: Literal["local", "ray"] = _field(
+        "local",
+        "Where policy/ref workers run: 'local' (threads in this process) or 'ray' (Ray actors, "
+        "data parallel over num_policy_workers; see docs/scaling.md).",
     )
     num_policy_workers: int = _field(
-        1, "Data-parallel policy workers (the local backend runs one).", check=in_range(1, 1)
+        1,
+        "Data-parallel policy workers (backend=ray; the local backend runs exactly one).",
+        check=at_least(1),
+    )
+    ray_address: str | None = _field(
+        None,
+        "backend=ray: the cluster to join ('auto' or HOST:PORT); None starts a local cluster "
+        "for this run and stops it at exit.",
+    )
+    ray_init_retries: int = _field(
+        3,
+        "backend=ray: extra attempts to start the local cluster when ray.init fails "
+        "(cluster start-up only; never retries a step).",
+        check=at_least(0),
     )
     collective_timeout_s: float = _field(
         1800.0,
@@ -424,6 +439,13 @@ def validate_cfg(cfg: Config) -> None:
     if cfg.engine.backend == "remote" and not cfg.engine.urls:
         raise ConfigError(
             "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"
+        )
+    w = cfg.workers
+    if w.backend == "local" and w.num_policy_workers != 1:
+        raise ConfigError(
+            f"config: workers.num_policy_workers={w.num_policy_workers} is out of range: "
+            "workers.backend='local' runs exactly 1 policy worker (use workers.backend=ray for "
+            "data parallel)"
         )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")

@@ -8,6 +8,7 @@ closed) before the error reaches the command line.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import statistics
@@ -50,6 +51,7 @@ from trainer.metrics import (
     teardown_run_logging,
 )
 from trainer.models import load_tokenizer, resolve_model_path
+from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 
 __all__ = ["RunContext", "train"]
@@ -70,7 +72,7 @@ class RunContext:
     eval_examples: list[Example]
     engine: Any
     transport: WeightTransport
-    workers: LocalWorkerGroup
+    workers: WorkerGroup
     ckpt: CheckpointManager
     metrics: MetricsLogger
     progress: StepProgress
@@ -182,6 +184,60 @@ async def open_engine(
         yield client, transport
 
 
+@asynccontextmanager
+async def open_workers(
+    cfg: Config, model_dir: Path, policy_kwargs: dict[str, Any]
+) -> AsyncIterator[WorkerGroup]:
+    """The worker group of ``workers.backend``, shut down when the block exits, whatever the error.
+
+    ``ray``: joins ``workers.ray_address`` or starts a local cluster (retried on start-up
+    failure only, see ``trainer.workers.ray_cluster``); a cluster this run started is stopped
+    at exit, bounded like the actors' shutdown.
+    """
+    w = cfg.workers
+    with_ref = cfg.algorithm.use_kl_loss
+    if w.backend == "local":
+        workers = await LocalWorkerGroup.create(
+            model_dir, policy_kwargs=policy_kwargs, with_ref=with_ref
+        )
+        try:
+            yield workers
+        finally:
+            await workers.shutdown()
+        return
+    from trainer.workers.ray_cluster import start_cluster, stop_cluster
+    from trainer.workers.ray_group import SHUTDOWN_TIMEOUT_S, RayWorkerGroup
+
+    owned = await trio.to_thread.run_sync(
+        functools.partial(
+            start_cluster,
+            w.ray_address,
+            retries=w.ray_init_retries,
+            num_cpus=w.num_policy_workers + 1,
+        )
+    )
+    try:
+        group = await RayWorkerGroup.create(
+            model_dir,
+            policy_kwargs=policy_kwargs,
+            with_ref=with_ref,
+            num_workers=w.num_policy_workers,
+            collective_timeout_s=w.collective_timeout_s,
+        )
+        try:
+            yield group
+        finally:
+            with trio.CancelScope(shield=True):
+                await group.shutdown()
+    finally:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(SHUTDOWN_TIMEOUT_S):
+                # disconnects; stops the cluster's processes when this run started them
+                await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
+        if owned:
+            log.info("stopped the local Ray cluster this run started")
+
+
 class _TeardownClock:
     """Logs how long stopping engines and workers took after a failure (bounded by design)."""
 
@@ -279,10 +335,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
         engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
-        workers = await LocalWorkerGroup.create(
-            model_dir, policy_kwargs=policy_kwargs, with_ref=cfg.algorithm.use_kl_loss
-        )
-        stack.push_async_callback(workers.shutdown)
+        workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
 
         def make_generator(sp: SamplingParams) -> Generator:
             return generator_cls(

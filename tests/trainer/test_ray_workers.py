@@ -1,0 +1,190 @@
+"""``workers.backend=ray``: real actors, a real gloo group, real hangs and deaths."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+import trio
+
+from trainer import faults
+from trainer.deadline import Timer, step_deadline
+from trainer.errors import FaultInjected, StepTimeoutError, WorkerError
+from trainer.models import resolve_model_path
+from trainer.workers.batch import TrainBatch
+from trainer.workers.policy import PolicyWorker
+from trainer.workers.ray_group import RayWorkerGroup, _shards
+
+POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return resolve_model_path(None)
+
+
+def make_batch(model_dir: Path, rows: int = 5, width: int = 12, seed: int = 0) -> TrainBatch:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, width), generator=g)
+    attn = torch.ones(rows, width, dtype=torch.long)
+    attn[0, -3:] = 0  # a padded row
+    mask = torch.zeros(rows, width - 1)
+    mask[:, 4:] = 1.0
+    mask[0, -3:] = 0.0
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=mask,
+        advantages=torch.randn(rows, generator=g),
+        old_logprobs=-3.0 + 0.1 * torch.randn(rows, width - 1, generator=g),
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().split()
+    except OSError:
+        return False
+    return stat[2] != "Z"
+
+
+def _alive_after(pids: list[int], timeout: float) -> list[int]:
+    end = time.monotonic() + timeout
+    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < end:
+        time.sleep(0.2)
+    return alive
+
+
+async def wait_gone(pids: list[int]) -> list[int]:
+    """Of ``pids``, those still alive after a bounded wait (the actors' processes exit)."""
+    return await trio.to_thread.run_sync(_alive_after, pids, 30.0)
+
+
+def test_shards_cover_every_row_once():
+    assert _shards(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert _shards(1, 3) == [slice(0, 1), slice(1, 1), slice(1, 1)]
+
+
+async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_cluster, model_dir):
+    batch = make_batch(model_dir)
+    single = PolicyWorker(model_dir, **POLICY_KWARGS)
+    single.forward_backward(batch, batch.num_tokens)
+    expected = torch.cat([p.grad.reshape(-1) for p in single.model.parameters()])  # type: ignore[union-attr]
+
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
+    )
+    try:
+        await group.forward_backward(batch, batch.num_tokens)
+        reduced = await group._wait([a.reduce_gradients.remote() for a in group.policy])
+        for flat in reduced:  # every rank holds the whole batch's gradient
+            torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
+        metrics = await group.optim_step()
+        assert metrics["policy/grad_norm"] == pytest.approx(float(expected.norm()), rel=1e-4)
+        for step in range(1, 3):  # identical weights after each step
+            rank0, rank1 = await group.rank_weights()
+            for name, w in rank0.items():
+                assert torch.equal(w, rank1[name]), (step, name)
+            b = make_batch(model_dir, seed=step)
+            await group.forward_backward(b, b.num_tokens)
+            await group.optim_step()
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_actor_hung_in_backload_times_out_with_the_steps_error(ray_cluster, model_dir):
+    faults.install("backload_to_gpu:hang@3")
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=True, num_workers=2
+    )
+    try:
+        with pytest.raises(StepTimeoutError) as info:
+            with step_deadline(3, 4.0):
+                with Timer("train_critic_and_policy"):
+                    await group.backload_to_gpu()
+        assert info.value.step == 3
+        assert info.value.stage == "train_critic_and_policy"
+        assert info.value.operation == "backload_to_gpu"
+        # the ranks really are stuck (a Ray actor runs one call at a time): only a kill ends them
+        ready, _ = ray.wait([group.policy[0].pid.remote()], timeout=1.0)
+        assert ready == []
+    finally:
+        with trio.fail_after(60):
+            await group.shutdown()
+    assert set(group.pids) == {"policy:0", "policy:1", "ref:0"}
+    assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(ray_cluster, model_dir):
+    faults.install("forward_backward:sleep=60")
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
+    )
+    batch = make_batch(model_dir)
+    started = time.monotonic()
+    try:
+        caught: list[WorkerError] = []
+        with step_deadline(1, 50.0):
+            with Timer("train_critic_and_policy"):
+                async with trio.open_nursery() as nursery:
+
+                    async def kill_rank_1() -> None:
+                        await trio.sleep(2)
+                        await trio.to_thread.run_sync(ray.kill, group.policy[1])
+
+                    nursery.start_soon(kill_rank_1)
+                    try:
+                        await group.forward_backward(batch, batch.num_tokens)
+                    except WorkerError as exc:
+                        caught.append(exc)
+        assert len(caught) == 1
+        err = caught[0]
+        assert time.monotonic() - started < 50.0
+        assert (err.worker, err.rank) == ("policy", 1)
+        assert err.stage == "train_critic_and_policy"
+        assert "actor died" in err.detail
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_remote_error_of_our_class_arrives_as_itself_with_the_remote_traceback(
+    ray_cluster, model_dir
+):
+    faults.install("optim_step:error=boom")
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
+    )
+    try:
+        with pytest.raises(FaultInjected) as info:
+            await group.optim_step()
+        assert info.value.message == "boom"
+        assert any("remote traceback (policy rank 0)" in n for n in info.value.__notes__)
+    finally:
+        await group.shutdown()
+
+
+async def test_remote_foreign_error_becomes_worker_error_with_traceback(ray_cluster, model_dir):
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
+    )
+    bad = make_batch(model_dir)
+    bad.input_ids = bad.input_ids + 10_000  # out of the vocabulary: IndexError in the actor
+    try:
+        with Timer("fwd_logprobs_values_reward"):
+            with pytest.raises(WorkerError) as info:
+                await group.compute_logprobs(bad)
+        assert (info.value.worker, info.value.rank) == ("policy", 0)
+        assert info.value.stage == "fwd_logprobs_values_reward"
+        assert "IndexError" in info.value.detail
+        assert "ray::PolicyActor.compute_logprobs" in info.value.detail  # remote traceback
+    finally:
+        await group.shutdown()
+    assert os.environ.get(faults.ENV_VAR) is None

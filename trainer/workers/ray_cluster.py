@@ -1,0 +1,122 @@
+"""Starting (or joining) the Ray cluster the Ray worker backend runs on, reliably.
+
+Why start-up needs care: the raylet waits a fixed ~15 s for its dashboard agent to write
+its port files and aborts the node when it does not (ray-project/ray#65983); on a slow,
+shared two-core machine the agent's start-up competes with every other process Ray starts
+at once. What we do about it, in order of effect:
+
+- depend on ``ray`` core, not ``ray[default]``: without the dashboard dependencies the
+  raylet starts its agent with ``--minimal`` (no HTTP server, no OpenTelemetry/Prometheus
+  exporters to import), which is most of the agent's start-up time;
+- ``include_dashboard=False``: no dashboard head process importing the same modules at the
+  same moment;
+- ``RAY_enable_worker_prestart=0``: the raylet does not fork one idle Python worker per CPU
+  while the agent starts (ours are started on demand, as actors);
+- ``RAY_USAGE_STATS_ENABLED=0``: no usage-stats prompt or report on start-up.
+
+What is left (a machine so busy the agent still misses its window) is retried: only the
+cluster start, ``retries`` more times, each failure logged with its reason; a cluster that
+cannot start after that raises :class:`RayClusterStartError` with every attempt's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+__all__ = ["RayClusterStartError", "init_kwargs", "prepare_env", "start_cluster", "stop_cluster"]
+
+log = logging.getLogger("trainer.workers.ray")
+
+#: Environment the raylet and everything it starts inherit (set only where unset, so an
+#: operator's own value wins).
+START_ENV = {
+    "RAY_enable_worker_prestart": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # a worker's stdout/stderr stays in the session's log files, not in the trainer's stderr
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+class RayClusterStartError(RuntimeError):
+    """``ray.init`` failed on every attempt; carries each attempt's reason."""
+
+    def __init__(self, address: str | None, attempts: int, reasons: list[str]) -> None:
+        super().__init__(address, attempts, reasons)
+        self.address = address
+        self.attempts = attempts
+        self.reasons = reasons
+
+    def __str__(self) -> str:
+        where = "a local Ray cluster" if self.address is None else f"Ray at {self.address!r}"
+        tries = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(self.reasons))
+        return (
+            f"could not start {where} after {self.attempts} attempt(s) ({tries}); "
+            "see /tmp/ray/session_latest/logs/raylet.out and docs/scaling.md"
+        )
+
+
+def prepare_env() -> None:
+    """Export :data:`START_ENV` (where unset) before the cluster's processes are started."""
+    for key, value in START_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def init_kwargs(address: str | None, *, num_cpus: int | None = None) -> dict[str, Any]:
+    """The ``ray.init`` arguments the trainer uses (see the module docstring for why)."""
+    kwargs: dict[str, Any] = {
+        "include_dashboard": False,
+        "log_to_driver": False,
+        "configure_logging": False,
+    }
+    if address is None:
+        # logical CPUs: enough bundles for the placement group even on a two-core machine
+        kwargs["num_cpus"] = max(num_cpus or 0, os.cpu_count() or 1)
+    else:
+        kwargs["address"] = address
+    return kwargs
+
+
+def start_cluster(address: str | None, *, retries: int, num_cpus: int | None = None) -> bool:
+    """Connect to ``address``, or start a local cluster when it is None; blocks.
+
+    Returns whether this call started (and so owns) the cluster. Only starting is retried
+    (``retries`` more attempts, a short pause between); joining an existing cluster is not.
+    A driver already connected is reused (not owned).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    prepare_env()
+    attempts = 1 + (retries if address is None else 0)
+    reasons: list[str] = []
+    for attempt in range(attempts):
+        started = time.monotonic()
+        try:
+            ray.init(**init_kwargs(address, num_cpus=num_cpus))
+        except Exception as exc:  # Ray raises bare Exception/ConnectionError/TimeoutError here
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            reasons.append(reason)
+            log.warning(
+                "ray.init attempt %d/%d failed after %.1fs: %s",
+                attempt + 1,
+                attempts,
+                time.monotonic() - started,
+                reason,
+            )
+            ray.shutdown()  # kill what the failed attempt left behind
+            time.sleep(min(2.0 * (attempt + 1), 10.0))
+            continue
+        log.info("ray.init took %.1fs (attempt %d)", time.monotonic() - started, attempt + 1)
+        return address is None
+    raise RayClusterStartError(address, attempts, reasons)
+
+
+def stop_cluster() -> None:
+    """Disconnect; a cluster this process started is stopped with it (blocks)."""
+    import ray
+
+    ray.shutdown()

@@ -1,0 +1,329 @@
+"""``workers.backend=ray``: policy (and reference) workers as Ray actors, data parallel.
+
+``RayWorkerGroup`` implements :class:`trainer.workers.group.WorkerGroup`. The policy runs
+as ``num_policy_workers`` actors (ranks) in one placement group (one bundle per rank,
+``PACK``: a multi-node cluster spreads them only when a node is full), joined by a
+torch.distributed group (gloo on CPU, NCCL on GPU); the reference model, when the KL loss
+is on, is one more actor. See :mod:`trainer.workers.ray_actor` for the rank's side.
+
+Waiting: the trio thread never blocks on Ray. Every wait runs in a thread through
+:func:`trainer.deadline.wait_result` with ``timeout=remaining()``, inside
+``operation(op)``, so a step deadline that expires while an actor is stuck becomes the
+step's own ``StepTimeoutError`` naming stage and operation; the actor keeps running and
+``shutdown`` kills it.
+
+Errors: a remote exception of one of our classes (``trainer.*``) is re-raised as itself
+with the remote traceback as a note; any other remote exception becomes
+``WorkerError(worker, rank, stage, detail)`` with the remote traceback in ``detail``; an
+actor that dies (``ray.kill``, OOM, a crash) becomes ``WorkerError`` naming it. Results are
+awaited as they complete, so a dead rank is reported at once even while its peers block in
+a collective waiting for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+import trio
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from trainer.checkpoint import CheckpointManager
+from trainer.deadline import current_stage, current_step, operation, wait_result
+from trainer.errors import WorkerError
+from trainer.faults import ENV_VAR as FAULTS_ENV
+from trainer.workers.batch import TrainBatch
+from trainer.workers.ray_actor import PolicyActor, RefActor
+
+__all__ = ["RayWorkerGroup"]
+
+log = logging.getLogger("trainer.workers.ray")
+
+#: How long ``shutdown`` may take (killing actors, removing the placement group).
+SHUTDOWN_TIMEOUT_S = 30.0
+#: Placement-group and actor start-up bound (model load included).
+STARTUP_TIMEOUT_S = 300.0
+#: Environment passed to every actor: fault injection, plus the test marker when set.
+_ACTOR_ENV_VARS = (FAULTS_ENV, "TRAINER_TEST_MARKER", "PYTHONPATH")
+
+
+class _RemoteFailure(Exception):
+    """Raised in the waiting thread: the ``index``-th awaited ref failed with ``error``."""
+
+    def __init__(self, index: int, error: RayError) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+
+def _get_as_completed(refs: Sequence[Any], timeout: float | None) -> list[Any]:
+    """``ray.get`` of every ref, failing on the first error in completion order (blocks)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        left = None if end is None else max(0.0, end - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise GetTimeoutError(f"{len(pending)} result(s) not ready after {timeout}s")
+        for ref in ready:
+            try:
+                results[index[ref]] = ray.get(ref)
+            except RayError as exc:
+                raise _RemoteFailure(index[ref], exc) from None
+    return results
+
+
+def _translate(error: RayError, worker: str, rank: int) -> BaseException:
+    """Our own error class for a remote failure (see the module docstring)."""
+    stage = current_stage()
+    if isinstance(error, RayActorError):
+        return WorkerError(worker, rank, stage, f"actor died: {error}")
+    if isinstance(error, RayTaskError):
+        cause = getattr(error, "cause", None)
+        remote_tb = str(error)  # the remote traceback, also for the dual-class instance
+        if cause is not None and type(cause).__module__.startswith("trainer."):
+            cause.add_note(f"remote traceback ({worker} rank {rank}):\n{remote_tb}")
+            return cause
+        name = type(cause).__name__ if cause is not None else "RayTaskError"
+        return WorkerError(worker, rank, stage, f"{name}: {cause}\n{remote_tb}")
+    return WorkerError(worker, rank, stage, f"{type(error).__name__}: {error}")
+
+
+def _shards(n: int, world: int) -> list[slice]:
+    """Contiguous row ranges, one per rank (the first ``n % world`` ranks get one more)."""
+    base, extra = divmod(n, world)
+    out, start = [], 0
+    for r in range(world):
+        size = base + (1 if r < extra else 0)
+        out.append(slice(start, start + size))
+        start += size
+    return out
+
+
+class RayWorkerGroup:
+    """Policy ranks (and a reference actor) on Ray; create with :meth:`create`."""
+
+    def __init__(
+        self,
+        policy: list[Any],
+        ref: Any | None,
+        pg: Any,
+        pids: dict[str, int],
+    ) -> None:
+        self.policy = policy
+        self.ref = ref
+        self._pg = pg
+        #: ``"policy:0"`` / ``"ref:0"`` -> the actor's process id (to prove they are gone)
+        self.pids = pids
+        self._closed = False
+
+    @property
+    def world_size(self) -> int:
+        return len(self.policy)
+
+    @classmethod
+    async def create(
+        cls,
+        model_dir: Path,
+        *,
+        policy_kwargs: dict[str, Any],
+        with_ref: bool,
+        num_workers: int,
+        collective_timeout_s: float = 1800.0,
+    ) -> RayWorkerGroup:
+        """Place and start the actors, then form the data-parallel group (bounded)."""
+        env = {k: os.environ[k] for k in _ACTOR_ENV_VARS if k in os.environ}
+        gpus = 1.0 if torch.cuda.is_available() else 0.0
+        bundle = {"CPU": 1.0, "GPU": gpus} if gpus else {"CPU": 1.0}
+        group = cls([], None, None, {})
+
+        def spawn() -> None:  # GCS round-trips: off the trio thread
+            group._pg = pg = placement_group([bundle] * num_workers, strategy="PACK")
+            ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
+            for rank in range(num_workers):
+                group.policy.append(
+                    ray.remote(PolicyActor)
+                    .options(
+                        num_cpus=1,
+                        num_gpus=gpus,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=rank
+                        ),
+                        runtime_env={"env_vars": env},
+                    )
+                    .remote(str(model_dir), rank, num_workers, policy_kwargs)
+                )
+            if with_ref:
+                group.ref = (
+                    ray.remote(RefActor)
+                    .options(num_cpus=0, runtime_env={"env_vars": env})
+                    .remote(
+                        str(model_dir),
+                        policy_kwargs.get("temperature", 1.0),
+                        policy_kwargs.get("micro_batch_size"),
+                    )
+                )
+
+        try:
+            with trio.fail_after(STARTUP_TIMEOUT_S):
+                await trio.to_thread.run_sync(spawn, abandon_on_cancel=True)
+                pids = await group._wait([a.pid.remote() for a in group._actors()], group._names())
+                group.pids = {f"{w}:{r}": pid for (w, r), pid in zip(group._names(), pids)}
+                host, port = (await group._wait([group.policy[0].master_address.remote()]))[0]
+                with operation("init_process_group"):
+                    await group._wait(
+                        [
+                            a.init_group.remote(host, port, collective_timeout_s)
+                            for a in group.policy
+                        ]
+                    )
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await group.shutdown()
+            raise
+        log.info("ray workers up: %s", group.pids)
+        return group
+
+    def _actors(self) -> list[Any]:
+        return [*self.policy, *([self.ref] if self.ref is not None else [])]
+
+    def _names(self) -> list[tuple[str, int]]:
+        names = [("policy", r) for r in range(len(self.policy))]
+        return names + ([("ref", 0)] if self.ref is not None else [])
+
+    async def _wait(
+        self,
+        refs: list[Any],
+        who: list[tuple[str, int]] | None = None,
+    ) -> list[Any]:
+        """Await ``refs`` off the trio thread under the step's deadline; translate failures."""
+        who = who or [("policy", r) for r in range(len(refs))]
+        try:
+            return await wait_result(
+                lambda timeout: _get_as_completed(refs, timeout),
+                timeout_errors=(GetTimeoutError,),
+            )
+        except _RemoteFailure as failure:
+            worker, rank = who[failure.index]
+            raise _translate(failure.error, worker, rank) from None
+
+    async def _call_policy(
+        self, op: str, method: str, make_args: Callable[[int], tuple[Any, ...]] | None = None
+    ) -> list[Any]:
+        step = current_step()
+        with operation(op):
+            refs = [
+                getattr(actor, method).remote(op, step, *(make_args(r) if make_args else ()))
+                for r, actor in enumerate(self.policy)
+            ]
+            return await self._wait(refs)
+
+    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Each rank computes its shard; the rows come back in order."""
+        shards = [s for s in _shards(len(batch), self.world_size) if s.stop > s.start]
+        step = current_step()
+        with operation("forward"):
+            refs = [
+                self.policy[r].compute_logprobs.remote("forward", step, batch.select(s))
+                for r, s in enumerate(shards)
+            ]
+            return torch.cat(await self._wait(refs), dim=0)
+
+    async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.ref is None:
+            return None
+        with operation("forward"):
+            ref = self.ref.compute_logprobs.remote("forward", current_step(), batch)
+            return (await self._wait([ref], [("ref", 0)]))[0]
+
+    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
+        """Each rank accumulates its shard's share of the global token mean; metrics merged."""
+        shards = _shards(len(batch), self.world_size)
+
+        def args(rank: int) -> tuple[Any, ...]:
+            s = shards[rank]
+            return (batch.select(s) if s.stop > s.start else None, num_tokens)
+
+        per_rank = await self._call_policy("forward_backward", "forward_backward", args)
+        merged: dict[str, float] = {}
+        for metrics in per_rank:
+            for k, v in metrics.items():
+                if k.endswith("_max"):
+                    merged[k] = max(merged.get(k, v), v)
+                elif k.endswith("_min"):
+                    merged[k] = min(merged.get(k, v), v)
+                else:  # sums and global-token-weighted means add up across ranks
+                    merged[k] = merged.get(k, 0.0) + v
+        return merged
+
+    async def optim_step(self) -> dict[str, float]:
+        """All ranks step the same all-reduced gradient; rank 0's metrics."""
+        return (await self._call_policy("optim_step", "optim_step"))[0]
+
+    async def offload_to_cpu(self) -> None:
+        await self._call_policy("offload_to_cpu", "offload_to_cpu")
+
+    async def backload_to_gpu(self) -> None:
+        await self._call_policy("backload_to_gpu", "backload_to_gpu")
+
+    async def named_weights(self) -> dict[str, torch.Tensor]:
+        return (await self._wait([self.policy[0].named_weights.remote()]))[0]
+
+    async def rank_weights(self) -> list[dict[str, torch.Tensor]]:
+        """Every rank's weights (for checks that the ranks agree)."""
+        return await self._wait([a.named_weights.remote() for a in self.policy])
+
+    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
+        ref = self.policy[0].export_weights.remote(str(directory), bucket_bytes)
+        return (await self._wait([ref]))[0]
+
+    async def save_checkpoint(
+        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+    ) -> Path:
+        """Rank 0 writes the checkpoint (the ranks' states are identical)."""
+        with operation("save_checkpoint"):
+            ref = self.policy[0].save_checkpoint.remote(
+                "save_checkpoint", current_step(), ckpt, step, trainer_state
+            )
+            return (await self._wait([ref]))[0]
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        await self._wait([a.load_checkpoint.remote(str(directory)) for a in self.policy])
+
+    async def shutdown(self) -> None:
+        """Kill every actor and remove the placement group; bounded, idempotent.
+
+        Killing (not a graceful call) because a rank may be stuck in a method or a
+        collective; ``ray.kill`` ends its process. Safe to call after a hang or a death.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        actors, pg = self._actors(), self._pg
+
+        def kill_all() -> None:
+            for actor in actors:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception as exc:  # already dead or never created
+                    log.debug("ray.kill: %r", exc)
+            try:
+                if pg is not None:
+                    remove_placement_group(pg)
+            except Exception as exc:
+                log.debug("remove_placement_group: %r", exc)
+
+        with trio.move_on_after(SHUTDOWN_TIMEOUT_S) as scope:
+            await trio.to_thread.run_sync(kill_all, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            log.warning("ray worker shutdown did not finish in %.0fs", SHUTDOWN_TIMEOUT_S)
