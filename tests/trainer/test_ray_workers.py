@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -13,11 +14,13 @@ import torch
 import trio
 
 from trainer import faults
+from trainer.config import load_config
 from trainer.deadline import Timer, step_deadline
-from trainer.errors import FaultInjected, StepTimeoutError, WorkerError
+from trainer.errors import ConfigError, FaultInjected, StepTimeoutError, WorkerError
 from trainer.models import resolve_model_path
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
+from trainer.workers.ray_cluster import RayClusterStartError
 from trainer.workers.ray_group import RayWorkerGroup, _shards
 
 POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
@@ -64,6 +67,19 @@ def _alive_after(pids: list[int], timeout: float) -> list[int]:
 async def wait_gone(pids: list[int]) -> list[int]:
     """Of ``pids``, those still alive after a bounded wait (the actors' processes exit)."""
     return await trio.to_thread.run_sync(_alive_after, pids, 30.0)
+
+
+def test_local_backend_with_two_workers_is_a_config_error_saying_why():
+    with pytest.raises(ConfigError, match=r"backend='local' runs exactly 1 policy worker"):
+        load_config(None, ["workers.num_policy_workers=2"])
+    assert load_config(None, ["workers.backend=ray", "workers.num_policy_workers=2"])
+
+
+def test_cluster_start_error_is_picklable_and_names_every_attempt():
+    err = RayClusterStartError(None, 2, ["Exception: node timed out", "Exception: again"])
+    again = pickle.loads(pickle.dumps(err))
+    assert str(again) == str(err)
+    assert "attempt 1: Exception: node timed out; attempt 2: Exception: again" in str(err)
 
 
 def test_shards_cover_every_row_once():
