@@ -49,8 +49,14 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
 async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
     """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``."""
     with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
+        e = ctx.cfg.engine
         result = await save_weights_for_sampler(
-            ctx.workers, ctx.engine, ctx.transport, pause_mode=ctx.cfg.engine.pause_mode
+            ctx.workers,
+            ctx.engine,
+            ctx.transport,
+            pause_mode=e.pause_mode,
+            colocated=e.colocated,
+            offload_kv=e.offload_kv_for_weight_sync,
         )
     ctx.weight_version += 1
     return {**result, "sync/weight_version": ctx.weight_version}

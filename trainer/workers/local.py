@@ -105,8 +105,9 @@ class LocalWorkerGroup:
         await self._call("backload_to_gpu", self._policy_limiter, self.policy.backload_to_gpu)
 
     async def named_weights(self) -> dict[str, torch.Tensor]:
+        # part of a weight transfer: never abandoned (DESIGN 3 rule 6)
         return await trio.to_thread.run_sync(
-            self.policy.named_weights, abandon_on_cancel=True, limiter=self._policy_limiter
+            self.policy.named_weights, limiter=self._policy_limiter
         )
 
     async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
@@ -115,8 +116,28 @@ class LocalWorkerGroup:
             self.policy.export_weights,
             directory,
             bucket_bytes,
-            abandon_on_cancel=True,
+            # a transfer's writing thread is never abandoned (DESIGN 3 rule 6)
             limiter=self._policy_limiter,
+        )
+
+    async def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
+        """Rank 0's ``update_info`` per bucket (for the broadcast transport)."""
+        return await trio.to_thread.run_sync(
+            self.policy.weight_buckets, bucket_bytes, limiter=self._policy_limiter
+        )
+
+    async def broadcast_bucket(self, group: Any, names: list[str], timeout_s: float) -> None:
+        """Broadcast one bucket from rank 0 in the worker's thread, never abandoned (rule 6).
+
+        The collective itself is bounded by ``timeout_s`` (the step's remaining budget).
+        """
+        await trio.to_thread.run_sync(
+            self.policy.broadcast_bucket,
+            group,
+            names,
+            timeout_s,
+            limiter=self._policy_limiter,
+            thread_name="worker:broadcast_to_inference_engines",
         )
 
     async def save_checkpoint(

@@ -221,6 +221,31 @@ class PolicyWorker:
         flush()
         return buckets
 
+    def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
+        """vLLM ``update_info`` (names, dtype_names, shapes) per bucket of at most ``bucket_bytes``.
+
+        A bucket holds one dtype (it travels as one flat buffer); one tensor may exceed the size.
+        """
+        buckets: list[dict[str, Any]] = []
+        size, dtype = 0, None
+        for name, param in self.model.named_parameters():
+            nbytes = param.numel() * param.element_size()
+            if not buckets or size + nbytes > bucket_bytes or param.dtype != dtype:
+                buckets.append({"names": [], "dtype_names": [], "shapes": []})
+                size, dtype = 0, param.dtype
+            buckets[-1]["names"].append(name)
+            buckets[-1]["dtype_names"].append(str(param.dtype).removeprefix("torch."))
+            buckets[-1]["shapes"].append(list(param.shape))
+            size += nbytes
+        return buckets
+
+    def broadcast_bucket(self, group: Any, names: list[str], timeout_s: float) -> None:
+        """Broadcast the named parameters as one flat buffer from rank 0 of ``group`` (blocking)."""
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            flat = torch.cat([params[n].detach().reshape(-1) for n in names])
+        group.broadcast(flat, 0, timeout_s=timeout_s)
+
     def save_checkpoint(self, directory: Path) -> None:
         """Write model (HF-loadable), optimizer, scheduler and RNG states into ``directory``."""
         save_model(self.model, directory / "policy")

@@ -1,0 +1,91 @@
+"""Weight-sync process groups, initialised with a fail-fast bound on the controller side.
+
+Every participant of a group (policy rank 0 in a thread of the trainer, each engine
+server in a thread of its own process) starts its part of the rendezvous where it runs;
+the trainer only *waits* for their init futures. That wait is what is bounded:
+:func:`init_group` gives all participants together ``sync.group_init_timeout_s``
+(env ``TRAINER_GROUP_INIT_TIMEOUT_S``, default 600 s) and then raises
+:class:`~trainer.errors.CheckpointEngineInitError` naming the group, the timeout and the
+setting to raise. A thread inside a participant never times the init out on the
+controller's behalf (a thread left blocked in a collective keeps half-initialised state);
+the participant's store has a longer backstop timeout only so that an abandoned thread
+ends eventually. The init's own error (bad address, ``FaultInjected``, a server's 4xx) is
+re-raised unchanged. There is no retry in place: the trainer tears down what it started
+and exits. A group is built once and reused by every sync (see :class:`GroupHandle`).
+
+Groups are *stateless* with respect to ``torch.distributed``'s global default group: each
+one is its own ``TCPStore`` plus ``ProcessGroupGloo``, as vLLM's weight-transfer groups
+are, so the trainer's own process groups (if any) are untouched.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import trio
+
+from engines.local.weight_group import BACKSTOP_S, GroupHandle, free_port, join_group
+from trainer.deadline import open_owner_nursery, operation
+from trainer.errors import CheckpointEngineInitError
+
+__all__ = [
+    "BACKSTOP_S",
+    "GroupHandle",
+    "free_port",
+    "init_group",
+    "join_group",
+    "join_in_thread",
+]
+
+OP = "init_process_group"
+
+
+def join_in_thread(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    """Start blocking ``fn`` in a daemon thread now; return an async wait for its result.
+
+    The wait is a bounded wait on the thread's future (abandoned if the controller gives
+    up), never a timeout inside the thread. The thread carries the caller's context
+    (step, stage, operation), so faults fire on the right step.
+    """
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    ctx = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(ctx.run(fn))
+        except BaseException as exc:  # handed to the waiter, re-raised there unchanged
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"{OP}:join", daemon=True).start()
+
+    async def wait() -> Any:
+        return await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+
+    return wait
+
+
+async def init_group(
+    name: str, joins: Sequence[Callable[[], Awaitable[Any]]], *, timeout_s: float
+) -> list[Any]:
+    """Wait for every participant's init, all within ``timeout_s``; their results in order.
+
+    Raises :class:`CheckpointEngineInitError` when they have not all finished in time (the
+    participants are left to the caller's teardown), or the first init error unchanged.
+    """
+    results: list[Any] = [None] * len(joins)
+
+    async def wait_one(i: int, join: Callable[[], Awaitable[Any]]) -> None:
+        results[i] = await join()
+
+    with operation(OP):
+        with trio.move_on_after(timeout_s) as scope:
+            async with open_owner_nursery() as nursery:
+                for i, join in enumerate(joins):
+                    nursery.start_soon(wait_one, i, join)
+        if scope.cancelled_caught:
+            raise CheckpointEngineInitError(name, timeout_s)
+    return results

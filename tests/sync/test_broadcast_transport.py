@@ -1,0 +1,61 @@
+"""The broadcast transport through real reference servers and a real gloo group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
+from engines.local.engine import state_checksum
+from engines.types import SamplingParams
+from sync.transports.broadcast import BroadcastTransport
+from sync.weights import save_weights_for_sampler
+from trainer import faults
+from trainer.errors import CheckpointEngineInitError
+from trainer.models import build_tiny_model
+from trainer.workers.local import LocalWorkerGroup
+
+
+async def _checksums(client: InferenceClient) -> list[str]:
+    answers = await client.control_json("POST", "/weight_checker", json={"action": "checksum"})
+    return [a["checksum"] for a in answers]
+
+
+async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weights(tmp_path):
+    model_dir = build_tiny_model()
+    workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    async with launch_local_engines(2, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
+        async with InferenceClient(urls) as client:
+            # a small bucket size: several /update_weights calls, applied together at finish
+            transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
+            await transport.init(client)
+            group = transport.handle
+            await transport.init(client)  # built once, reused
+            assert transport.handle is group
+            for _ in range(2):
+                with torch.no_grad():  # the policy moves away from what the engines serve
+                    for p in workers.policy.model.parameters():
+                        p.add_(0.01 * torch.randn_like(p))
+                policy_sum = state_checksum(dict(workers.policy.model.named_parameters()))
+                assert policy_sum not in await _checksums(client)
+                result = await save_weights_for_sampler(workers, client, transport)
+                assert await _checksums(client) == [policy_sum, policy_sum]
+                assert result["sync/last_weight_sync_seconds"] > 0
+            assert not any(await client.is_paused())  # the bracket resumed generation
+            completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))
+            assert completion.finish_reason in ("stop", "length")
+
+
+async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
+    model_dir = build_tiny_model()
+    # the join hangs where it runs: the server's join thread (it inherits TRAINER_FAULTS)
+    # and rank 0's thread here
+    faults.install("init_process_group:hang")
+    async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
+        async with InferenceClient(urls) as client:
+            transport = BroadcastTransport(2**20, group_init_timeout_s=2)
+            with pytest.raises(CheckpointEngineInitError) as info:
+                await transport.init(client)
+            assert info.value.group == "weight_sync" and info.value.timeout_s == 2
+            assert transport.handle is None
