@@ -165,6 +165,16 @@ class EngineConfig:
     pause_mode: Literal["keep", "abort", "wait"] = _field(
         "keep", "How generation pauses for a weight sync: keep (freeze), abort, wait (drain)."
     )
+    colocated: bool = _field(
+        False,
+        "The engines share devices with training: a weight sync wakes the weights, transfers, "
+        "then wakes the KV cache (instead of pause/transfer/resume).",
+    )
+    offload_kv_for_weight_sync: bool = _field(
+        False,
+        "Free the KV cache during a weight sync: sleep, wake the weights, transfer, wake the "
+        "KV cache (always, even when the transfer fails).",
+    )
     max_concurrency: int = _field(
         256, "Most generation requests in flight at once.", check=at_least(1)
     )
@@ -181,13 +191,22 @@ class EngineConfig:
 
 @attrs.define
 class SyncConfig:
-    transport: Literal["disk"] = _field(
+    transport: Literal["disk", "broadcast"] = _field(
         "disk",
         "How weights reach HTTP engines: 'disk' writes safetensors buckets the engines load "
-        "(same machine or shared mount). backend=inprocess always hands tensors over in memory.",
+        "(same machine or shared mount); 'broadcast' sends them over a torch.distributed group "
+        "(gloo) from policy rank 0 to every server. backend=inprocess always hands tensors "
+        "over in memory.",
     )
     bucket_size_mb: int = _field(
         256, "Largest weight bucket per transfer call, in MB.", check=at_least(1)
+    )
+    group_init_timeout_s: float = _field(
+        600.0,
+        "sync.transport=broadcast: how long the weight-sync process group may take to form "
+        "before CheckpointEngineInitError (bounded by the trainer, not inside a worker).",
+        check=positive,
+        env="TRAINER_GROUP_INIT_TIMEOUT_S",
     )
 
 

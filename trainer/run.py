@@ -28,6 +28,7 @@ from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.types import SamplingParams
 from sync.transports import DiskTransport, InProcessTransport, WeightTransport
+from sync.transports.broadcast import BroadcastTransport
 from trainer import faults
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
@@ -179,9 +180,21 @@ async def open_engine(
             )
         )
         await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
-        transport = DiskTransport(run_dir / "weight_sync", cfg.sync.bucket_size_mb * 2**20)
+        transport = _transport(cfg, run_dir)
         await transport.init(client)
         yield client, transport
+
+
+def _transport(cfg: Config, run_dir: Path) -> WeightTransport:
+    """``sync.transport``: safetensors files, or a torch.distributed broadcast group."""
+    bucket_bytes = cfg.sync.bucket_size_mb * 2**20
+    if cfg.sync.transport == "broadcast":
+        return BroadcastTransport(
+            bucket_bytes,
+            group_init_timeout_s=cfg.sync.group_init_timeout_s,
+            timeout_s=cfg.workers.collective_timeout_s,
+        )
+    return DiskTransport(run_dir / "weight_sync", bucket_bytes)
 
 
 @asynccontextmanager
