@@ -1,0 +1,194 @@
+"""Weight-sync transfer time vs the raw gloo bandwidth, and the event loop's stall during it.
+
+::
+
+    python benchmarks/weight_sync.py [--hidden 256 512 1024] [--repeats 3] [--bucket-mb 256]
+
+For each model size (Qwen2 configs built locally from the tiny model's tokenizer), in one
+process and one sitting:
+
+1. **raw**: a plain gloo broadcast of one float32 tensor of the model's total size, from
+   this process to a child process (the same transport, no protocol, no flattening);
+2. **transfer**: ``save_weights_for_sampler`` over ``sync.transport=broadcast`` to one
+   reference server (pause -> four-phase routes + gloo broadcast -> resume), reported as
+   ``sync/last_weight_sync_seconds`` (the transfer alone), with the loop's longest stall
+   (``StallInstrument``, the same one behind ``loop/max_stall_ms``) while it ran and a
+   ticker task on the loop;
+3. **blocking baseline**: the same transfer driven from another thread while the loop waits
+   on it inline (``future.result()`` inside ``async def``, as a blocking ``ray.get`` does).
+
+Goals (issue 5): transfer >= 70% of the raw bandwidth; max stall <= 5 ms (the baseline
+stalls for the whole transfer). Best of ``--repeats`` for times, worst for stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
+from sync.group import free_port, join_group
+from sync.transports.broadcast import BroadcastTransport
+from sync.weights import save_weights_for_sampler
+from trainer.debug import StallInstrument
+from trainer.models import build_tiny_model, quiet_transformers
+from trainer.workers.local import LocalWorkerGroup
+
+_RECEIVER = """
+import sys, torch
+from sync.group import join_group
+n, port, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+h = join_group("raw", master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
+               store_timeout_s=300)
+buf = torch.empty(n)
+for _ in range(repeats + 1):
+    h.broadcast(buf)
+"""
+
+
+def build_model(hidden: int, root: Path) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    quiet_transformers()
+    tiny = build_tiny_model()
+    cfg = Qwen2Config.from_pretrained(tiny)
+    cfg.hidden_size = hidden
+    cfg.intermediate_size = hidden * 3
+    cfg.num_attention_heads = max(1, hidden // 64)
+    cfg.num_key_value_heads = max(1, hidden // 128)
+    target = root / f"qwen2-h{hidden}"
+    Qwen2ForCausalLM(cfg).save_pretrained(target, safe_serialization=True)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, target / f.name)
+    return target
+
+
+def raw_seconds(numel: int, repeats: int) -> float:
+    """Best time of a plain gloo broadcast of ``numel`` float32 to a child process."""
+    port = free_port()
+    child = subprocess.Popen(
+        [sys.executable, "-c", _RECEIVER, str(numel), str(port), str(repeats)],
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    try:
+        h = join_group(
+            "raw",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            store_timeout_s=300,
+        )
+        buf = torch.ones(numel)
+        h.broadcast(buf)  # warm-up (connections, page faults)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            h.broadcast(buf)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    finally:
+        child.wait(timeout=120)
+
+
+class _ThreadWorkers:
+    """The policy's broadcast calls without the group's trio limiter (for another trio run)."""
+
+    def __init__(self, workers: LocalWorkerGroup) -> None:
+        self.policy = workers.policy
+
+    async def weight_buckets(self, bucket_bytes: int):
+        return self.policy.weight_buckets(bucket_bytes)
+
+    async def broadcast_bucket(self, group, names, timeout_s) -> None:
+        await trio.to_thread.run_sync(self.policy.broadcast_bucket, group, names, timeout_s)
+
+
+async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> dict[str, float]:
+    workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    numel = sum(p.numel() for p in workers.policy.model.parameters())
+    stall = StallInstrument()
+    trio.lowlevel.add_instrument(stall)
+    out: dict[str, float] = {"params_m": numel / 1e6, "mb": numel * 4 / 2**20}
+    try:
+        async with launch_local_engines(1, model_dir, logs, startup_timeout_s=300) as urls:
+            async with InferenceClient(urls) as client:
+                transport = BroadcastTransport(bucket_mb * 2**20, group_init_timeout_s=300)
+                await transport.init(client)
+                await save_weights_for_sampler(workers, client, transport)  # warm-up
+                best, worst_stall = float("inf"), 0.0
+                for _ in range(repeats):
+                    stall.take_max_ms()
+                    r = await save_weights_for_sampler(workers, client, transport)
+                    best = min(best, r["sync/last_weight_sync_seconds"])
+                    worst_stall = max(worst_stall, stall.take_max_ms())
+                out["transfer_s"], out["stall_ms"] = best, worst_stall
+
+                def blocking() -> None:
+                    async def main() -> None:
+                        async with InferenceClient(urls) as c:
+                            await transport.transfer(_ThreadWorkers(workers), c)
+
+                    trio.run(main)
+
+                base_best, base_stall = float("inf"), 0.0
+                with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                    for _ in range(repeats):
+                        await client.pause("keep")
+                        stall.take_max_ms()
+                        t0 = time.perf_counter()
+                        pool.submit(blocking).result()  # the loop waits inline (ray.get-style)
+                        base_best = min(base_best, time.perf_counter() - t0)
+                        await trio.lowlevel.checkpoint()  # let the instrument see the stall
+                        base_stall = max(base_stall, stall.take_max_ms())
+                        await client.resume()
+                out["baseline_s"], out["baseline_stall_ms"] = base_best, base_stall
+    finally:
+        trio.lowlevel.remove_instrument(stall)
+    out["raw_s"] = await trio.to_thread.run_sync(raw_seconds, numel, repeats)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description="weight-sync transfer vs raw gloo bandwidth, and loop stalls"
+    )
+    ap.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bucket-mb", type=int, default=256)
+    args = ap.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="weight-sync-bench-"))
+    print(
+        f"{'hidden':>6} {'params':>8} {'MB':>7} {'raw s':>7} {'raw MB/s':>9} {'xfer s':>7} "
+        f"{'xfer MB/s':>9} {'% raw':>6} {'stall ms':>8} {'base s':>7} {'base stall ms':>13}"
+    )
+    try:
+        for hidden in args.hidden:
+            model_dir = build_model(hidden, root)
+            r = trio.run(measure, model_dir, args.bucket_mb, args.repeats, root / "logs")
+            raw_bw, bw = r["mb"] / r["raw_s"], r["mb"] / r["transfer_s"]
+            print(
+                f"{hidden:>6} {r['params_m']:>7.1f}M {r['mb']:>7.1f} {r['raw_s']:>7.3f} "
+                f"{raw_bw:>9.0f} {r['transfer_s']:>7.3f} {bw:>9.0f} {100 * bw / raw_bw:>5.0f}% "
+                f"{r['stall_ms']:>8.1f} {r['baseline_s']:>7.3f} {r['baseline_stall_ms']:>13.1f}",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
