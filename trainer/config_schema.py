@@ -1,0 +1,315 @@
+"""The configuration schema: one attrs class per section, one documented field per key.
+
+Each field is made with ``_field(default, doc, check=..., env=...)``: ``doc`` is what
+``python -m trainer --help`` and docs/configuration.md show, ``check`` returns what is wrong
+with a value (or None), ``env`` names an environment variable that overrides the key.
+Loading and validation live in :mod:`trainer.config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+import attrs
+
+__all__ = [
+    "AlgorithmConfig",
+    "Config",
+    "ConfigWarning",
+    "DataConfig",
+    "EngineConfig",
+    "GeneratorConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SamplingConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "WorkersConfig",
+]
+
+Check = Callable[[Any], str | None]
+
+
+class ConfigWarning(UserWarning):
+    """A configuration that works but is probably not what was meant."""
+
+
+def _field(default: Any, doc: str, *, check: Check | None = None, env: str | None = None) -> Any:
+    return attrs.field(default=default, metadata={"doc": doc, "check": check, "env": env})
+
+
+def _section(cls: type, doc: str) -> Any:
+    return attrs.field(factory=cls, metadata={"doc": doc})
+
+
+def at_least(lo: float) -> Check:
+    return lambda v: None if v is None or v >= lo else f"must be >= {lo:g}"
+
+
+def positive(v: Any) -> str | None:
+    return None if v is None or v > 0 else "must be > 0"
+
+
+def in_range(lo: float, hi: float) -> Check:
+    return lambda v: None if v is None or lo <= v <= hi else f"must be in [{lo:g}, {hi:g}]"
+
+
+def module_attr(v: Any) -> str | None:
+    if v is None or (isinstance(v, str) and v.count(":") == 1 and all(v.split(":"))):
+        return None
+    return "must be 'package.module:Name'"
+
+
+@attrs.define
+class TrainerConfig:
+    max_steps: int | None = _field(
+        200, "Stop after this many steps (None: run all `epochs`).", check=at_least(1)
+    )
+    epochs: int = _field(
+        100, "Passes over the training prompts (max_steps usually stops first).", check=at_least(1)
+    )
+    train_batch_size: int = _field(
+        16, "Prompts per step (each sampled n_samples_per_prompt times).", check=at_least(1)
+    )
+    policy_mini_batch_size: int | None = _field(
+        None,
+        "Prompts per optimizer step; must divide train_batch_size (None: one optimizer step per batch).",
+        check=at_least(1),
+    )
+    micro_batch_size: int | None = _field(
+        None,
+        "Trajectories per forward/backward pass, accumulated (None: the whole mini-batch at once).",
+        check=at_least(1),
+    )
+    update_epochs: int = _field(
+        1, "Passes of policy updates over each step's batch (PPO epochs).", check=at_least(1)
+    )
+    seed: int = _field(0, "Seed for data order, sampling and initialisation.")
+    strategy: Literal["sync"] = _field(
+        "sync",
+        "Step strategy: 'sync' generates, trains and syncs weights in turn (fully_async lands later).",
+    )
+    run_dir: str | None = _field(None, "Run directory (None: runs/<timestamp>).")
+    step_timeout_s: float | None = _field(
+        None,
+        "Budget of one step, generation through weight sync; past it the step fails with "
+        "StepTimeoutError naming stage and operation (None: unbounded).",
+        check=positive,
+    )
+    weight_sync_timeout_s: float | None = _field(
+        None,
+        "Budget of each weight sync, including the initial one; must be <= step_timeout_s "
+        "(None: bounded only by the step).",
+        check=positive,
+    )
+    ckpt_interval: int = _field(
+        0, "Save a checkpoint every this many steps and at the end (0: never).", check=at_least(0)
+    )
+    resume_mode: Literal["none", "latest", "path"] = _field(
+        "none", "'latest': continue from run_dir's latest checkpoint; 'path': from resume_path."
+    )
+    resume_path: str | None = _field(None, "Checkpoint directory for resume_mode=path.")
+    max_ckpts_to_keep: int | None = _field(
+        3, "Keep this many newest checkpoints (None: all).", check=at_least(1)
+    )
+    eval_interval: int = _field(
+        0,
+        "Evaluate on data.eval every this many steps (0: never). Not bounded by step_timeout_s.",
+        check=at_least(0),
+    )
+    progress: bool = _field(True, "Show the live progress display.")
+
+
+@attrs.define
+class SamplingConfig:
+    temperature: float = _field(
+        1.0, "Sampling temperature (also applied to the trainer's logprobs).", check=positive
+    )
+    top_p: float = _field(1.0, "Nucleus sampling mass.", check=in_range(1e-6, 1.0))
+    max_tokens: int = _field(4, "Most tokens per generation call.", check=at_least(1))
+
+
+@attrs.define
+class GeneratorConfig:
+    cls: str = _field(
+        "trainer.generators.agent_loop:AgentLoopGenerator",
+        "Generator class as 'module:Class' (subclass of trainer.generators.Generator).",
+        check=module_attr,
+    )
+    n_samples_per_prompt: int = _field(
+        8, "Trajectories sampled per prompt (the GRPO group size).", check=at_least(1)
+    )
+    max_turns: int = _field(1, "Most model turns per trajectory (agent loop).", check=at_least(1))
+    max_response_tokens: int = _field(
+        64,
+        "Most response tokens per trajectory across turns (env tokens included).",
+        check=at_least(1),
+    )
+    sampling: SamplingConfig = _section(SamplingConfig, "Sampling parameters.")
+
+
+@attrs.define
+class EngineConfig:
+    backend: Literal["local", "remote", "inprocess"] = _field(
+        "local",
+        "Inference engines: 'local' starts CPU reference servers (vLLM's HTTP protocol) and stops "
+        "them at exit; 'remote' uses servers at engine.urls (e.g. `vllm serve`); 'inprocess' runs "
+        "the reference engine inside the trainer, without HTTP.",
+    )
+    num_engines: int = _field(1, "Servers to start (backend=local).", check=at_least(1))
+    urls: tuple[str, ...] = _field(
+        (), "Server base URLs for backend=remote, e.g. [http://host:8000]."
+    )
+    api_key: str | None = _field(
+        None, "Bearer token for the servers (also given to servers we start)."
+    )
+    pause_mode: Literal["keep", "abort", "wait"] = _field(
+        "keep", "How generation pauses for a weight sync: keep (freeze), abort, wait (drain)."
+    )
+    colocated: bool = _field(
+        False,
+        "The engines share devices with training: a weight sync wakes the weights, transfers, "
+        "then wakes the KV cache (instead of pause/transfer/resume).",
+    )
+    offload_kv_for_weight_sync: bool = _field(
+        False,
+        "Free the KV cache during a weight sync: sleep, wake the weights, transfer, wake the "
+        "KV cache (always, even when the transfer fails).",
+    )
+    max_concurrency: int = _field(
+        256, "Most generation requests in flight at once.", check=at_least(1)
+    )
+    startup_timeout_s: float = _field(
+        180.0, "How long started servers may take to become healthy.", check=positive
+    )
+    control_plane_timeout_s: float = _field(
+        600.0,
+        "Per-request timeout of control-plane calls (pause, resume, sleep, weight transfer), "
+        "inside or outside a step; <= 0 disables. Generation requests are not bounded by it.",
+        env="TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S",
+    )
+
+
+@attrs.define
+class SyncConfig:
+    transport: Literal["disk", "broadcast"] = _field(
+        "disk",
+        "How weights reach HTTP engines: 'disk' writes safetensors buckets the engines load "
+        "(same machine or shared mount); 'broadcast' sends them over a torch.distributed group "
+        "(gloo) from policy rank 0 to every server. backend=inprocess always hands tensors "
+        "over in memory.",
+    )
+    bucket_size_mb: int = _field(
+        256, "Largest weight bucket per transfer call, in MB.", check=at_least(1)
+    )
+    group_init_timeout_s: float = _field(
+        600.0,
+        "sync.transport=broadcast: how long the weight-sync process group may take to form "
+        "before CheckpointEngineInitError (bounded by the trainer, not inside a worker).",
+        check=positive,
+        env="TRAINER_GROUP_INIT_TIMEOUT_S",
+    )
+
+
+@attrs.define
+class WorkersConfig:
+    backend: Literal["local", "ray"] = _field(
+        "local",
+        "Where policy/ref workers run: 'local' (threads in this process) or 'ray' (Ray actors, "
+        "data parallel over num_policy_workers; see docs/scaling.md).",
+    )
+    num_policy_workers: int = _field(
+        1,
+        "Data-parallel policy workers (backend=ray; the local backend runs exactly one).",
+        check=at_least(1),
+    )
+    ray_address: str | None = _field(
+        None,
+        "backend=ray: the cluster to join ('auto' or HOST:PORT); None starts a local cluster "
+        "for this run and stops it at exit.",
+    )
+    ray_init_retries: int = _field(
+        3,
+        "backend=ray: extra attempts to start the local cluster when ray.init fails "
+        "(cluster start-up only; never retries a step).",
+        check=at_least(0),
+    )
+    collective_timeout_s: float = _field(
+        1800.0,
+        "Timeout of torch.distributed collectives (the process group's own watchdog).",
+        check=positive,
+    )
+
+
+@attrs.define
+class ModelConfig:
+    path: str | None = _field(
+        None, "Hugging Face causal-LM directory (None: the built-in tiny model)."
+    )
+
+
+@attrs.define
+class AlgorithmConfig:
+    advantage_estimator: Literal["grpo", "rloo"] = _field("grpo", "Advantage estimator.")
+    norm_adv_by_std: bool = _field(True, "GRPO: divide by the group's reward std.")
+    clip_ratio_low: float = _field(
+        0.2, "PPO clip: lower bound is 1 - clip_ratio_low.", check=in_range(0, 1)
+    )
+    clip_ratio_high: float = _field(
+        0.28,
+        "PPO clip: upper bound is 1 + clip_ratio_high (above clip_ratio_low, as DAPO's clip-higher, "
+        "to keep exploring: with 0.2 the tiny default model collapses to one answer per prompt).",
+        check=at_least(0),
+    )
+    use_kl_loss: bool = _field(
+        False, "Add a KL penalty to a frozen reference model (loads a ref worker)."
+    )
+    kl_loss_coef: float = _field(0.001, "Weight of the KL penalty.", check=at_least(0))
+    kl_loss_type: Literal["k1", "k2", "k3", "abs"] = _field("k3", "KL estimator.")
+
+
+@attrs.define
+class OptimConfig:
+    lr: float = _field(1e-3, "AdamW learning rate.", check=positive)
+    weight_decay: float = _field(0.0, "AdamW weight decay.", check=at_least(0))
+    betas: tuple[float, float] = _field((0.9, 0.99), "AdamW betas.")
+    max_grad_norm: float = _field(1.0, "Gradient clipping norm.", check=positive)
+    warmup_steps: int = _field(
+        0, "Linear learning-rate warm-up, in optimizer steps.", check=at_least(0)
+    )
+
+
+@attrs.define
+class DataConfig:
+    train: str | None = _field(
+        None, "Training prompts, a JSONL file of {prompt, answer} rows (None: the built-in task)."
+    )
+    eval: str | None = _field(None, "Evaluation prompts, same format.")
+    reward_fn: str | None = _field(
+        None,
+        "Reward function 'module:function' (response: str, answer: str) -> float (None: the task's).",
+        check=module_attr,
+    )
+    task: Literal["max_digit", "modular_sum"] = _field(
+        "max_digit", "Built-in task when data.train is None (see docs/concepts.md)."
+    )
+    num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
+
+
+@attrs.define
+class Config:
+    trainer: TrainerConfig = _section(TrainerConfig, "The step loop.")
+    generator: GeneratorConfig = _section(GeneratorConfig, "Rollout generation.")
+    engine: EngineConfig = _section(EngineConfig, "Inference engines.")
+    sync: SyncConfig = _section(SyncConfig, "Weight sync from the policy to the engines.")
+    workers: WorkersConfig = _section(WorkersConfig, "Policy and reference workers.")
+    model: ModelConfig = _section(ModelConfig, "The policy model.")
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
+    optim: OptimConfig = _section(OptimConfig, "Optimizer.")
+    data: DataConfig = _section(DataConfig, "Prompts and rewards.")
+    faults: str = _field(
+        "",
+        "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",
+        env="TRAINER_FAULTS",
+    )
