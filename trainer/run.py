@@ -58,6 +58,8 @@ from trainer.workers.local import LocalWorkerGroup
 __all__ = ["RunContext", "train"]
 
 log = logging.getLogger("trainer.run")
+#: A step whose longest event-loop stall exceeds this logs the task that caused it.
+SLOW_STALL_MS = 100.0
 
 
 @attrs.define(eq=False)
@@ -91,7 +93,11 @@ class RunContext:
 
     def loop_metrics(self) -> dict[str, float]:
         """Event-loop health over the step: the longest time the trio thread did not yield."""
-        return {"loop/max_stall_ms": self.stalls.take_max_ms()}
+        culprit = self.stalls.worst_task
+        stall_ms = self.stalls.take_max_ms()
+        if stall_ms > SLOW_STALL_MS:
+            log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
+        return {"loop/max_stall_ms": stall_ms}
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         if "checkpoint/step" in metrics:

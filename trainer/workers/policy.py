@@ -258,6 +258,3 @@ class PolicyWorker:
         self.optimizer.load_state_dict(load_state(directory / "optimizer.pt"))
         self.scheduler.load_state_dict(load_state(directory / "scheduler.pt"))
         set_rng_state(load_state(directory / "rng.pt"))
-
-    def state_summary(self) -> dict[str, Any]:
-        return {"num_params": sum(p.numel() for p in self.model.parameters())}
