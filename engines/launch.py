@@ -46,6 +46,8 @@ __all__ = [
     "EngineProcess",
     "launch_local_engines",
     "open_engine_processes",
+    "server_command",
+    "server_env",
 ]
 
 #: Seconds a server gets to load its model and answer ``/health``.
@@ -55,7 +57,7 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 #: Characters of a server's log carried by ``EngineStartError``.
 LOG_TAIL_CHARS = 4000
 
-_READY_RE = re.compile(r"^ENGINE_READY port=(\d+)", re.MULTILINE)
+READY_RE = re.compile(r"^ENGINE_READY port=(\d+)", re.MULTILINE)
 _POLL_S = 0.05
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +96,7 @@ class EngineProcess:
         return data[self.log_offset :].decode(errors="replace")[-chars:]
 
 
-def _server_command(
+def server_command(
     model_dir: str | Path | None, host: str, seed: int, extra: Sequence[str]
 ) -> list[str]:
     cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
@@ -104,7 +106,7 @@ def _server_command(
     return [*cmd, *extra]
 
 
-def _child_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
+def server_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
     child = dict(os.environ if env is None else env)
     # The server imports ``engines`` and ``trainer`` from this checkout even when not installed.
     paths = [str(_PROJECT_ROOT), *filter(None, child.get("PYTHONPATH", "").split(os.pathsep))]
@@ -148,7 +150,7 @@ async def _wait_ready(
     while True:
         if engine.process.poll() is not None:
             raise await died()
-        match = _READY_RE.search(await engine.log_tail(chars=1 << 20))
+        match = READY_RE.search(await engine.log_tail(chars=1 << 20))
         if match:
             break
         await trio.sleep(_POLL_S)
@@ -230,11 +232,11 @@ async def open_engine_processes(
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
     log_dir = Path(log_dir)
     await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
-    child_env = _child_env(env, api_key)
+    child_env = server_env(env, api_key)
     engines: list[EngineProcess] = []
     try:
         for i in range(num_engines):
-            cmd = _server_command(model_dir, host, seed + i, extra_args)
+            cmd = server_command(model_dir, host, seed + i, extra_args)
             engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", child_env))
         async with httpx.AsyncClient(timeout=5.0) as http:
             with trio.move_on_after(startup_timeout_s) as scope:

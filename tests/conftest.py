@@ -1,4 +1,9 @@
-"""Suite-wide fixtures."""
+"""Suite-wide fixtures: fault isolation; one Ray cluster per test run, started only if asked.
+
+The cluster is started the way the trainer starts it (``start_cluster``: the start-up fix
+plus retries of the start only). If it still cannot start, every test that needs it errors
+with :class:`RayClusterStartError` and its reasons: never a skip.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import pytest
 
 from trainer import faults
+from trainer.workers.ray_cluster import start_cluster, stop_cluster
 
 
 @pytest.fixture(autouse=True)
@@ -24,3 +30,15 @@ def _isolated_faults():
     os.environ.pop(faults.ENV_VAR, None)
     if saved is not None:
         os.environ[faults.ENV_VAR] = saved
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> str:
+    """The address (GCS ``host:port``) of this test run's local Ray cluster."""
+    import ray
+
+    # the actors of these tests get at most these CPUs' worth of logical resources
+    start_cluster(None, retries=3, num_cpus=max(6, os.cpu_count() or 1))
+    address = ray.get_runtime_context().gcs_address
+    yield address
+    stop_cluster()

@@ -205,6 +205,11 @@ def validate_cfg(cfg: Config) -> None:
         raise ConfigError(
             "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"
         )
+    if cfg.engine.placement == "ray" and cfg.engine.backend != "local":
+        raise ConfigError(
+            f"config: engine.placement='ray' places the servers the trainer starts, but "
+            f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local"
+        )
     w = cfg.workers
     if w.backend == "local" and w.num_policy_workers != 1:
         raise ConfigError(

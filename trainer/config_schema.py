@@ -158,6 +158,15 @@ class EngineConfig:
         "the reference engine inside the trainer, without HTTP.",
     )
     num_engines: int = _field(1, "Servers to start (backend=local).", check=at_least(1))
+    placement: Literal["process", "ray"] = _field(
+        "process",
+        "Where backend=local starts its servers: 'process' (child processes of the trainer) or "
+        "'ray' (each server in a Ray actor on the node Ray picks, on the cluster of "
+        "workers.ray_address; see docs/scaling.md). Either way they are stopped at exit.",
+    )
+    ray_num_cpus: float = _field(
+        1.0, "Ray CPUs each engine actor reserves (placement=ray).", check=positive
+    )
     urls: tuple[str, ...] = _field(
         (), "Server base URLs for backend=remote, e.g. [http://host:8000]."
     )

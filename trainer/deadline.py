@@ -12,6 +12,8 @@
   unbounded); it works on the trio thread and in threads started from it.
 - ``wait_result(get)`` runs a blocking ``get(timeout)`` (a future's ``result``, ``ray.get``)
   in a thread with ``timeout=remaining()`` and turns *its* timeout into the deadline's error.
+- ``wait_refs(refs)`` is ``wait_result`` for Ray: every ref's value, in order, failing with
+  :class:`RefFailed` on the first ref that fails, in completion order.
 - ``cleanup_preserving_primary`` runs failure-path cleanup shielded, bounded by the step's
   deadline, without ever replacing the primary error.
 """
@@ -22,9 +24,9 @@ import contextvars
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
@@ -32,6 +34,7 @@ import trio
 from trainer.errors import StepTimeoutError
 
 __all__ = [
+    "RefFailed",
     "Timer",
     "cleanup_bracket",
     "cleanup_preserving_primary",
@@ -43,6 +46,7 @@ __all__ = [
     "remaining",
     "stage",
     "step_deadline",
+    "wait_refs",
     "wait_result",
 ]
 
@@ -262,6 +266,58 @@ async def wait_result(
         if budget is None or d is None:
             raise
         raise d.make_error(_stage.get(), _operation.get()) from exc
+
+
+class RefFailed(Exception):
+    """``wait_refs``: the ``index``-th ref failed with ``error`` (a ``ray.exceptions.RayError``).
+
+    Callers translate it into their own typed error, knowing which actor ``index`` is.
+    """
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+
+def get_refs_as_completed(refs: Sequence[Any], timeout: float | None) -> list[Any]:
+    """Blocking ``ray.get`` of every ref, failing on the first error in completion order.
+
+    A dead actor is reported as soon as its ref fails, even while its peers still block
+    (in a collective waiting for it, say). Raises ``ray.exceptions.GetTimeoutError`` when
+    not every ref is ready within ``timeout`` seconds (``None``: unbounded).
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    end = None if timeout is None else time.monotonic() + timeout
+    index = {ref: i for i, ref in enumerate(refs)}
+    results: list[Any] = [None] * len(refs)
+    pending = list(refs)
+    while pending:
+        left = None if end is None else max(0.0, end - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise GetTimeoutError(f"{len(pending)} result(s) not ready after {timeout}s")
+        for ref in ready:
+            try:
+                results[index[ref]] = ray.get(ref)
+            except RayError as exc:
+                raise RefFailed(index[ref], exc) from None
+    return results
+
+
+async def wait_refs(refs: Sequence[Any]) -> list[Any]:
+    """Every ref's value, awaited off the trio thread with ``timeout=remaining()`` (rule 5).
+
+    The deadline expiring while a ref is pending raises the deadline's own error (step,
+    stage, operation); a failed ref raises :class:`RefFailed`.
+    """
+    from ray.exceptions import GetTimeoutError
+
+    return await wait_result(
+        lambda timeout: get_refs_as_completed(refs, timeout), timeout_errors=(GetTimeoutError,)
+    )
 
 
 def _cleanup_deadline() -> float:

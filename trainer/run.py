@@ -8,9 +8,9 @@ closed) before the error reaches the command line.
 from __future__ import annotations
 
 import datetime
-import functools
 import json
 import logging
+import math
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -164,7 +164,23 @@ async def open_engine(
             yield client, InProcessTransport()
         return
     async with AsyncExitStack() as stack:
-        if e.backend == "local":
+        if e.backend == "local" and e.placement == "ray":
+            from engines.ray_launch import open_ray_engines
+
+            placed = await stack.enter_async_context(
+                open_ray_engines(
+                    e.num_engines,
+                    model_dir,
+                    run_dir / "engines",
+                    seed=cfg.trainer.seed,
+                    api_key=e.api_key,
+                    startup_timeout_s=e.startup_timeout_s,
+                    num_cpus=e.ray_num_cpus,
+                )
+            )
+            urls = [p.url for p in placed]
+            log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
+        elif e.backend == "local":
             urls = await stack.enter_async_context(
                 launch_local_engines(
                     e.num_engines,
@@ -195,10 +211,16 @@ def _transport(cfg: Config, run_dir: Path) -> WeightTransport:
     """``sync.transport``: safetensors files, or a torch.distributed broadcast group."""
     bucket_bytes = cfg.sync.bucket_size_mb * 2**20
     if cfg.sync.transport == "broadcast":
+        master_address = "127.0.0.1"
+        if cfg.engine.placement == "ray":  # servers may be on other nodes: this node's Ray IP
+            import ray
+
+            master_address = ray.util.get_node_ip_address()
         return BroadcastTransport(
             bucket_bytes,
             group_init_timeout_s=cfg.sync.group_init_timeout_s,
             timeout_s=cfg.workers.collective_timeout_s,
+            master_address=master_address,
         )
     return DiskTransport(run_dir / "weight_sync", bucket_bytes)
 
@@ -209,9 +231,7 @@ async def open_workers(
 ) -> AsyncIterator[WorkerGroup]:
     """The worker group of ``workers.backend``, shut down when the block exits, whatever the error.
 
-    ``ray``: joins ``workers.ray_address`` or starts a local cluster (retried on start-up
-    failure only, see ``trainer.workers.ray_cluster``); a cluster this run started is stopped
-    at exit, bounded like the actors' shutdown.
+    ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`).
     """
     w = cfg.workers
     with_ref = cfg.algorithm.use_kl_loss
@@ -219,42 +239,46 @@ async def open_workers(
         workers = await LocalWorkerGroup.create(
             model_dir, policy_kwargs=policy_kwargs, with_ref=with_ref
         )
-        try:
-            yield workers
-        finally:
-            await workers.shutdown()
-        return
-    from trainer.workers.ray_cluster import start_cluster, stop_cluster
-    from trainer.workers.ray_group import SHUTDOWN_TIMEOUT_S, RayWorkerGroup
+    else:
+        from trainer.workers.ray_group import RayWorkerGroup
 
-    owned = await trio.to_thread.run_sync(
-        functools.partial(
-            start_cluster,
-            w.ray_address,
-            retries=w.ray_init_retries,
-            num_cpus=w.num_policy_workers + 1,
-        )
-    )
-    try:
-        group = await RayWorkerGroup.create(
+        workers = await RayWorkerGroup.create(
             model_dir,
             policy_kwargs=policy_kwargs,
             with_ref=with_ref,
             num_workers=w.num_policy_workers,
             collective_timeout_s=w.collective_timeout_s,
         )
-        try:
-            yield group
-        finally:
-            with trio.CancelScope(shield=True):
-                await group.shutdown()
+    try:
+        yield workers
     finally:
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(SHUTDOWN_TIMEOUT_S):
-                # disconnects; stops the cluster's processes when this run started them
-                await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
-        if owned:
-            log.info("stopped the local Ray cluster this run started")
+            await workers.shutdown()
+
+
+def uses_ray(cfg: Config) -> bool:
+    """Whether the run needs a Ray cluster (Ray workers, or engines placed by Ray)."""
+    return cfg.workers.backend == "ray" or (
+        cfg.engine.backend == "local" and cfg.engine.placement == "ray"
+    )
+
+
+@asynccontextmanager
+async def open_ray_cluster(cfg: Config) -> AsyncIterator[None]:
+    """Join ``workers.ray_address`` or start a local cluster sized for the run; always leave it.
+
+    Starting is retried on failure only (see ``trainer.workers.ray_cluster``); a cluster this
+    run started is stopped at exit, bounded. Entered before the engines and workers, so it
+    is left after both are stopped.
+    """
+    from trainer.workers.ray_cluster import open_cluster
+
+    w, e = cfg.workers, cfg.engine
+    cpus = w.num_policy_workers + 1 if w.backend == "ray" else 0
+    if e.placement == "ray":
+        cpus += math.ceil(e.num_engines * e.ray_num_cpus)
+    async with open_cluster(w.ray_address, retries=w.ray_init_retries, num_cpus=cpus):
+        yield
 
 
 class _TeardownClock:
@@ -353,6 +377,8 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
+        if uses_ray(cfg):
+            await stack.enter_async_context(open_ray_cluster(cfg))
         engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
 

@@ -21,12 +21,26 @@ cannot start after that raises :class:`RayClusterStartError` with every attempt'
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-__all__ = ["RayClusterStartError", "init_kwargs", "prepare_env", "start_cluster", "stop_cluster"]
+import trio
+
+__all__ = [
+    "ACTOR_ENV_VARS",
+    "RayClusterStartError",
+    "actor_env",
+    "init_kwargs",
+    "open_cluster",
+    "prepare_env",
+    "start_cluster",
+    "stop_cluster",
+]
 
 log = logging.getLogger("trainer.workers.ray")
 
@@ -38,6 +52,18 @@ START_ENV = {
     # a worker's stdout/stderr stays in the session's log files, not in the trainer's stderr
     "RAY_DEDUP_LOGS": "0",
 }
+
+
+#: Variables of the trainer's environment every actor gets (fault injection, the test
+#: marker that finds a run's processes, the import path of this checkout).
+ACTOR_ENV_VARS = ("TRAINER_FAULTS", "TRAINER_TEST_MARKER", "PYTHONPATH")
+#: How long disconnecting (and stopping a cluster this run started) may take.
+STOP_TIMEOUT_S = 30.0
+
+
+def actor_env() -> dict[str, str]:
+    """``runtime_env["env_vars"]`` for the run's actors: :data:`ACTOR_ENV_VARS` that are set."""
+    return {k: os.environ[k] for k in ACTOR_ENV_VARS if k in os.environ}
 
 
 class RayClusterStartError(RuntimeError):
@@ -120,3 +146,26 @@ def stop_cluster() -> None:
     import ray
 
     ray.shutdown()
+
+
+@asynccontextmanager
+async def open_cluster(
+    address: str | None, *, retries: int, num_cpus: int | None = None
+) -> AsyncIterator[bool]:
+    """:func:`start_cluster` off the trio thread; yields whether this run owns the cluster.
+
+    On exit (whatever the error) the driver disconnects, shielded and bounded by
+    :data:`STOP_TIMEOUT_S`; a cluster this run started is stopped with it.
+    """
+    start = functools.partial(start_cluster, address, retries=retries, num_cpus=num_cpus)
+    owned = await trio.to_thread.run_sync(start)
+    try:
+        yield owned
+    finally:
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(STOP_TIMEOUT_S) as scope:
+                await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            log.warning("disconnecting from Ray did not finish in %.0fs", STOP_TIMEOUT_S)
+        elif owned:
+            log.info("stopped the local Ray cluster this run started")

@@ -7,7 +7,7 @@ torch.distributed group (gloo on CPU, NCCL on GPU); the reference model, when th
 is on, is one more actor. See :mod:`trainer.workers.ray_actor` for the rank's side.
 
 Waiting: the trio thread never blocks on Ray. Every wait runs in a thread through
-:func:`trainer.deadline.wait_result` with ``timeout=remaining()``, inside
+:func:`trainer.deadline.wait_refs` with ``timeout=remaining()``, inside
 ``operation(op)``, so a step deadline that expires while an actor is stuck becomes the
 step's own ``StepTimeoutError`` naming stage and operation; the actor keeps running and
 ``shutdown`` kills it.
@@ -23,25 +23,23 @@ a collective waiting for it.
 from __future__ import annotations
 
 import logging
-import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 import trio
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.checkpoint import CheckpointManager
-from trainer.deadline import current_stage, current_step, operation, wait_result
+from trainer.deadline import RefFailed, current_stage, current_step, operation, wait_refs
 from trainer.errors import WorkerError
-from trainer.faults import ENV_VAR as FAULTS_ENV
 from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
+from trainer.workers.ray_cluster import actor_env
 
 __all__ = ["RayWorkerGroup"]
 
@@ -51,36 +49,6 @@ log = logging.getLogger("trainer.workers.ray")
 SHUTDOWN_TIMEOUT_S = 30.0
 #: Placement-group and actor start-up bound (model load included).
 STARTUP_TIMEOUT_S = 300.0
-#: Environment passed to every actor: fault injection, plus the test marker when set.
-_ACTOR_ENV_VARS = (FAULTS_ENV, "TRAINER_TEST_MARKER", "PYTHONPATH")
-
-
-class _RemoteFailure(Exception):
-    """Raised in the waiting thread: the ``index``-th awaited ref failed with ``error``."""
-
-    def __init__(self, index: int, error: RayError) -> None:
-        super().__init__(index, error)
-        self.index = index
-        self.error = error
-
-
-def _get_as_completed(refs: Sequence[Any], timeout: float | None) -> list[Any]:
-    """``ray.get`` of every ref, failing on the first error in completion order (blocks)."""
-    end = None if timeout is None else time.monotonic() + timeout
-    index = {ref: i for i, ref in enumerate(refs)}
-    results: list[Any] = [None] * len(refs)
-    pending = list(refs)
-    while pending:
-        left = None if end is None else max(0.0, end - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            raise GetTimeoutError(f"{len(pending)} result(s) not ready after {timeout}s")
-        for ref in ready:
-            try:
-                results[index[ref]] = ray.get(ref)
-            except RayError as exc:
-                raise _RemoteFailure(index[ref], exc) from None
-    return results
 
 
 def _translate(error: RayError, worker: str, rank: int) -> BaseException:
@@ -142,7 +110,7 @@ class RayWorkerGroup:
         collective_timeout_s: float = 1800.0,
     ) -> RayWorkerGroup:
         """Place and start the actors, then form the data-parallel group (bounded)."""
-        env = {k: os.environ[k] for k in _ACTOR_ENV_VARS if k in os.environ}
+        env = actor_env()
         gpus = 1.0 if torch.cuda.is_available() else 0.0
         bundle = {"CPU": 1.0, "GPU": gpus} if gpus else {"CPU": 1.0}
         group = cls([], None, None, {})
@@ -209,11 +177,8 @@ class RayWorkerGroup:
         """Await ``refs`` off the trio thread under the step's deadline; translate failures."""
         who = who or [("policy", r) for r in range(len(refs))]
         try:
-            return await wait_result(
-                lambda timeout: _get_as_completed(refs, timeout),
-                timeout_errors=(GetTimeoutError,),
-            )
-        except _RemoteFailure as failure:
+            return await wait_refs(refs)
+        except RefFailed as failure:
             worker, rank = who[failure.index]
             raise _translate(failure.error, worker, rank) from None
 

@@ -1,0 +1,117 @@
+"""engines.ray_launch: servers in real Ray actors start, serve, fail loudly, and never linger.
+
+Every test tags the actors it starts (and so their servers) with a fresh
+``TRAINER_TEST_MARKER`` and checks afterwards that no process carrying it is left.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import ray
+import trio
+
+from engines.client import InferenceClient
+from engines.ray_launch import open_ray_engines
+from engines.types import SamplingParams
+from tests.e2e.helpers import new_marker, processes_with_marker, wait_until_gone
+from trainer.errors import EngineStartError
+
+pytestmark = pytest.mark.slow
+
+STARTUP_S = 180.0
+
+
+@pytest.fixture
+def marker(monkeypatch: pytest.MonkeyPatch) -> str:
+    value = new_marker()
+    monkeypatch.setenv("TRAINER_TEST_MARKER", value)  # actors get it, and their servers
+    return value
+
+
+def leftovers(marker: str, timeout: float = 30.0) -> list[int]:
+    return [p for p in wait_until_gone(marker, timeout) if p != os.getpid()]
+
+
+def actor_is_dead(actor: object) -> bool:
+    try:
+        ray.get(actor.log_tail.remote(), timeout=30)  # type: ignore[attr-defined]
+    except ray.exceptions.RayActorError:
+        return True
+    return False
+
+
+async def test_servers_in_actors_serve_over_http_and_are_gone_after(
+    ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    async with open_ray_engines(
+        2, model_dir, tmp_path / "engines", seed=7, startup_timeout_s=STARTUP_S
+    ) as engines:
+        assert [e.index for e in engines] == [0, 1]
+        assert len({e.url for e in engines}) == 2
+        assert all(e.url.startswith(f"http://{e.node_ip}:") for e in engines)
+        assert set(processes_with_marker(marker)) >= {e.pid for e in engines}
+        async with InferenceClient([e.url for e in engines]) as client:
+            completion = await client.generate([5, 6], SamplingParams(max_tokens=4, seed=0))
+        assert len(completion.token_ids) >= 1
+        # logs land where asked, one per server, with the server's ready line
+        for e in engines:
+            assert e.log_path == str(tmp_path / "engines" / f"engine-{e.index}.log")
+            assert "ENGINE_READY" in await trio.Path(e.log_path).read_text()
+        actors = [e.actor for e in engines]
+    assert leftovers(marker) == []
+    assert all(await trio.to_thread.run_sync(lambda: [actor_is_dead(a) for a in actors]))
+
+
+async def test_a_server_that_exits_during_start_up_raises_with_its_log_tail(
+    ray_cluster: str, tmp_path: Path, marker: str
+) -> None:
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(EngineStartError) as caught:
+        async with open_ray_engines(1, missing, tmp_path / "engines", startup_timeout_s=STARTUP_S):
+            pytest.fail("start-up should have failed")
+    error = caught.value
+    assert "exited during start-up" in error.reason
+    assert "engine-0" in error.url
+    assert str(missing) in error.log_tail  # the server's own complaint, read on its node
+    assert pickle.loads(pickle.dumps(error)).log_tail == error.log_tail
+    assert leftovers(marker) == []
+
+
+async def test_a_killed_actor_takes_its_server_down_and_exit_stays_clean(
+    ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    async with open_ray_engines(
+        1, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S
+    ) as engines:
+        (engine,) = engines
+        await trio.to_thread.run_sync(lambda: ray.kill(engine.actor, no_restart=True))
+        # no one asked the server to stop: it exits because its stdin pipe closed
+        assert await trio.to_thread.run_sync(leftovers, marker, 60.0) == []
+    assert leftovers(marker) == []
+
+
+async def test_cancelled_start_up_leaves_nothing(
+    ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    with trio.move_on_after(1.0) as scope:
+        async with open_ray_engines(
+            2, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S
+        ):
+            pytest.fail("servers cannot be healthy within a second")
+    assert scope.cancelled_caught
+    assert leftovers(marker) == []
+
+
+async def test_a_cluster_without_room_fails_start_up_saying_so(
+    ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    with pytest.raises(EngineStartError, match="not placed within 3s"):
+        async with open_ray_engines(
+            1, model_dir, tmp_path / "engines", startup_timeout_s=3.0, num_cpus=1000
+        ):
+            pytest.fail("no node has 1000 CPUs")
+    assert leftovers(marker) == []
