@@ -10,11 +10,9 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import math
 import statistics
 import time
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack
 from importlib import import_module
 from pathlib import Path
 from typing import Any
@@ -23,12 +21,8 @@ import attrs
 import trio
 import yaml
 
-from engines.client import InferenceClient
-from engines.launch import launch_local_engines
-from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.types import SamplingParams
-from sync.transports import DiskTransport, InProcessTransport, WeightTransport
-from sync.transports.broadcast import BroadcastTransport
+from sync.transports import WeightTransport
 from trainer import faults
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
@@ -52,8 +46,8 @@ from trainer.metrics import (
     teardown_run_logging,
 )
 from trainer.models import load_tokenizer, resolve_model_path
+from trainer.parts import open_engine, open_ray_cluster, open_workers, uses_ray
 from trainer.workers.group import WorkerGroup
-from trainer.workers.local import LocalWorkerGroup
 
 __all__ = ["RunContext", "train"]
 
@@ -146,139 +140,6 @@ def _load_generator_cls(spec: str) -> type[Generator]:
             f"config: generator.cls={spec!r} is not a subclass of trainer.generators.Generator"
         )
     return cls
-
-
-@asynccontextmanager
-async def open_engine(
-    cfg: Config, model_dir: Path, run_dir: Path
-) -> AsyncIterator[tuple[Any, WeightTransport]]:
-    """The engines of ``engine.backend`` and the weight transport to reach them.
-
-    Servers the trainer starts are stopped when the block exits, whatever the error.
-    """
-    e = cfg.engine
-    if e.backend == "inprocess":
-        from engines.local.inprocess import open_inprocess_client
-
-        async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
-            yield client, InProcessTransport()
-        return
-    async with AsyncExitStack() as stack:
-        if e.backend == "local" and e.placement == "ray":
-            from engines.ray_launch import open_ray_engines
-
-            placed = await stack.enter_async_context(
-                open_ray_engines(
-                    e.num_engines,
-                    model_dir,
-                    run_dir / "engines",
-                    seed=cfg.trainer.seed,
-                    api_key=e.api_key,
-                    startup_timeout_s=e.startup_timeout_s,
-                    num_cpus=e.ray_num_cpus,
-                )
-            )
-            urls = [p.url for p in placed]
-            log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
-        elif e.backend == "local":
-            urls = await stack.enter_async_context(
-                launch_local_engines(
-                    e.num_engines,
-                    model_dir,
-                    run_dir / "engines",
-                    seed=cfg.trainer.seed,
-                    api_key=e.api_key,
-                    startup_timeout_s=e.startup_timeout_s,
-                )
-            )
-        else:
-            urls = list(e.urls)
-        client = await stack.enter_async_context(
-            InferenceClient(
-                urls,
-                api_key=e.api_key,
-                max_concurrency=e.max_concurrency,
-                control_plane_timeout_s=e.control_plane_timeout_s,
-            )
-        )
-        await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
-        transport = _transport(cfg, run_dir)
-        await transport.init(client)
-        yield client, transport
-
-
-def _transport(cfg: Config, run_dir: Path) -> WeightTransport:
-    """``sync.transport``: safetensors files, or a torch.distributed broadcast group."""
-    bucket_bytes = cfg.sync.bucket_size_mb * 2**20
-    if cfg.sync.transport == "broadcast":
-        master_address = "127.0.0.1"
-        if cfg.engine.placement == "ray":  # servers may be on other nodes: this node's Ray IP
-            import ray
-
-            master_address = ray.util.get_node_ip_address()
-        return BroadcastTransport(
-            bucket_bytes,
-            group_init_timeout_s=cfg.sync.group_init_timeout_s,
-            timeout_s=cfg.workers.collective_timeout_s,
-            master_address=master_address,
-        )
-    return DiskTransport(run_dir / "weight_sync", bucket_bytes)
-
-
-@asynccontextmanager
-async def open_workers(
-    cfg: Config, model_dir: Path, policy_kwargs: dict[str, Any]
-) -> AsyncIterator[WorkerGroup]:
-    """The worker group of ``workers.backend``, shut down when the block exits, whatever the error.
-
-    ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`).
-    """
-    w = cfg.workers
-    with_ref = cfg.algorithm.use_kl_loss
-    if w.backend == "local":
-        workers = await LocalWorkerGroup.create(
-            model_dir, policy_kwargs=policy_kwargs, with_ref=with_ref
-        )
-    else:
-        from trainer.workers.ray_group import RayWorkerGroup
-
-        workers = await RayWorkerGroup.create(
-            model_dir,
-            policy_kwargs=policy_kwargs,
-            with_ref=with_ref,
-            num_workers=w.num_policy_workers,
-            collective_timeout_s=w.collective_timeout_s,
-        )
-    try:
-        yield workers
-    finally:
-        with trio.CancelScope(shield=True):
-            await workers.shutdown()
-
-
-def uses_ray(cfg: Config) -> bool:
-    """Whether the run needs a Ray cluster (Ray workers, or engines placed by Ray)."""
-    return cfg.workers.backend == "ray" or (
-        cfg.engine.backend == "local" and cfg.engine.placement == "ray"
-    )
-
-
-@asynccontextmanager
-async def open_ray_cluster(cfg: Config) -> AsyncIterator[None]:
-    """Join ``workers.ray_address`` or start a local cluster sized for the run; always leave it.
-
-    Starting is retried on failure only (see ``trainer.workers.ray_cluster``); a cluster this
-    run started is stopped at exit, bounded. Entered before the engines and workers, so it
-    is left after both are stopped.
-    """
-    from trainer.workers.ray_cluster import open_cluster
-
-    w, e = cfg.workers, cfg.engine
-    cpus = w.num_policy_workers + 1 if w.backend == "ray" else 0
-    if e.placement == "ray":
-        cpus += math.ceil(e.num_engines * e.ray_num_cpus)
-    async with open_cluster(w.ray_address, retries=w.ray_init_retries, num_cpus=cpus):
-        yield
 
 
 class _TeardownClock:

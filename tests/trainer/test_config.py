@@ -68,6 +68,15 @@ from trainer.errors import ConfigError
             "config: trainer.resume_mode='path' needs trainer.resume_path=DIR",
         ),
         (["trainer.max_steps"], "config: override 'trainer.max_steps' is not key=value"),
+        (
+            ["engine.placement=ray", "engine.backend=inprocess"],
+            "config: engine.placement='ray' places the servers the trainer starts, but "
+            "engine.backend='inprocess' starts none; use engine.backend=local",
+        ),
+        (
+            ["engine.placement=node"],
+            "config: engine.placement='node' is not allowed: choose one of 'process', 'ray'",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_key_value_and_what_is_allowed(overrides, message):

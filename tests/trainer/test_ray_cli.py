@@ -1,4 +1,4 @@
-"""``python -m trainer workers.backend=ray`` end to end, against this test run's cluster."""
+"""``python -m trainer`` on Ray end to end: Ray workers, Ray-placed engines, own or shared cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import read_metrics, run_trainer
+from tests.e2e.helpers import (
+    last_stderr_line,
+    new_marker,
+    read_metrics,
+    run_trainer,
+    wait_until_gone,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -30,21 +36,27 @@ def alive(pid: int) -> bool:
 
 
 def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster, tmp_path):
+    """Everything on Ray (workers and engines) against the same run on the local backends."""
     ray_dir, local_dir = tmp_path / "ray", tmp_path / "local"
+    marker = new_marker()
     proc = run_trainer(
         *STEPS,
         "workers.backend=ray",
         "workers.num_policy_workers=2",
+        "engine.placement=ray",
         f"workers.ray_address={ray_cluster}",
         f"trainer.run_dir={ray_dir}",
+        marker=marker,
     )
     assert proc.returncode == 0, proc.stderr
     pids = actor_pids(ray_dir)
     assert len(pids) == 2
+    assert "ray engines up: {'http://" in (ray_dir / "train.log").read_text()
     deadline = time.monotonic() + 30
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), "the run's actors are gone after it exits"
+    assert wait_until_gone(marker) == [], "engine actors and their servers are gone too"
 
     proc = run_trainer(*STEPS, f"trainer.run_dir={local_dir}")
     assert proc.returncode == 0, proc.stderr
@@ -56,3 +68,32 @@ def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster,
     for r, loc in zip(ray_rows, local_rows):
         assert abs(r["reward/mean"] - loc["reward/mean"]) <= 0.1, (r, loc)
         assert r["policy/grad_norm"] == pytest.approx(loc["policy/grad_norm"], rel=0.05, abs=1e-3)
+
+
+def test_failed_run_with_ray_placed_engines_leaves_no_process_of_its_own_cluster(tmp_path):
+    """No ``workers.ray_address``: the run starts its own cluster; a step error stops it all.
+
+    The ``/pause`` hang fires inside the Ray-placed server (the fault spec reaches it through
+    the actor's environment); the control-plane timeout names it.
+    """
+    marker = new_marker()
+    proc = run_trainer(
+        "trainer.max_steps=3",
+        "engine.placement=ray",
+        "engine.control_plane_timeout_s=5",
+        "faults=/pause:hang@2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode != 0
+    line = last_stderr_line(proc)
+    assert re.fullmatch(
+        r"InferenceServerTimeoutError: /pause on http://[\d.]+:\d+ did not answer within 5s "
+        r"\(engine\.control_plane_timeout_s, env TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S\)",
+        line,
+    ), line
+    log = (tmp_path / "train.log").read_text()
+    assert "ray engines up" in log
+    assert "stopped the local Ray cluster this run started" in log
+    # servers, engine actors, and the cluster's own processes (GCS, raylet) all carry the marker
+    assert wait_until_gone(marker, timeout=60) == []
