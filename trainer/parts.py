@@ -47,32 +47,25 @@ async def open_engine(
             yield client, InProcessTransport()
         return
     async with AsyncExitStack() as stack:
+        started: dict[str, Any] = {
+            "seed": cfg.trainer.seed,
+            "api_key": e.api_key,
+            "startup_timeout_s": e.startup_timeout_s,
+        }
+        log_dir = run_dir / "engines"
         if e.backend == "local" and e.placement == "ray":
             from engines.ray_launch import open_ray_engines
 
             placed = await stack.enter_async_context(
                 open_ray_engines(
-                    e.num_engines,
-                    model_dir,
-                    run_dir / "engines",
-                    seed=cfg.trainer.seed,
-                    api_key=e.api_key,
-                    startup_timeout_s=e.startup_timeout_s,
-                    num_cpus=e.ray_num_cpus,
+                    e.num_engines, model_dir, log_dir, num_cpus=e.ray_num_cpus, **started
                 )
             )
             urls = [p.url for p in placed]
             log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
         elif e.backend == "local":
             urls = await stack.enter_async_context(
-                launch_local_engines(
-                    e.num_engines,
-                    model_dir,
-                    run_dir / "engines",
-                    seed=cfg.trainer.seed,
-                    api_key=e.api_key,
-                    startup_timeout_s=e.startup_timeout_s,
-                )
+                launch_local_engines(e.num_engines, model_dir, log_dir, **started)
             )
         else:
             urls = list(e.urls)

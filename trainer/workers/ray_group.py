@@ -30,7 +30,7 @@ from typing import Any
 import ray
 import torch
 import trio
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -51,7 +51,7 @@ SHUTDOWN_TIMEOUT_S = 30.0
 STARTUP_TIMEOUT_S = 300.0
 
 
-def _translate(error: RayError, worker: str, rank: int) -> BaseException:
+def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
     """Our own error class for a remote failure (see the module docstring)."""
     stage = current_stage()
     if isinstance(error, RayActorError):
