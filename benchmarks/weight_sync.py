@@ -109,12 +109,13 @@ class _ThreadWorkers:
 
     def __init__(self, workers: LocalWorkerGroup) -> None:
         self.policy = workers.policy
+        self.group = workers.weight_group
 
     async def weight_buckets(self, bucket_bytes: int):
         return self.policy.weight_buckets(bucket_bytes)
 
-    async def broadcast_bucket(self, group, names, timeout_s) -> None:
-        await trio.to_thread.run_sync(self.policy.broadcast_bucket, group, names, timeout_s)
+    async def broadcast_bucket(self, names, timeout_s) -> None:
+        await trio.to_thread.run_sync(self.policy.broadcast_bucket, self.group, names, timeout_s)
 
 
 async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> dict[str, float]:
@@ -127,7 +128,7 @@ async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> 
         async with launch_local_engines(1, model_dir, logs, startup_timeout_s=300) as urls:
             async with InferenceClient(urls) as client:
                 transport = BroadcastTransport(bucket_mb * 2**20, group_init_timeout_s=300)
-                await transport.init(client)
+                await transport.init(client, workers)
                 await save_weights_for_sampler(workers, client, transport)  # warm-up
                 best, worst_stall = float("inf"), 0.0
                 for _ in range(repeats):

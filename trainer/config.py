@@ -217,12 +217,6 @@ def validate_cfg(cfg: Config) -> None:
             "workers.backend='local' runs exactly 1 policy worker (use workers.backend=ray for "
             "data parallel)"
         )
-    if cfg.sync.transport == "broadcast" and w.backend != "local":
-        raise ConfigError(
-            f"config: sync.transport='broadcast' needs workers.backend='local' (policy rank 0 "
-            f"joins the group in the trainer's process), got workers.backend={w.backend!r}; "
-            "use sync.transport=disk"
-        )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
     if cfg.faults:

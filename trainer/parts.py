@@ -37,7 +37,9 @@ async def open_engine(
 ) -> AsyncIterator[tuple[Any, WeightTransport]]:
     """The engines of ``engine.backend`` and the weight transport to reach them.
 
-    Servers the trainer starts are stopped when the block exits, whatever the error.
+    The transport is not initialised yet: ``await transport.init(engine, workers)`` once the
+    workers exist (policy rank 0 may host its group). Servers the trainer starts are
+    stopped when the block exits, whatever the error.
     """
     e = cfg.engine
     if e.backend == "inprocess":
@@ -78,9 +80,7 @@ async def open_engine(
             )
         )
         await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
-        transport = _transport(cfg, run_dir)
-        await transport.init(client)
-        yield client, transport
+        yield client, _transport(cfg, run_dir)
 
 
 def _transport(cfg: Config, run_dir: Path) -> WeightTransport:

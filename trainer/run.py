@@ -242,6 +242,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             await stack.enter_async_context(open_ray_cluster(cfg))
         engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
+        await transport.init(engine, workers)
 
         def make_generator(sp: SamplingParams) -> Generator:
             return generator_cls(

@@ -15,8 +15,8 @@ class WeightTransport(Protocol):
     respect to requests, by the engine).
     """
 
-    async def init(self, engine: Any) -> None:
-        """Once, before the first transfer."""
+    async def init(self, engine: Any, workers: Any) -> None:
+        """Once, before the first transfer (engines up, workers created)."""
         ...
 
     async def transfer(self, workers: Any, engine: Any) -> None: ...

@@ -1,7 +1,8 @@
 """``sync.transport=broadcast``: a torch.distributed group from policy rank 0 to the engines.
 
 The group (gloo on CPU; vLLM would use NCCL) has policy rank 0 (a thread of the trainer
-process) as rank 0 and each engine server as rank ``1 + i``; it is built once, through
+process with local workers, rank 0's actor with Ray workers: the worker group hosts it and
+keeps its handle) as rank 0 and each engine server as rank ``1 + i``; it is built once, through
 :func:`sync.group.init_group`'s controller-side bound, and reused by every sync. The
 transfer follows vLLM's four-phase protocol::
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from sync.group import BACKSTOP_S, GroupHandle, free_port, init_group, join_group, join_in_thread
+from sync.group import BACKSTOP_S, init_group
 from trainer.deadline import open_owner_nursery, remaining
 
 __all__ = ["BroadcastTransport"]
@@ -47,35 +48,29 @@ class BroadcastTransport:
         self.group_init_timeout_s = group_init_timeout_s
         #: Bound of one collective when the step has no deadline (the group's own watchdog).
         self.timeout_s = timeout_s
+        #: Where rank 0 hosts the group when it runs in this process (local workers).
         self.master_address = master_address
-        self.handle: GroupHandle | None = None
+        self.initialized = False
 
-    async def init(self, engine: Any) -> None:
-        """Build the group (rank 0 here, one rank per server) within ``group_init_timeout_s``.
+    async def init(self, engine: Any, workers: Any) -> None:
+        """Build the group (policy rank 0, one rank per server) within ``group_init_timeout_s``.
 
-        Raises ``CheckpointEngineInitError`` past the bound, or the first participant's own
-        error (a server's 4xx, ``FaultInjected``) unchanged. Once built, a second call is a no-op.
+        Rank 0 is hosted where the workers put it (``workers.weight_sync_endpoint``: this
+        process for local workers, rank 0's node for Ray workers). Raises
+        ``CheckpointEngineInitError`` past the bound, or the first participant's own error (a
+        server's 4xx, ``FaultInjected``) unchanged. Once built, a second call is a no-op.
         """
-        if self.handle is not None:
+        if self.initialized:
             return
         urls = list(engine.urls)
         world_size = 1 + len(urls)
-        port = free_port(self.master_address)
+        host, port = await workers.weight_sync_endpoint(self.master_address)
         store_timeout_s = max(self.group_init_timeout_s + BACKSTOP_S, self.timeout_s)
-        rank0 = join_in_thread(
-            lambda: join_group(
-                GROUP,
-                master_address=self.master_address,
-                master_port=port,
-                rank=0,
-                world_size=world_size,
-                store_timeout_s=store_timeout_s,
-            )
-        )
+        rank0 = workers.join_weight_sync(GROUP, host, port, world_size, store_timeout_s)
 
         def server_join(i: int, url: str):
             init_info = {
-                "master_address": self.master_address,
+                "master_address": host,
                 "master_port": port,
                 "rank_offset": 1 + i,
                 "world_size": world_size,
@@ -92,13 +87,12 @@ class BroadcastTransport:
             return join
 
         joins = [rank0, *(server_join(i, u) for i, u in enumerate(urls))]
-        handles = await init_group(GROUP, joins, timeout_s=self.group_init_timeout_s)
-        self.handle = handles[0]
+        await init_group(GROUP, joins, timeout_s=self.group_init_timeout_s)
+        self.initialized = True
 
     async def transfer(self, workers: Any, engine: Any) -> None:
-        if self.handle is None:
+        if not self.initialized:
             raise RuntimeError("BroadcastTransport.transfer before init")
-        handle = self.handle
         buckets = await workers.weight_buckets(self.bucket_bytes)
         await engine.control("POST", "/start_weight_update", json={})
         for bucket in buckets:
@@ -109,5 +103,5 @@ class BroadcastTransport:
                     engine.control, "POST", "/update_weights", json={"update_info": bucket}
                 )
                 nursery.start_soon(update)
-                nursery.start_soon(workers.broadcast_bucket, handle, bucket["names"], timeout_s)
+                nursery.start_soon(workers.broadcast_bucket, bucket["names"], timeout_s)
         await engine.control("POST", "/finish_weight_update", json={})

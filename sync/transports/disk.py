@@ -31,7 +31,7 @@ class DiskTransport:
         self.bucket_bytes = bucket_bytes
         self._version = 0
 
-    async def init(self, engine: Any) -> None:
+    async def init(self, engine: Any, workers: Any) -> None:
         await engine.control(
             "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
         )

@@ -10,7 +10,7 @@ __all__ = ["InProcessTransport"]
 class InProcessTransport:
     """Copies rank 0's parameters (in the worker's thread) and loads them into the engine."""
 
-    async def init(self, engine: Any) -> None:
+    async def init(self, engine: Any, workers: Any) -> None:
         return None
 
     async def transfer(self, workers: Any, engine: Any) -> None:

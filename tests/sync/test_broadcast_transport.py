@@ -29,10 +29,10 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
         async with InferenceClient(urls) as client:
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
-            await transport.init(client)
-            group = transport.handle
-            await transport.init(client)  # built once, reused
-            assert transport.handle is group
+            await transport.init(client, workers)
+            group = workers.weight_group
+            await transport.init(client, workers)  # built once, reused
+            assert workers.weight_group is group
             for _ in range(2):
                 with torch.no_grad():  # the policy moves away from what the engines serve
                     for p in workers.policy.model.parameters():
@@ -52,10 +52,11 @@ async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
     # the join hangs where it runs: the server's join thread (it inherits TRAINER_FAULTS)
     # and rank 0's thread here
     faults.install("init_process_group:hang")
+    workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
         async with InferenceClient(urls) as client:
             transport = BroadcastTransport(2**20, group_init_timeout_s=2)
             with pytest.raises(CheckpointEngineInitError) as info:
-                await transport.init(client)
+                await transport.init(client, workers)
             assert info.value.group == "weight_sync" and info.value.timeout_s == 2
-            assert transport.handle is None
+            assert workers.weight_group is None and not transport.initialized

@@ -36,7 +36,8 @@ def alive(pid: int) -> bool:
 
 
 def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster, tmp_path):
-    """Everything on Ray (workers and engines) against the same run on the local backends."""
+    """Everything on Ray (data-parallel workers, engines, weights broadcast from rank 0's
+    actor) against the same run on the local backends (disk transport)."""
     ray_dir, local_dir = tmp_path / "ray", tmp_path / "local"
     marker = new_marker()
     proc = run_trainer(
@@ -44,6 +45,7 @@ def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster,
         "workers.backend=ray",
         "workers.num_policy_workers=2",
         "engine.placement=ray",
+        "sync.transport=broadcast",
         f"workers.ray_address={ray_cluster}",
         f"trainer.run_dir={ray_dir}",
         marker=marker,

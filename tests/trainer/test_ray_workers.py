@@ -13,6 +13,11 @@ import ray
 import torch
 import trio
 
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
+from engines.local.engine import state_checksum
+from sync.transports.broadcast import BroadcastTransport
+from sync.weights import save_weights_for_sampler
 from trainer import faults
 from trainer.config import load_config
 from trainer.deadline import Timer, step_deadline
@@ -110,6 +115,41 @@ async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_clu
             b = make_batch(model_dir, seed=step)
             await group.forward_backward(b, b.num_tokens)
             await group.optim_step()
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_broadcast_from_rank_0s_actor_makes_the_engine_serve_its_weights(
+    ray_cluster, model_dir, tmp_path
+):
+    """sync.transport=broadcast with Ray workers: rank 0's actor hosts the weight-sync group
+    (beside the data-parallel group) and broadcasts each bucket to a real server."""
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
+    )
+    try:
+        b = make_batch(model_dir)
+        await group.forward_backward(b, b.num_tokens)
+        await group.optim_step()  # the policy moves away from what the engine serves
+        policy_sum = state_checksum(await group.named_weights())
+        async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
+            async with InferenceClient(urls) as client:
+
+                async def served() -> str:
+                    (answer,) = await client.control_json(
+                        "POST", "/weight_checker", json={"action": "checksum"}
+                    )
+                    return answer["checksum"]
+
+                assert await served() != policy_sum
+                # small buckets: several broadcasts, applied together at finish
+                transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
+                await transport.init(client, group)
+                result = await save_weights_for_sampler(group, client, transport)
+                assert await served() == policy_sum
+                assert result["sync/last_weight_sync_seconds"] > 0
+                assert not any(await client.is_paused())
     finally:
         await group.shutdown()
     assert await wait_gone(list(group.pids.values())) == []

@@ -11,7 +11,7 @@ they die with the process.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +42,8 @@ class LocalWorkerGroup:
         self.ref = ref
         self._policy_limiter = trio.CapacityLimiter(1)
         self._ref_limiter = trio.CapacityLimiter(1)
+        #: Rank 0's side of the weight-sync group (``sync.transport=broadcast``), once joined.
+        self.weight_group: Any = None
 
     @classmethod
     async def create(
@@ -126,14 +128,48 @@ class LocalWorkerGroup:
             self.policy.weight_buckets, bucket_bytes, limiter=self._policy_limiter
         )
 
-    async def broadcast_bucket(self, group: Any, names: list[str], timeout_s: float) -> None:
+    async def weight_sync_endpoint(self, host: str) -> tuple[str, int]:
+        """Where rank 0 hosts the weight-sync group's store: ``host`` and a free port there."""
+        from sync.group import free_port
+
+        return host, await trio.to_thread.run_sync(free_port, host)
+
+    def join_weight_sync(
+        self, name: str, host: str, port: int, world_size: int, store_timeout_s: float
+    ) -> Callable[[], Awaitable[None]]:
+        """Start rank 0's join of group ``name`` now (a thread); return the wait for it.
+
+        The wait is what :func:`sync.group.init_group` bounds; the joined group is kept for
+        :meth:`broadcast_bucket`.
+        """
+        from sync.group import join_group, join_in_thread
+
+        wait = join_in_thread(
+            lambda: join_group(
+                name,
+                master_address=host,
+                master_port=port,
+                rank=0,
+                world_size=world_size,
+                store_timeout_s=store_timeout_s,
+            )
+        )
+
+        async def joined() -> None:
+            self.weight_group = await wait()
+
+        return joined
+
+    async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
         """Broadcast one bucket from rank 0 in the worker's thread, never abandoned (rule 6).
 
         The collective itself is bounded by ``timeout_s`` (the step's remaining budget).
         """
+        if self.weight_group is None:
+            raise RuntimeError("broadcast_bucket before join_weight_sync")
         await trio.to_thread.run_sync(
             self.policy.broadcast_bucket,
-            group,
+            self.weight_group,
             names,
             timeout_s,
             limiter=self._policy_limiter,

@@ -68,6 +68,7 @@ class PolicyActor(_Actor):
         self.rank = rank
         self.world_size = world_size
         self._reduced = False
+        self._weight_group: Any = None
         self.worker = PolicyWorker(model_dir, **policy_kwargs)
 
     def master_address(self) -> tuple[str, int]:
@@ -138,6 +139,39 @@ class PolicyActor(_Actor):
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self.worker.named_weights()
+
+    def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
+        return self.worker.weight_buckets(bucket_bytes)
+
+    def join_weight_sync(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        world_size: int,
+        store_timeout_s: float,
+        step: int | None,
+    ) -> None:
+        """Rank 0 hosts the weight-sync group with the engines (blocks until all joined)."""
+        from engines.local.weight_group import join_group
+
+        self._weight_group = join_group(
+            name,
+            master_address=host,
+            master_port=port,
+            rank=0,
+            world_size=world_size,
+            store_timeout_s=store_timeout_s,
+            step=step,
+        )
+
+    def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
+        """One bucket of rank 0's weights to every engine over the weight-sync group.
+
+        (The ``broadcast_to_inference_engines`` fault fires once per transfer, in the
+        trainer's transfer thread, not per bucket here.)
+        """
+        self.worker.broadcast_bucket(self._weight_group, names, timeout_s)
 
     def export_weights(self, directory: str, bucket_bytes: int) -> list[dict[str, Any]]:
         return self.worker.export_weights(Path(directory), bucket_bytes)

@@ -23,7 +23,7 @@ a collective waiting for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,6 +247,32 @@ class RayWorkerGroup:
     async def rank_weights(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's weights (for checks that the ranks agree)."""
         return await self._wait([a.named_weights.remote() for a in self.policy])
+
+    async def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
+        """Rank 0's ``update_info`` per bucket (for the broadcast transport)."""
+        return (await self._wait([self.policy[0].weight_buckets.remote(bucket_bytes)]))[0]
+
+    async def weight_sync_endpoint(self, host: str) -> tuple[str, int]:
+        """Rank 0's node address and a free port there (``host`` is ignored: rank 0 is remote)."""
+        address, port = (await self._wait([self.policy[0].master_address.remote()]))[0]
+        return address, port
+
+    def join_weight_sync(
+        self, name: str, host: str, port: int, world_size: int, store_timeout_s: float
+    ) -> Callable[[], Awaitable[None]]:
+        """Start rank 0's join of group ``name`` now (in its actor); return the wait for it."""
+        ref = self.policy[0].join_weight_sync.remote(
+            name, host, port, world_size, store_timeout_s, current_step()
+        )
+
+        async def joined() -> None:
+            await self._wait([ref])
+
+        return joined
+
+    async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
+        """Rank 0's actor broadcasts one bucket; the collective is bounded by ``timeout_s``."""
+        await self._wait([self.policy[0].broadcast_bucket.remote(names, timeout_s)])
 
     async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
         ref = self.policy[0].export_weights.remote(str(directory), bucket_bytes)
