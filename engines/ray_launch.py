@@ -23,13 +23,15 @@ Lifetimes, on every path:
   ``--exit-on-stdin-eof``, shuts itself down.
 
 Start-up is bounded by ``startup_timeout_s`` from the first actor request to the last
-healthy server (placement included: a cluster without ``num_cpus`` free CPUs per engine
-fails with an :class:`~trainer.errors.EngineStartError` saying so). A server that exits
+healthy server, placement included (a cluster without ``num_cpus`` free CPUs per engine
+fails with an :class:`~trainer.errors.EngineStartError` saying so), plus at least 5 s for
+the trainer's own health check. A server that exits
 during start-up raises ``EngineStartError`` with its log tail, read on its node.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -37,7 +39,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -59,9 +61,14 @@ from trainer.errors import EngineStartError
 
 __all__ = ["EngineServerActor", "RayEngine", "open_ray_engines"]
 
+log = logging.getLogger("engines.ray_launch")
+
 _POLL_S = 0.05
 #: Seconds a dead server's log tail may take to arrive from its node.
 _TAIL_TIMEOUT_S = 5.0
+#: The trainer's own health check always gets at least this long, even when the actors'
+#: start took the whole budget (so "not reachable" is never reported untried).
+_MIN_HEALTH_S = 5.0
 
 
 class EngineServerActor:
@@ -87,6 +94,8 @@ class EngineServerActor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
         self._lock = threading.Lock()
+        #: Set by ``stop``: a ``start`` that has not launched the server yet never will.
+        self._stopping = False
 
     @staticmethod
     def _choose_log_path(wanted: Path) -> Path:
@@ -115,6 +124,8 @@ class EngineServerActor:
         model_dir, seed, extra = self._cmd_args
         cmd = server_command(model_dir, host, seed, extra)
         with self._lock, open(self._log_path, "ab") as log_file:
+            if self._stopping:
+                raise EngineStartError(f"{self.name} on {host}", "stopped during start-up")
             self._log_offset = log_file.seek(0, 2)
             self._proc = subprocess.Popen(
                 cmd,
@@ -151,6 +162,7 @@ class EngineServerActor:
     def stop(self, timeout_s: float) -> int | None:
         """Close stdin, SIGTERM the server's group, SIGKILL it after ``timeout_s``; its code."""
         with self._lock:
+            self._stopping = True
             proc = self._proc
         if proc is None:
             return None
@@ -237,7 +249,7 @@ def _timeout_error(engines: list[RayEngine], refs: list[Any], timeout_s: float) 
         if tail is None:
             return EngineStartError(
                 engine.url,
-                f"not placed within {timeout_s:g}s: does the Ray cluster have "
+                f"not placed or not started within {timeout_s:g}s: does the Ray cluster have "
                 "engine.ray_num_cpus free for every engine? (`ray status` shows what is free)",
             )
         return EngineStartError(engine.url, f"not listening within {timeout_s:g}s", tail)
@@ -250,8 +262,8 @@ def _start_error(engine: RayEngine, error: BaseException) -> EngineStartError:
 
     if isinstance(error, RayTaskError) and isinstance(error.cause, EngineStartError):
         return error.cause
-    if isinstance(error, RayActorError):
-        return EngineStartError(engine.url, f"its Ray actor died during start-up: {error}")
+    if isinstance(error, RayActorError):  # incl. ActorUnavailableError: not retried here
+        return EngineStartError(engine.url, f"its Ray actor failed during start-up: {error}")
     return EngineStartError(engine.url, f"start failed: {type(error).__name__}: {error}")
 
 
@@ -259,20 +271,26 @@ def _stop_all(engines: list[RayEngine], shutdown_timeout_s: float) -> None:
     """Stop every server through its actor (bounded), then kill the actors (blocks).
 
     Only actors that exist are asked: a stop queued behind an actor still waiting for
-    room would wait for nothing (such an actor has no server; killing it is enough).
+    room would wait for nothing (such an actor has no server; killing it is enough). A
+    Ray failure in one phase is logged and never skips the kills.
     """
     import ray
 
-    pings = [e.actor.__ray_ready__.remote() for e in engines]
-    created, _ = ray.wait(pings, num_returns=len(pings), timeout=_TAIL_TIMEOUT_S)
-    refs = [e.actor.stop.remote(shutdown_timeout_s) for e, p in zip(engines, pings) if p in created]
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=shutdown_timeout_s + 6.0)
+    try:
+        pings = [e.actor.__ray_ready__.remote() for e in engines]
+        created, _ = ray.wait(pings, num_returns=len(pings), timeout=_TAIL_TIMEOUT_S)
+        refs = [
+            e.actor.stop.remote(shutdown_timeout_s) for e, p in zip(engines, pings) if p in created
+        ]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=shutdown_timeout_s + 6.0)
+    except Exception as exc:  # the actors die below; their servers see stdin close
+        log.warning("stopping the engine servers through their actors failed: %r", exc)
     for engine in engines:
         try:
             ray.kill(engine.actor, no_restart=True)
-        except Exception:  # gone already
-            pass
+        except Exception as exc:  # gone already
+            log.debug("ray.kill(engine-%d): %r", engine.index, exc)
 
 
 async def _wait_healthy(engine: RayEngine, api_key: str | None, http: httpx.AsyncClient) -> None:
@@ -305,7 +323,7 @@ async def _start(
     for engine, info in zip(engines, infos):
         engine.url, engine.pid, engine.actor_pid = info["url"], info["pid"], info["actor_pid"]
         engine.node_ip, engine.log_path = info["node_ip"], info["log_path"]
-    left = max(0.0, timeout_s - (time.monotonic() - started))
+    left = max(_MIN_HEALTH_S, timeout_s - (time.monotonic() - started))
     async with httpx.AsyncClient(timeout=5.0) as http:
         for engine in engines:
             with trio.move_on_after(left) as scope:
@@ -317,7 +335,7 @@ async def _start(
                     f"{timeout_s:g}s: the trainer must reach every node's IP",
                     await trio.to_thread.run_sync(_tail, engine) or "",
                 )
-            left = max(0.0, timeout_s - (time.monotonic() - started))
+            left = max(_MIN_HEALTH_S, timeout_s - (time.monotonic() - started))
     return infos
 
 
@@ -333,6 +351,7 @@ async def open_ray_engines(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     extra_args: Sequence[str] = (),
     num_cpus: float = 1.0,
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[list[RayEngine]]:
     """Start ``num_engines`` servers in Ray actors, yield them healthy; always stop them.
 
@@ -340,14 +359,14 @@ async def open_ray_engines(
     logs to ``log_dir/engine-I.log`` on its node (a temp directory there when ``log_dir``
     cannot be created on it); ``log_dir`` is made absolute here so every node reads it the
     same way. Raises ``EngineStartError`` as described in the module docstring;
-    ``ValueError`` for ``num_engines < 1`` or a non-positive ``startup_timeout_s``.
+    ``env`` is added to each actor's environment (``runtime_env``), and so to its server's:
+    the trainer passes its fault spec and import path this way. ``ValueError`` for
+    ``num_engines < 1`` or a non-positive ``startup_timeout_s``.
     """
     if num_engines < 1:
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
         raise ValueError(f"startup_timeout_s must be a positive number, got {startup_timeout_s}")
-    from trainer.workers.ray_cluster import actor_env
-
     args = (
         str(log_dir),
         None if model_dir is None else str(model_dir),
@@ -357,12 +376,15 @@ async def open_ray_engines(
     )
     engines: list[RayEngine] = []
     try:
-        await trio.to_thread.run_sync(_spawn, engines, num_engines, args, num_cpus, actor_env())
+        await trio.to_thread.run_sync(_spawn, engines, num_engines, args, num_cpus, dict(env or {}))
         await _start(engines, startup_timeout_s, api_key)
         yield engines
     finally:
+        bound = shutdown_timeout_s + 15.0
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(shutdown_timeout_s + 15.0):
+            with trio.move_on_after(bound) as scope:
                 await trio.to_thread.run_sync(
                     _stop_all, list(engines), shutdown_timeout_s, abandon_on_cancel=True
                 )
+        if scope.cancelled_caught:
+            log.warning("stopping the Ray-placed engines did not finish in %.0fs", bound)

@@ -190,7 +190,10 @@ class EngineConfig:
         256, "Most generation requests in flight at once.", check=at_least(1)
     )
     startup_timeout_s: float = _field(
-        180.0, "How long started servers may take to become healthy.", check=positive
+        180.0,
+        "How long started servers may take to become healthy (placement=ray: Ray placing "
+        "their actors included).",
+        check=positive,
     )
     control_plane_timeout_s: float = _field(
         600.0,
@@ -235,13 +238,13 @@ class WorkersConfig:
     )
     ray_address: str | None = _field(
         None,
-        "backend=ray: the cluster to join ('auto' or HOST:PORT); None starts a local cluster "
-        "for this run and stops it at exit.",
+        "workers.backend=ray or engine.placement=ray: the cluster to join ('auto' or "
+        "HOST:PORT); None starts a local cluster for this run and stops it at exit.",
     )
     ray_init_retries: int = _field(
         3,
-        "backend=ray: extra attempts to start the local cluster when ray.init fails "
-        "(cluster start-up only; never retries a step).",
+        "workers.backend=ray or engine.placement=ray: extra attempts to start the local "
+        "cluster when ray.init fails (cluster start-up only; never retries a step).",
         check=at_least(0),
     )
     collective_timeout_s: float = _field(

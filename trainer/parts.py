@@ -57,10 +57,16 @@ async def open_engine(
         log_dir = run_dir / "engines"
         if e.backend == "local" and e.placement == "ray":
             from engines.ray_launch import open_ray_engines
+            from trainer.workers.ray_cluster import actor_env
 
             placed = await stack.enter_async_context(
                 open_ray_engines(
-                    e.num_engines, model_dir, log_dir, num_cpus=e.ray_num_cpus, **started
+                    e.num_engines,
+                    model_dir,
+                    log_dir,
+                    num_cpus=e.ray_num_cpus,
+                    env=actor_env(),
+                    **started,
                 )
             )
             urls = [p.url for p in placed]

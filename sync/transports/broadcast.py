@@ -25,8 +25,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import trio
+
 from sync.group import BACKSTOP_S, init_group
 from trainer.deadline import open_owner_nursery, remaining
+from trainer.errors import CheckpointEngineInitError
 
 __all__ = ["BroadcastTransport"]
 
@@ -64,7 +67,10 @@ class BroadcastTransport:
             return
         urls = list(engine.urls)
         world_size = 1 + len(urls)
-        host, port = await workers.weight_sync_endpoint(self.master_address)
+        with trio.move_on_after(self.group_init_timeout_s) as scope:  # rank 0 may be remote
+            host, port = await workers.weight_sync_endpoint(self.master_address)
+        if scope.cancelled_caught:
+            raise CheckpointEngineInitError(GROUP, self.group_init_timeout_s)
         store_timeout_s = max(self.group_init_timeout_s + BACKSTOP_S, self.timeout_s)
         rank0 = workers.join_weight_sync(GROUP, host, port, world_size, store_timeout_s)
 

@@ -15,10 +15,11 @@ import ray
 import trio
 
 from engines.client import InferenceClient
-from engines.ray_launch import open_ray_engines
+from engines.ray_launch import EngineServerActor, open_ray_engines
 from engines.types import SamplingParams
 from tests.e2e.helpers import new_marker, processes_with_marker, wait_until_gone
 from trainer.errors import EngineStartError
+from trainer.workers.ray_cluster import actor_env
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +29,15 @@ STARTUP_S = 180.0
 @pytest.fixture
 def marker(monkeypatch: pytest.MonkeyPatch) -> str:
     value = new_marker()
-    monkeypatch.setenv("TRAINER_TEST_MARKER", value)  # actors get it, and their servers
+    monkeypatch.setenv("TRAINER_TEST_MARKER", value)  # in actor_env(): actors get it, servers too
     return value
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
 
 
 def leftovers(marker: str, timeout: float = 30.0) -> list[int]:
@@ -48,7 +56,7 @@ async def test_servers_in_actors_serve_over_http_and_are_gone_after(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
     async with open_ray_engines(
-        2, model_dir, tmp_path / "engines", seed=7, startup_timeout_s=STARTUP_S
+        2, model_dir, tmp_path / "engines", seed=7, startup_timeout_s=STARTUP_S, env=actor_env()
     ) as engines:
         assert [e.index for e in engines] == [0, 1]
         assert len({e.url for e in engines}) == 2
@@ -62,6 +70,10 @@ async def test_servers_in_actors_serve_over_http_and_are_gone_after(
             assert e.log_path == str(tmp_path / "engines" / f"engine-{e.index}.log")
             assert "ENGINE_READY" in await trio.Path(e.log_path).read_text()
         actors = [e.actor for e in engines]
+        servers = [e.pid for e in engines]
+    # stopped through their actors before the block ends (not left to the stdin-EOF fallback
+    # of a killed actor, which would take the server a while longer)
+    assert not any(pid_alive(p) for p in servers)
     assert leftovers(marker) == []
     assert all(await trio.to_thread.run_sync(lambda: [actor_is_dead(a) for a in actors]))
 
@@ -71,7 +83,9 @@ async def test_a_server_that_exits_during_start_up_raises_with_its_log_tail(
 ) -> None:
     missing = tmp_path / "no-such-model"
     with pytest.raises(EngineStartError) as caught:
-        async with open_ray_engines(1, missing, tmp_path / "engines", startup_timeout_s=STARTUP_S):
+        async with open_ray_engines(
+            1, missing, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
+        ):
             pytest.fail("start-up should have failed")
     error = caught.value
     assert "exited during start-up" in error.reason
@@ -85,7 +99,7 @@ async def test_a_killed_actor_takes_its_server_down_and_exit_stays_clean(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
     async with open_ray_engines(
-        1, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S
+        1, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
     ) as engines:
         (engine,) = engines
         await trio.to_thread.run_sync(lambda: ray.kill(engine.actor, no_restart=True))
@@ -99,7 +113,7 @@ async def test_cancelled_start_up_leaves_nothing(
 ) -> None:
     with trio.move_on_after(1.0) as scope:
         async with open_ray_engines(
-            2, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S
+            2, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
         ):
             pytest.fail("servers cannot be healthy within a second")
     assert scope.cancelled_caught
@@ -109,9 +123,25 @@ async def test_cancelled_start_up_leaves_nothing(
 async def test_a_cluster_without_room_fails_start_up_saying_so(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
-    with pytest.raises(EngineStartError, match="not placed within 3s"):
+    with pytest.raises(EngineStartError, match="not placed or not started within 3s"):
         async with open_ray_engines(
-            1, model_dir, tmp_path / "engines", startup_timeout_s=3.0, num_cpus=1000
+            1,
+            model_dir,
+            tmp_path / "engines",
+            startup_timeout_s=3.0,
+            num_cpus=1000,
+            env=actor_env(),
         ):
             pytest.fail("no node has 1000 CPUs")
     assert leftovers(marker) == []
+
+
+def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
+    ray_cluster: str, tmp_path: Path, marker: str
+) -> None:
+    """The actor is threaded: teardown's ``stop`` can run before ``start`` launches."""
+    actor = EngineServerActor(0, str(tmp_path), None, 0, None)
+    assert actor.stop(1.0) is None  # nothing started yet
+    with pytest.raises(EngineStartError, match="stopped during start-up"):
+        actor.start(30.0)
+    assert leftovers(marker, timeout=0) == []

@@ -53,7 +53,7 @@ class BlockingTransport:
         self.started = trio.Event()
         self.thread_started = threading.Event()
 
-    async def init(self, engine: object) -> None:
+    async def init(self, engine: object, workers: object) -> None:
         return None
 
     def _write_bucket(self) -> None:

@@ -16,12 +16,19 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
+from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer import faults
 from trainer.config import load_config
 from trainer.deadline import Timer, step_deadline
-from trainer.errors import ConfigError, FaultInjected, StepTimeoutError, WorkerError
+from trainer.errors import (
+    CheckpointEngineInitError,
+    ConfigError,
+    FaultInjected,
+    StepTimeoutError,
+    WorkerError,
+)
 from trainer.models import resolve_model_path
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
@@ -120,19 +127,15 @@ async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_clu
     assert await wait_gone(list(group.pids.values())) == []
 
 
-async def test_broadcast_from_rank_0s_actor_makes_the_engine_serve_its_weights(
+async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_rank_0s_weights(
     ray_cluster, model_dir, tmp_path
 ):
-    """sync.transport=broadcast with Ray workers: rank 0's actor hosts the weight-sync group
-    (beside the data-parallel group) and broadcasts each bucket to a real server."""
+    """Both transports with Ray workers: rank 0's actor writes the disk buckets, then hosts
+    the weight-sync group (beside the data-parallel group) and broadcasts to a real server."""
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
     )
     try:
-        b = make_batch(model_dir)
-        await group.forward_backward(b, b.num_tokens)
-        await group.optim_step()  # the policy moves away from what the engine serves
-        policy_sum = state_checksum(await group.named_weights())
         async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
             async with InferenceClient(urls) as client:
 
@@ -142,16 +145,44 @@ async def test_broadcast_from_rank_0s_actor_makes_the_engine_serve_its_weights(
                     )
                     return answer["checksum"]
 
-                assert await served() != policy_sum
-                # small buckets: several broadcasts, applied together at finish
-                transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
-                await transport.init(client, group)
-                result = await save_weights_for_sampler(group, client, transport)
-                assert await served() == policy_sum
-                assert result["sync/last_weight_sync_seconds"] > 0
-                assert not any(await client.is_paused())
+                # small buckets: several per sync, applied together at finish
+                transports = [
+                    DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024),
+                    BroadcastTransport(64 * 1024, group_init_timeout_s=120),
+                ]
+                for seed, transport in enumerate(transports):
+                    b = make_batch(model_dir, seed=seed)
+                    await group.forward_backward(b, b.num_tokens)
+                    await group.optim_step()  # the policy moves away from what is served
+                    policy_sum = state_checksum(await group.named_weights())
+                    assert await served() != policy_sum
+                    await transport.init(client, group)
+                    result = await save_weights_for_sampler(group, client, transport)
+                    assert await served() == policy_sum, type(transport).__name__
+                    assert result["sync/last_weight_sync_seconds"] > 0
+                    assert not any(await client.is_paused())
     finally:
         await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_a_hung_weight_sync_join_in_rank_0s_actor_is_checkpoint_engine_init_error(
+    ray_cluster, model_dir, tmp_path
+):
+    faults.install("init_process_group:hang")  # rank 0's actor and the server both hang
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
+    )
+    try:
+        async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
+            async with InferenceClient(urls) as client:
+                transport = BroadcastTransport(2**20, group_init_timeout_s=3)
+                with pytest.raises(CheckpointEngineInitError) as info:
+                    await transport.init(client, group)
+                assert (info.value.group, info.value.timeout_s) == ("weight_sync", 3)
+                assert not transport.initialized
+    finally:
+        await group.shutdown()  # kills the actor still blocked in its join
     assert await wait_gone(list(group.pids.values())) == []
 
 

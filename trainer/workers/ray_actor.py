@@ -171,6 +171,8 @@ class PolicyActor(_Actor):
         (The ``broadcast_to_inference_engines`` fault fires once per transfer, in the
         trainer's transfer thread, not per bucket here.)
         """
+        if self._weight_group is None:
+            raise RuntimeError("broadcast_bucket before join_weight_sync")
         self.worker.broadcast_bucket(self._weight_group, names, timeout_s)
 
     def export_weights(self, directory: str, bucket_bytes: int) -> list[dict[str, Any]]:

@@ -30,12 +30,19 @@ from typing import Any
 import ray
 import torch
 import trio
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.checkpoint import CheckpointManager
-from trainer.deadline import RefFailed, current_stage, current_step, operation, wait_refs
+from trainer.deadline import (
+    RefFailed,
+    current_stage,
+    current_step,
+    get_refs_as_completed,
+    operation,
+    wait_refs,
+)
 from trainer.errors import WorkerError
 from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
@@ -49,6 +56,8 @@ log = logging.getLogger("trainer.workers.ray")
 SHUTDOWN_TIMEOUT_S = 30.0
 #: Placement-group and actor start-up bound (model load included).
 STARTUP_TIMEOUT_S = 300.0
+#: How long past its own collective timeout a rank-0 broadcast is waited for.
+BROADCAST_GRACE_S = 30.0
 
 
 def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
@@ -155,6 +164,17 @@ class RayWorkerGroup:
                             for a in group.policy
                         ]
                     )
+        except (trio.TooSlowError, GetTimeoutError):
+            with trio.CancelScope(shield=True):
+                await group.shutdown()
+            raise WorkerError(
+                "policy",
+                0,
+                current_stage(),
+                f"not placed and started within {STARTUP_TIMEOUT_S:g}s: the run needs "
+                f"{num_workers} bundle(s) of {bundle} in one placement group (`ray status` "
+                "shows what is free; engines placed by Ray take engine.ray_num_cpus each)",
+            ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
                 await group.shutdown()
@@ -271,8 +291,22 @@ class RayWorkerGroup:
         return joined
 
     async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
-        """Rank 0's actor broadcasts one bucket; the collective is bounded by ``timeout_s``."""
-        await self._wait([self.policy[0].broadcast_bucket.remote(names, timeout_s)])
+        """Rank 0's actor broadcasts one bucket; the collective is bounded by ``timeout_s``.
+
+        Like the local backend's broadcast thread, the wait is never abandoned (rule 6): a
+        cancellation waits for the actor to finish or fail the collective, bounded by
+        ``timeout_s`` plus :data:`BROADCAST_GRACE_S`.
+        """
+        ref = self.policy[0].broadcast_bucket.remote(names, timeout_s)
+        wait = timeout_s + BROADCAST_GRACE_S
+        try:
+            await trio.to_thread.run_sync(get_refs_as_completed, [ref], wait)
+        except RefFailed as failure:
+            raise _translate(failure.error, "policy", 0) from None
+        except GetTimeoutError:
+            raise WorkerError(
+                "policy", 0, current_stage(), f"broadcast of a bucket not done within {wait:g}s"
+            ) from None
 
     async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
         ref = self.policy[0].export_weights.remote(str(directory), bucket_bytes)
