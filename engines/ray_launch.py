@@ -306,9 +306,7 @@ async def _wait_healthy(engine: RayEngine, api_key: str | None, http: httpx.Asyn
         await trio.sleep(_POLL_S)
 
 
-async def _start(
-    engines: list[RayEngine], timeout_s: float, api_key: str | None
-) -> list[dict[str, Any]]:
+async def _start(engines: list[RayEngine], timeout_s: float, api_key: str | None) -> None:
     """Start every server and wait for it to answer the trainer, within ``timeout_s``."""
     started = time.monotonic()
     refs = [e.actor.start.remote(timeout_s) for e in engines]
@@ -336,7 +334,6 @@ async def _start(
                     await trio.to_thread.run_sync(_tail, engine) or "",
                 )
             left = max(_MIN_HEALTH_S, timeout_s - (time.monotonic() - started))
-    return infos
 
 
 @asynccontextmanager

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,11 +65,32 @@ def processes_with_marker(marker: str) -> list[int]:
     return found
 
 
-def wait_until_gone(marker: str, timeout: float = 30.0) -> list[int]:
+def wait_until_gone(
+    marker: str, timeout: float = 30.0, *, ignore: Callable[[int], bool] = lambda pid: False
+) -> list[int]:
     """Processes with ``marker`` still alive after ``timeout`` seconds (servers of a SIGKILLed
-    trainer exit when their stdin pipe closes; give them a bounded moment)."""
+    trainer exit when their stdin pipe closes; give them a bounded moment). Processes for
+    which ``ignore(pid)`` holds are not waited for."""
     deadline = time.monotonic() + timeout
-    while (left := processes_with_marker(marker)) and time.monotonic() < deadline:
+    while True:
+        left = [p for p in processes_with_marker(marker) if not ignore(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.2)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def alive_after(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """Of ``pids``, those still alive after waiting up to ``timeout`` seconds for them to exit."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if pid_alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
 

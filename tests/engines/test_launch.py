@@ -13,18 +13,11 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines, open_engine_processes
 from engines.types import SamplingParams
+from tests.e2e.helpers import pid_alive
 from tests.engines.helpers import wait_running
 from trainer.errors import EngineStartError, InferenceServerError
 
 STARTUP_S = 180.0
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_a_server_killed_mid_request_gives_an_error_naming_it(
@@ -58,7 +51,7 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
         with trio.fail_after(60):
             await survivor.process.wait()
         assert survivor.process.returncode == 0
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     assert (tmp_path / "engine-0.log").exists() and (tmp_path / "engine-1.log").exists()
 
 
@@ -69,11 +62,11 @@ async def test_cancellation_stops_every_server(model_dir: Path, tmp_path: Path) 
             1, model_dir, tmp_path, startup_timeout_s=STARTUP_S
         ) as engines:
             pids = [e.pid for e in engines]
-            assert all(alive(pid) for pid in pids)
+            assert all(pid_alive(pid) for pid in pids)
             scope.cancel()
             await trio.sleep_forever()
     assert pids
-    assert not any(alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
 
 
 async def test_a_server_that_dies_at_start_raises_engine_start_error_with_its_log(

@@ -17,7 +17,7 @@ import trio
 from engines.client import InferenceClient
 from engines.ray_launch import EngineServerActor, open_ray_engines
 from engines.types import SamplingParams
-from tests.e2e.helpers import new_marker, processes_with_marker, wait_until_gone
+from tests.e2e.helpers import new_marker, pid_alive, processes_with_marker, wait_until_gone
 from trainer.errors import EngineStartError
 from trainer.workers.ray_cluster import actor_env
 
@@ -33,15 +33,8 @@ def marker(monkeypatch: pytest.MonkeyPatch) -> str:
     return value
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
 def leftovers(marker: str, timeout: float = 30.0) -> list[int]:
-    return [p for p in wait_until_gone(marker, timeout) if p != os.getpid()]
+    return wait_until_gone(marker, timeout, ignore=lambda pid: pid == os.getpid())
 
 
 def actor_is_dead(actor: object) -> bool:

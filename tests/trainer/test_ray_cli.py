@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.helpers import (
+    alive_after,
     last_stderr_line,
     new_marker,
     popen_trainer,
@@ -29,13 +30,6 @@ def actor_pids(run_dir: Path) -> list[int]:
     match = re.search(r"ray workers up: (\{.*\})", (run_dir / "train.log").read_text())
     assert match, "train.log names the actors' processes"
     return list(ast.literal_eval(match.group(1)).values())
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster, tmp_path):
@@ -57,10 +51,7 @@ def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster,
     pids = actor_pids(ray_dir)
     assert len(pids) == 2
     assert "ray engines up: {'http://" in (ray_dir / "train.log").read_text()
-    deadline = time.monotonic() + 30
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(alive(p) for p in pids), "the run's actors are gone after it exits"
+    assert alive_after(pids) == [], "the run's actors are gone after it exits"
     assert wait_until_gone(marker) == [], "engine actors and their servers are gone too"
 
     proc = run_trainer(*STEPS, f"trainer.run_dir={local_dir}")
@@ -136,12 +127,7 @@ def test_sigkilled_trainer_takes_its_cluster_actors_and_servers_down(tmp_path):
             proc.stdout.close()
     # Ray's own dashboard and runtime-env agents outlive their raylet by ~60 s (they try to
     # report its death to the dead GCS until Ray's reconnect timeout): not ours to kill
-    deadline = time.monotonic() + 30
-    while (left := [p for p in processes_with_marker(marker) if not _ray_agent(p)]) and (
-        time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-    assert left == []
+    assert wait_until_gone(marker, ignore=_ray_agent) == []
 
 
 def _ray_agent(pid: int) -> bool:

@@ -19,6 +19,7 @@ from engines.local.engine import state_checksum
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
+from tests.e2e.helpers import alive_after
 from trainer import faults
 from trainer.config import load_config
 from trainer.deadline import Timer, step_deadline
@@ -61,24 +62,9 @@ def make_batch(model_dir: Path, rows: int = 5, width: int = 12, seed: int = 0) -
     )
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text().split()
-    except OSError:
-        return False
-    return stat[2] != "Z"
-
-
-def _alive_after(pids: list[int], timeout: float) -> list[int]:
-    end = time.monotonic() + timeout
-    while (alive := [p for p in pids if pid_alive(p)]) and time.monotonic() < end:
-        time.sleep(0.2)
-    return alive
-
-
 async def wait_gone(pids: list[int]) -> list[int]:
     """Of ``pids``, those still alive after a bounded wait (the actors' processes exit)."""
-    return await trio.to_thread.run_sync(_alive_after, pids, 30.0)
+    return await trio.to_thread.run_sync(alive_after, pids, 30.0)
 
 
 def test_local_backend_with_two_workers_is_a_config_error_saying_why():
