@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a .venv in the checkout with everything the trainer and its tests need.
-# On a machine without CUDA it installs the CPU build of torch 2.13.0 (never a multi-GB CUDA
-# download); where `nvidia-smi` works, a torch already importable is kept, else pip picks one.
+# On a machine without CUDA it asks PyTorch's CPU index for torch 2.13.0 and falls back to the
+# default index (on Linux, the CUDA build) when that index cannot be reached within seconds;
+# where `nvidia-smi` works, a torch already importable is kept, else pip picks one.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -18,7 +19,12 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
         pip install torch
     else
-        pip install "torch==2.13.0"
+        # torch alone from the CPU index (it mirrors few of torch's deps, some at old versions):
+        # one try, 10 s timeout, so an unreachable index fails fast instead of after minutes.
+        cpu_index=https://download.pytorch.org/whl/cpu
+        pip install --no-deps --index-url "$cpu_index" --timeout 10 --retries 0 "torch==2.13.0" ||
+            echo "setup.sh: no torch from $cpu_index; taking torch 2.13.0 from the default index" >&2
+        pip install "torch==2.13.0"  # torch's deps; torch itself too after a fallback
     fi
 fi
 pip install -e ".[dev]"

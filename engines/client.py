@@ -51,8 +51,8 @@ from engines.routes import (
     raise_first,
 )
 from engines.types import Completion, SamplingParams
-from trainer.deadline import current_step, operation
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
+from trainer.vocabulary import current_step, operation
 
 __all__ = [
     "CONTROL_PLANE_TIMEOUT_ENV",

@@ -56,8 +56,8 @@ from engines.launch import (
     server_command,
     server_env,
 )
-from trainer.deadline import RefFailed, get_refs_as_completed
-from trainer.errors import EngineStartError
+from trainer.errors import EngineStartError, RefFailed
+from trainer.vocabulary import get_refs_as_completed
 
 __all__ = ["EngineServerActor", "RayEngine", "open_ray_engines"]
 

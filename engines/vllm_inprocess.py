@@ -31,8 +31,8 @@ import trio
 
 from engines.bridge import Bridge
 from engines.types import Completion, FinishReason, SamplingParams
-from trainer.deadline import operation
 from trainer.errors import EngineStartError
+from trainer.vocabulary import operation
 
 __all__ = [
     "VLLM_AVAILABLE",

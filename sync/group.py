@@ -29,8 +29,8 @@ from typing import Any
 import trio
 
 from engines.local.weight_group import BACKSTOP_S, GroupHandle, free_port, join_group
-from trainer.deadline import open_owner_nursery, operation
 from trainer.errors import CheckpointEngineInitError
+from trainer.vocabulary import open_owner_nursery, operation
 
 __all__ = [
     "BACKSTOP_S",

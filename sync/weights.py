@@ -27,7 +27,6 @@ never resumed while the transfer is still writing.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -35,9 +34,13 @@ from typing import Any, Protocol
 import trio
 
 from sync.transports.base import WeightTransport
-from trainer import deadline as _dl
-from trainer import faults
-from trainer.deadline import cleanup_bracket, operation
+from trainer.vocabulary import (
+    cleanup_bracket,
+    current_deadline,
+    fire_fault_sync,
+    operation,
+    pending_deadline_error,
+)
 
 __all__ = ["run_transfer", "save_weights_for_sampler"]
 
@@ -51,22 +54,6 @@ class _Engine(Protocol):
     async def wake_up(self, tags: Any = None) -> None: ...
 
 
-def _step_deadline() -> float:
-    """The trio-clock deadline of the step (the innermost effective one), or +inf."""
-    ds = _dl._deadlines.get()  # the shared deadline stack (sync may use trainer.deadline)
-    return min((d.deadline for d in ds), default=math.inf)
-
-
-def _deadline_error(cause: BaseException) -> BaseException | None:
-    """The typed error of the deadline whose cancellation is pending, chained to ``cause``."""
-    for d in _dl._deadlines.get():  # outermost first: ties go to the parent
-        if d.scope.cancel_called:
-            error = d.make_error(_dl.current_stage(), OP)
-            error.__cause__ = cause
-            return error
-    return None
-
-
 async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
     """Run ``transfer()`` to completion even if cancelled; return its wall seconds.
 
@@ -78,10 +65,10 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
     t0 = time.perf_counter()
     failure: BaseException | None = None
     with operation(OP):
-        with trio.CancelScope(shield=True, deadline=_step_deadline()):
+        with trio.CancelScope(shield=True, deadline=current_deadline()):
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
-                await trio.to_thread.run_sync(faults.fire_sync, OP)
+                await trio.to_thread.run_sync(fire_fault_sync, OP)
                 await transfer()
             except Exception as exc:
                 failure = exc
@@ -92,7 +79,7 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
         except trio.Cancelled as cancelled:
-            typed = _deadline_error(failure)
+            typed = pending_deadline_error(failure, OP)
             if typed is not None:
                 raise typed from failure
             raise cancelled from failure

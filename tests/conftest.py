@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from trainer import faults
+from trainer.vocabulary import FAULTS_ENV, install_faults, release_hangs
 from trainer.workers.ray_cluster import start_cluster, stop_cluster
 
 
@@ -19,17 +19,17 @@ from trainer.workers.ray_cluster import start_cluster, stop_cluster
 def _isolated_faults():
     """Each test starts with no faults (whatever the shell exports) and leaves none behind.
 
-    Threads a test left blocked in a ``hang`` fault are released (``faults.release_hangs``,
+    Threads a test left blocked in a ``hang`` fault are released (``release_hangs``,
     test-only) so they do not pile up across the run.
     """
-    saved = os.environ.pop(faults.ENV_VAR, None)
-    faults.install(None)
+    saved = os.environ.pop(FAULTS_ENV, None)
+    install_faults(None)
     yield
-    faults.release_hangs()
-    faults.install(None)
-    os.environ.pop(faults.ENV_VAR, None)
+    release_hangs()
+    install_faults(None)
+    os.environ.pop(FAULTS_ENV, None)
     if saved is not None:
-        os.environ[faults.ENV_VAR] = saved
+        os.environ[FAULTS_ENV] = saved
 
 
 @pytest.fixture(scope="session")

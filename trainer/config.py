@@ -220,7 +220,7 @@ def validate_cfg(cfg: Config) -> None:
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
     if cfg.faults:
-        from trainer.faults import parse_faults
+        from trainer.vocabulary import parse_faults
 
         parse_faults(cfg.faults)
     collective = cfg.workers.collective_timeout_s

@@ -15,7 +15,9 @@ Hierarchy::
     │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
     │   ├── CheckpointError                a checkpoint is missing, incomplete or corrupted
     │   ├── WorkerError                    a policy/ref worker failed or died
+    │   ├── RayClusterStartError           ``ray.init`` failed on every attempt
     │   └── FaultInjected                  an ``error=`` fault from ``faults=`` fired
+    ├── RefFailed                          a Ray ref failed (translated by its caller)
     └── ValueError
         ├── ConfigError                    bad configuration, found at load time
         └── DataError                      a bad row in a data file
@@ -35,6 +37,8 @@ __all__ = [
     "FaultInjected",
     "InferenceServerError",
     "InferenceServerTimeoutError",
+    "RayClusterStartError",
+    "RefFailed",
     "StepTimeoutError",
     "WeightSyncTimeoutError",
     "WorkerError",
@@ -163,6 +167,40 @@ class WorkerError(RuntimeError):
         return (
             f"worker {self.worker} (rank {self.rank}) failed in stage={self.stage!r}: {self.detail}"
         )
+
+
+class RayClusterStartError(RuntimeError):
+    """``ray.init`` failed on every attempt; carries each attempt's reason."""
+
+    def __init__(self, address: str | None, attempts: int, reasons: list[str]) -> None:
+        super().__init__(address, attempts, reasons)
+        self.address = address
+        self.attempts = attempts
+        self.reasons = reasons
+
+    def __str__(self) -> str:
+        where = "a local Ray cluster" if self.address is None else f"Ray at {self.address!r}"
+        tries = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(self.reasons))
+        return (
+            f"could not start {where} after {self.attempts} attempt(s) ({tries}); "
+            "see /tmp/ray/session_latest/logs/raylet.out and docs/scaling.md"
+        )
+
+
+class RefFailed(Exception):
+    """A Ray ref failed: the ``index``-th of a wait, with ``error`` (a ``RayError``).
+
+    Raised by ``trainer.vocabulary.wait_refs``; callers translate it into their own typed
+    error, knowing which actor ``index`` is.
+    """
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+    def __str__(self) -> str:
+        return f"ref {self.index} failed: {type(self.error).__name__}: {self.error}"
 
 
 class FaultInjected(RuntimeError):

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from sync.weights import save_weights_for_sampler
 from trainer import stages
-from trainer.deadline import Timer, step_deadline
 from trainer.errors import WeightSyncTimeoutError
+from trainer.vocabulary import Timer, step_deadline
 from trainer.workers.batch import make_batch
 
 if TYPE_CHECKING:

@@ -23,7 +23,6 @@ import yaml
 
 from engines.types import SamplingParams
 from sync.transports import WeightTransport
-from trainer import faults
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
 from trainer.data import (
@@ -34,7 +33,6 @@ from trainer.data import (
     resolve_reward_fn,
     task_examples,
 )
-from trainer.deadline import step_deadline
 from trainer.debug import StallInstrument
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
@@ -47,6 +45,7 @@ from trainer.metrics import (
 )
 from trainer.models import load_tokenizer, resolve_model_path
 from trainer.parts import open_engine, open_ray_cluster, open_workers, uses_ray
+from trainer.vocabulary import install_faults, step_deadline
 from trainer.workers.group import WorkerGroup
 
 __all__ = ["RunContext", "train"]
@@ -172,7 +171,7 @@ async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
     run_dir = _make_run_dir(cfg)
     handlers = setup_run_logging(run_dir)
-    faults.install(cfg.faults)
+    install_faults(cfg.faults)
     _limit_torch_threads(cfg)
     try:
         return await _train(cfg, run_dir)

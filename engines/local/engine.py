@@ -39,7 +39,7 @@ import trio
 
 from engines.local.decode import KVCache, decode_step, sample_token
 from engines.types import Completion, FinishReason, SamplingParams
-from trainer.deadline import open_owner_nursery
+from trainer.vocabulary import open_owner_nursery
 
 __all__ = [
     "EngineAsleepError",

@@ -16,8 +16,7 @@ import torch
 
 from engines.local.engine import LocalEngine, PauseMode, open_local_engine
 from engines.types import Completion, SamplingParams
-from trainer import faults
-from trainer.deadline import operation
+from trainer.vocabulary import fire_fault, operation
 
 __all__ = ["InProcessClient", "open_inprocess_client"]
 
@@ -36,22 +35,22 @@ class InProcessClient:
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         with operation("/pause"):
-            await faults.fire("/pause")
+            await fire_fault("/pause")
             await self.engine.pause(mode)
 
     async def resume(self) -> None:
         with operation("/resume"):
-            await faults.fire("/resume")
+            await fire_fault("/resume")
             self.engine.resume()
 
     async def sleep(self, level: int = 1) -> None:
         with operation("/sleep"):
-            await faults.fire("/sleep")
+            await fire_fault("/sleep")
             await self.engine.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         with operation("/wake_up"):
-            await faults.fire("/wake_up")
+            await fire_fault("/wake_up")
             await self.engine.wake_up(tags)
 
     async def load_weights(self, named: dict[str, torch.Tensor]) -> None:

@@ -57,7 +57,7 @@ async def fire_fault(path: str, step: int | None) -> None:
     A no-op when the trainer's fault module is not importable (the server runs alone).
     """
     try:
-        from trainer.faults import fire  # type: ignore[import-not-found]
+        from trainer.vocabulary import fire  # type: ignore[import-not-found]
     except ImportError:
         return
     await fire(path, step)

@@ -17,7 +17,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from trainer import faults
+from trainer.vocabulary import fire_fault_sync
 
 __all__ = ["BACKSTOP_S", "GroupHandle", "free_port", "join_group"]
 
@@ -75,7 +75,7 @@ def join_group(
     every rank has joined or ``store_timeout_s`` passes (the participant's backstop; the
     controller's bound is :func:`init_group`'s).
     """
-    faults.fire_sync(OP, step)
+    fire_fault_sync(OP, step)
     timeout = datetime.timedelta(seconds=store_timeout_s)
     store = dist.TCPStore(
         master_address,

@@ -28,8 +28,8 @@ from typing import Any
 import trio
 
 from sync.group import BACKSTOP_S, init_group
-from trainer.deadline import open_owner_nursery, remaining
 from trainer.errors import CheckpointEngineInitError
+from trainer.vocabulary import open_owner_nursery, remaining
 
 __all__ = ["BroadcastTransport"]
 

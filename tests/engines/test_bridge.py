@@ -11,8 +11,8 @@ import trio
 from aiohttp import web
 
 from engines.bridge import open_bridge
-from trainer.deadline import step_deadline
 from trainer.errors import StepTimeoutError
+from trainer.vocabulary import step_deadline
 
 
 async def start_server(handler_cancelled: list[bool]) -> tuple[str, web.AppRunner]:

@@ -18,13 +18,13 @@ from engines.client import (
 )
 from engines.types import SamplingParams
 from tests.engines.helpers import serve_app
-from trainer.deadline import step_deadline
 from trainer.errors import (
     ConfigError,
     InferenceServerError,
     InferenceServerTimeoutError,
     StepTimeoutError,
 )
+from trainer.vocabulary import step_deadline
 
 COMPLETION = {
     "choices": [

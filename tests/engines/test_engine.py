@@ -18,9 +18,8 @@ from engines.client import InferenceClient
 from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engine
 from engines.local.server import ServerApp
 from engines.types import SamplingParams
-from trainer import faults
-from trainer.deadline import step_deadline
 from trainer.errors import InferenceServerError
+from trainer.vocabulary import install_faults, step_deadline
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +119,7 @@ async def test_every_route_needs_the_api_key_when_one_is_set(model_dir: Path) ->
 
 
 async def test_injected_faults_fire_inside_the_server_on_their_step(model_dir: Path) -> None:
-    faults.install("/pause:error=engine fell over@3")
+    install_faults("/pause:error=engine fell over@3")
     async with (
         open_local_engine(model_dir) as engine,
         serving(engine) as url,

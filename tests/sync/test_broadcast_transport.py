@@ -11,9 +11,9 @@ from engines.local.engine import state_checksum
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
-from trainer import faults
 from trainer.errors import CheckpointEngineInitError
 from trainer.models import build_tiny_model
+from trainer.vocabulary import install_faults
 from trainer.workers.local import LocalWorkerGroup
 
 
@@ -51,7 +51,7 @@ async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
     model_dir = build_tiny_model()
     # the join hangs where it runs: the server's join thread (it inherits TRAINER_FAULTS)
     # and rank 0's thread here
-    faults.install("init_process_group:hang")
+    install_faults("init_process_group:hang")
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
         async with InferenceClient(urls) as client:

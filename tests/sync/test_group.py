@@ -16,8 +16,8 @@ import torch
 import trio
 
 from sync.group import free_port, init_group, join_group, join_in_thread
-from trainer import faults
 from trainer.errors import CheckpointEngineInitError, FaultInjected
+from trainer.vocabulary import install_faults
 
 _CHILD = """
 import sys
@@ -118,7 +118,7 @@ async def test_a_thread_rank_the_controller_gave_up_on_ends_at_its_backstop():
 
 
 async def test_the_inits_own_error_is_reraised_unchanged():
-    faults.install("init_process_group:error=no route to the engine")
+    install_faults("init_process_group:error=no route to the engine")
     with pytest.raises(FaultInjected) as info:
         await init_group("weights", [_thread_join(free_port(), 0)], timeout_s=30)
     assert info.value.operation == "init_process_group"

@@ -15,9 +15,8 @@ import pytest
 import trio
 
 from sync.weights import save_weights_for_sampler
-from trainer import faults
-from trainer.deadline import step_deadline
 from trainer.errors import WeightSyncTimeoutError
+from trainer.vocabulary import install_faults, step_deadline
 
 
 class RecordingEngine:
@@ -75,7 +74,7 @@ class BlockingTransport:
 async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
     events: list[str] = []
     if blocking_in == "fault":  # a slow transfer as users rehearse it: a blocking sleep
-        faults.install("broadcast_to_inference_engines:sleep=0.5")
+        install_faults("broadcast_to_inference_engines:sleep=0.5")
     transport = BlockingTransport(events, 0.5 if blocking_in == "transport" else 0.0)
     engine = RecordingEngine(events)
     result: dict[str, float] = {}

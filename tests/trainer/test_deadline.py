@@ -11,7 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from trainer.deadline import (
+from trainer.errors import InferenceServerError, StepTimeoutError, WeightSyncTimeoutError
+from trainer.vocabulary import (
     Timer,
     cleanup_bracket,
     cleanup_preserving_primary,
@@ -24,7 +25,6 @@ from trainer.deadline import (
     step_deadline,
     wait_result,
 )
-from trainer.errors import InferenceServerError, StepTimeoutError, WeightSyncTimeoutError
 
 # --- nested deadlines ------------------------------------------------------------------
 

@@ -20,6 +20,8 @@ from trainer.errors import (
     FaultInjected,
     InferenceServerError,
     InferenceServerTimeoutError,
+    RayClusterStartError,
+    RefFailed,
     StepTimeoutError,
     WeightSyncTimeoutError,
     WorkerError,
@@ -50,11 +52,19 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "fault-no-step": lambda: FaultInjected("/pause", "boom"),
     "config": lambda: ConfigError("trainer.step_timeout_s must be > 0, got -1"),
     "data": lambda: DataError("data/train.jsonl:3: missing field 'prompt'"),
+    "ray-start": lambda: RayClusterStartError(None, 2, ["node timed out", "again"]),
+    "ref-failed": lambda: RefFailed(1, RuntimeError("actor died")),
 }
 
 
+def _value(v: object) -> object:
+    """Exceptions compare by identity: a nested one (RefFailed's ``error``) by type and args."""
+    return (type(v), v.args) if isinstance(v, BaseException) else v
+
+
 def _state(exc: BaseException) -> tuple[object, ...]:
-    return type(exc), exc.args, vars(exc), str(exc)
+    fields = {k: _value(v) for k, v in vars(exc).items()}
+    return type(exc), tuple(map(_value, exc.args)), fields, str(exc)
 
 
 def _raise_in_child(case: str) -> None:
@@ -94,10 +104,10 @@ def test_error_raised_in_another_process_arrives_intact(child_process, case):
         future.result(timeout=120)
     got = info.value
     assert type(got) is type(expected)
-    assert got.args == expected.args
+    assert _state(got)[1] == _state(expected)[1]
     assert str(got) == str(expected)
-    fields = {k: v for k, v in vars(got).items() if k != "__notes__"}
-    assert fields == vars(expected)
+    fields = {k: _value(v) for k, v in vars(got).items() if k != "__notes__"}
+    assert fields == _state(expected)[2]
     assert got.__notes__ == [f"raised in a child process ({case})"]
 
 
@@ -171,6 +181,8 @@ def test_public_api_is_pinned():
         "FaultInjected",
         "InferenceServerError",
         "InferenceServerTimeoutError",
+        "RayClusterStartError",
+        "RefFailed",
         "StepTimeoutError",
         "WeightSyncTimeoutError",
         "WorkerError",

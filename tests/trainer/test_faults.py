@@ -16,20 +16,22 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trainer import faults
-from trainer.deadline import Timer, operation, step_deadline
 from trainer.errors import ConfigError, FaultInjected, StepTimeoutError
-from trainer.faults import (
-    ENV_VAR,
+from trainer.vocabulary import (
+    FAULTS_ENV,
     OPERATIONS,
-    Action,
     Fault,
+    FaultAction,
     Faults,
-    fire,
-    fire_sync,
-    install,
+    Timer,
+    active_faults,
+    fire_fault,
+    fire_fault_sync,
+    install_faults,
+    operation,
     parse_faults,
     release_hangs,
+    step_deadline,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,23 +68,33 @@ def test_operations_are_those_of_design_4_3():
     [
         ("", ()),
         ("  ", ()),
-        ("forward_backward:hang@2", (Fault("forward_backward", Action.HANG, steps=(2, 2)),)),
+        ("forward_backward:hang@2", (Fault("forward_backward", FaultAction.HANG, steps=(2, 2)),)),
         (
             "broadcast_to_inference_engines:sleep=5@2",
-            (Fault("broadcast_to_inference_engines", Action.SLEEP, seconds=5.0, steps=(2, 2)),),
+            (
+                Fault(
+                    "broadcast_to_inference_engines", FaultAction.SLEEP, seconds=5.0, steps=(2, 2)
+                ),
+            ),
         ),
-        ("/pause:delay=0.25@1-4", (Fault("/pause", Action.DELAY, seconds=0.25, steps=(1, 4)),)),
+        (
+            "/pause:delay=0.25@1-4",
+            (Fault("/pause", FaultAction.DELAY, seconds=0.25, steps=(1, 4)),),
+        ),
         (
             "generate:error=engine fell over",
-            (Fault("generate", Action.ERROR, message="engine fell over"),),
+            (Fault("generate", FaultAction.ERROR, message="engine fell over"),),
         ),
         # The last '@' starts STEPS, so a message may contain one.
-        ("/resume:error=a@b@3", (Fault("/resume", Action.ERROR, message="a@b", steps=(3, 3)),)),
+        (
+            "/resume:error=a@b@3",
+            (Fault("/resume", FaultAction.ERROR, message="a@b", steps=(3, 3)),),
+        ),
         (
             " forward:hang@0 , optim_step:delay=1 ,",
             (
-                Fault("forward", Action.HANG, steps=(0, 0)),
-                Fault("optim_step", Action.DELAY, seconds=1.0),
+                Fault("forward", FaultAction.HANG, steps=(0, 0)),
+                Fault("optim_step", FaultAction.DELAY, seconds=1.0),
             ),
         ),
     ],
@@ -166,24 +178,24 @@ _steps = st.tuples(st.integers(0, 50), st.integers(0, 50)).map(lambda t: (min(t)
 _seconds = st.floats(0, 1e4).map(lambda s: float(f"{s:g}"))
 # Messages the grammar can write: no ',' and, unless STEPS follows, no '@'.
 _faults = (
-    st.builds(Fault, _ops, st.just(Action.HANG), steps=st.none() | _steps)
+    st.builds(Fault, _ops, st.just(FaultAction.HANG), steps=st.none() | _steps)
     | st.builds(
         Fault,
         _ops,
-        st.sampled_from([Action.SLEEP, Action.DELAY]),
+        st.sampled_from([FaultAction.SLEEP, FaultAction.DELAY]),
         seconds=_seconds,
         steps=st.none() | _steps,
     )
     | st.builds(
         Fault,
         _ops,
-        st.just(Action.ERROR),
+        st.just(FaultAction.ERROR),
         message=st.text("abc =:-_/xyz", min_size=1).filter(lambda m: m.strip() == m),
     )
     | st.builds(
         Fault,
         _ops,
-        st.just(Action.ERROR),
+        st.just(FaultAction.ERROR),
         message=st.text("abc @=:-_/xyz", min_size=1).filter(lambda m: m.strip() == m),
         steps=_steps,
     )
@@ -212,13 +224,15 @@ def test_the_canonical_spec_parses_back_to_the_same_faults(entries):
     ],
 )
 def test_a_fault_applies_on_its_steps_only(steps, step, fires):
-    assert Fault("forward", Action.HANG, steps=steps).applies_to(step) is fires
+    assert Fault("forward", FaultAction.HANG, steps=steps).applies_to(step) is fires
 
 
 def test_the_first_applicable_entry_for_an_operation_wins():
     fs = Faults.parse("forward:error=early@1-2,generate:hang,forward:error=late")
-    assert fs.match("forward", 2) == Fault("forward", Action.ERROR, message="early", steps=(1, 2))
-    assert fs.match("forward", 3) == Fault("forward", Action.ERROR, message="late")
+    assert fs.match("forward", 2) == Fault(
+        "forward", FaultAction.ERROR, message="early", steps=(1, 2)
+    )
+    assert fs.match("forward", 3) == Fault("forward", FaultAction.ERROR, message="late")
     assert fs.match("optim_step", 3) is None
 
 
@@ -226,83 +240,83 @@ def test_the_first_applicable_entry_for_an_operation_wins():
 
 
 def test_install_makes_faults_active_and_exports_them_to_child_processes():
-    installed = install(" forward_backward:hang@2 ,/pause:delay=3")
-    assert faults.active() == installed
-    assert os.environ[ENV_VAR] == "forward_backward:hang@2,/pause:delay=3"
-    install("")
-    assert not faults.active()
-    assert ENV_VAR not in os.environ
+    installed = install_faults(" forward_backward:hang@2 ,/pause:delay=3")
+    assert active_faults() == installed
+    assert os.environ[FAULTS_ENV] == "forward_backward:hang@2,/pause:delay=3"
+    install_faults("")
+    assert not active_faults()
+    assert FAULTS_ENV not in os.environ
 
 
 def test_a_bad_spec_installs_nothing():
-    install("generate:error=boom")
+    install_faults("generate:error=boom")
     with pytest.raises(ConfigError):
-        install("generate:explode")
-    assert faults.active().spec == "generate:error=boom"
-    assert os.environ[ENV_VAR] == "generate:error=boom"
+        install_faults("generate:explode")
+    assert active_faults().spec == "generate:error=boom"
+    assert os.environ[FAULTS_ENV] == "generate:error=boom"
 
 
 def test_the_env_var_is_read_when_nothing_was_installed():
-    os.environ[ENV_VAR] = "optim_step:error=from env"
-    install(None)
+    os.environ[FAULTS_ENV] = "optim_step:error=from env"
+    install_faults(None)
     with pytest.raises(FaultInjected, match="from env"):
-        fire_sync("optim_step")
+        fire_fault_sync("optim_step")
     # Installing wins over the environment.
-    install("")
-    os.environ[ENV_VAR] = "optim_step:error=from env"
-    fire_sync("optim_step")
+    install_faults("")
+    os.environ[FAULTS_ENV] = "optim_step:error=from env"
+    fire_fault_sync("optim_step")
 
 
 async def test_firing_with_no_fault_installed_does_nothing_and_never_checkpoints():
-    install("")
+    install_faults("")
     with trio.testing.assert_no_checkpoints():
         for op in OPERATIONS:
-            fire_sync(op)
-            await fire(op)
+            fire_fault_sync(op)
+            await fire_fault(op)
 
 
 async def test_firing_an_unknown_operation_is_a_caller_bug():
     with pytest.raises(ValueError, match="unknown operation 'backward'"):
-        fire_sync("backward")
+        fire_fault_sync("backward")
     with pytest.raises(ValueError, match="unknown operation 'pause'"):
-        await fire("pause")
+        await fire_fault("pause")
 
 
 # --- error ------------------------------------------------------------------------------
 
 
 async def test_error_raises_fault_injected_with_op_and_the_current_step():
-    install("forward_backward:error=loss exploded@2")
+    install_faults("forward_backward:error=loss exploded@2")
     # The worker thread inherits the step from the trio task's context.
     with step_deadline(2, None), pytest.raises(FaultInjected) as info:
-        await trio.to_thread.run_sync(fire_sync, "forward_backward")
+        await trio.to_thread.run_sync(fire_fault_sync, "forward_backward")
     err = info.value
     assert (err.operation, err.message, err.step) == ("forward_backward", "loss exploded", 2)
     assert str(err) == "fault injected in 'forward_backward' at step 2: loss exploded"
 
 
 async def test_a_fault_with_steps_fires_only_when_the_step_is_known_and_in_range():
-    install("/pause:error=no@2-3")
-    await fire("/pause")  # step unknown: no step_deadline open, none passed
+    install_faults("/pause:error=no@2-3")
+    await fire_fault("/pause")  # step unknown: no step_deadline open, none passed
     for step in (1, 4):
         with step_deadline(step, None):
-            await fire("/pause")
+            await fire_fault("/pause")
     with step_deadline(3, None), pytest.raises(FaultInjected) as info:
-        await fire("/pause")
+        await fire_fault("/pause")
     assert info.value.step == 3
     # An explicit step (a process that does not share the trainer's context) wins.
     with pytest.raises(FaultInjected) as info:
-        fire_sync("/pause", step=2)
+        fire_fault_sync("/pause", step=2)
     assert info.value.step == 2
 
 
 async def test_a_fault_without_steps_fires_every_time_step_known_or_not():
-    install("env_step:error=tool crashed")
+    install_faults("env_step:error=tool crashed")
     with pytest.raises(FaultInjected) as info:
-        await fire("env_step")
+        await fire_fault("env_step")
     assert info.value.step is None
     with step_deadline(8, None), pytest.raises(FaultInjected) as info:
-        fire_sync("env_step")
+        fire_fault_sync("env_step")
     assert info.value.step == 8
 
 
@@ -310,7 +324,7 @@ async def test_a_fault_without_steps_fires_every_time_step_known_or_not():
 
 
 async def test_delay_waits_without_blocking_the_event_loop(autojump_clock):
-    install("/pause:delay=3")
+    install_faults("/pause:delay=3")
     order: list[str] = []
 
     async def other_task() -> None:
@@ -320,33 +334,33 @@ async def test_delay_waits_without_blocking_the_event_loop(autojump_clock):
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
-        await fire("/pause")
+        await fire_fault("/pause")
         order.append("/pause returned at t=3")
     assert order == ["other task ran at t=1", "/pause returned at t=3"]
     assert trio.current_time() - start == pytest.approx(3)
 
 
 async def test_delay_is_cancellable(autojump_clock):
-    install("/pause:delay=100")
+    install_faults("/pause:delay=100")
     with (
         pytest.raises(StepTimeoutError) as info,
         step_deadline(1, 10),
         Timer("sync_weights"),
         operation("/pause"),
     ):
-        await fire("/pause")
+        await fire_fault("/pause")
     assert (info.value.elapsed_s, info.value.operation) == (pytest.approx(10), "/pause")
 
 
 async def test_blocking_faults_refuse_to_block_the_trio_thread():
-    install("generate:hang,env_step:sleep=1,forward:delay=1")
+    install_faults("generate:hang,env_step:sleep=1,forward:delay=1")
     for op in ("env_step", "forward", "generate"):  # the hang last: without the guard it blocks
         with pytest.raises(RuntimeError, match="would block the trio thread"):
-            fire_sync(op)
+            fire_fault_sync(op)
 
 
 async def test_sleep_blocks_the_thread_where_it_fires_but_not_the_event_loop():
-    install("broadcast_to_inference_engines:sleep=1")
+    install_faults("broadcast_to_inference_engines:sleep=1")
     order: list[str] = []
     in_transfer = trio.Event()
     token = trio.lowlevel.current_trio_token()
@@ -354,7 +368,7 @@ async def test_sleep_blocks_the_thread_where_it_fires_but_not_the_event_loop():
     def transfer() -> float:
         trio.from_thread.run_sync(in_transfer.set, trio_token=token)
         t0 = time.monotonic()
-        fire_sync("broadcast_to_inference_engines")
+        fire_fault_sync("broadcast_to_inference_engines")
         return time.monotonic() - t0
 
     async def run_transfer() -> None:
@@ -372,7 +386,7 @@ async def test_sleep_blocks_the_thread_where_it_fires_but_not_the_event_loop():
 
 
 async def test_sleep_in_trio_code_runs_off_the_loop_and_is_not_cancellable():
-    install("/update_weights:sleep=0.5")
+    install_faults("/update_weights:sleep=0.5")
     order: list[str] = []
 
     async def cancel_once_blocked(scope: trio.CancelScope) -> None:
@@ -385,33 +399,33 @@ async def test_sleep_in_trio_code_runs_off_the_loop_and_is_not_cancellable():
     async with trio.open_nursery() as nursery:
         with trio.CancelScope() as scope:
             nursery.start_soon(cancel_once_blocked, scope)
-            await fire("/update_weights")
+            await fire_fault("/update_weights")
             order.append("the slow transfer finished anyway")
     assert time.monotonic() - t0 >= 0.5
     assert order == ["the loop ran and cancelled the step", "the slow transfer finished anyway"]
 
 
 async def test_hang_in_trio_code_never_returns(autojump_clock):
-    install("/pause:hang@2")
+    install_faults("/pause:hang@2")
     with (
         pytest.raises(StepTimeoutError) as info,
         step_deadline(2, 10**4),
         Timer("sync_weights"),
         operation("/pause"),
     ):
-        await fire("/pause")
+        await fire_fault("/pause")
     assert info.value.elapsed_s == pytest.approx(10**4)
     assert (info.value.stage, info.value.operation) == ("sync_weights", "/pause")
 
 
 async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_it():
-    install("backload_to_gpu:hang@3")
+    install_faults("backload_to_gpu:hang@3")
     exited = threading.Event()
     outcome: list[BaseException] = []
 
     def backload_to_gpu() -> None:
         try:
-            fire_sync("backload_to_gpu")
+            fire_fault_sync("backload_to_gpu")
         except BaseException as exc:
             outcome.append(exc)
         finally:
@@ -446,13 +460,13 @@ async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_
 
 
 async def test_a_hang_that_fires_after_a_release_blocks_again():
-    install("offload_to_cpu:hang")
+    install_faults("offload_to_cpu:hang")
     release_hangs()
     done = threading.Event()
 
     def offload() -> None:
         try:
-            fire_sync("offload_to_cpu")
+            fire_fault_sync("offload_to_cpu")
         except FaultInjected:
             done.set()
 
@@ -467,16 +481,16 @@ async def test_a_hang_that_fires_after_a_release_blocks_again():
 
 _CHILD = """
 import sys
-from trainer import faults
+from trainer.vocabulary import fire_fault_sync, release_hangs, active_faults
 for step in (1, 2):
     print(f"step {step}", flush=True)
-    faults.fire_sync("forward_backward", step=step)
+    fire_fault_sync("forward_backward", step=step)
 print("not reached", flush=True)
 """
 
 
 async def test_a_child_process_fires_the_faults_of_its_env_var():
-    env = {**os.environ, ENV_VAR: "forward_backward:error=from child@2"}
+    env = {**os.environ, FAULTS_ENV: "forward_backward:error=from child@2"}
     result = await trio.run_process(
         [sys.executable, "-c", _CHILD],
         cwd=ROOT,
@@ -493,7 +507,7 @@ async def test_a_child_process_fires_the_faults_of_its_env_var():
 
 
 async def test_an_installed_hang_really_hangs_a_worker_process_started_afterwards():
-    install("forward_backward:hang@2")  # exported: the child inherits it
+    install_faults("forward_backward:hang@2")  # exported: the child inherits it
     async with trio.open_nursery() as nursery:
         run_child = functools.partial(
             trio.run_process,
@@ -524,4 +538,4 @@ async def test_an_installed_hang_really_hangs_a_worker_process_started_afterward
 
 def test_a_fault_can_only_target_a_known_operation():
     with pytest.raises(ValueError, match="'backward'"):
-        Fault("backward", Action.HANG)
+        Fault("backward", FaultAction.HANG)

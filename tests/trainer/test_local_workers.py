@@ -7,10 +7,9 @@ import time
 import pytest
 import trio
 
-from trainer import faults
-from trainer.deadline import Timer, step_deadline
 from trainer.errors import StepTimeoutError
 from trainer.models import build_tiny_model
+from trainer.vocabulary import Timer, install_faults, step_deadline
 from trainer.workers.local import LocalWorkerGroup
 
 
@@ -21,7 +20,7 @@ def model_dir():
 
 async def test_a_worker_hung_in_backload_times_out_through_the_group_call_site(model_dir):
     group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
-    faults.install("backload_to_gpu:hang@1")
+    install_faults("backload_to_gpu:hang@1")
     t0 = time.monotonic()
     with pytest.raises(StepTimeoutError) as info:
         with step_deadline(1, 1.0), Timer("train_critic_and_policy"):
@@ -40,7 +39,7 @@ async def test_a_worker_hung_in_backload_times_out_through_the_group_call_site(m
 
 async def test_the_event_loop_keeps_running_while_a_worker_computes(model_dir):
     group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
-    faults.install("optim_step:sleep=1")  # a real blocking second inside the worker thread
+    install_faults("optim_step:sleep=1")  # a real blocking second inside the worker thread
     ticks = 0
 
     async def tick() -> None:

@@ -20,20 +20,19 @@ from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from tests.e2e.helpers import alive_after
-from trainer import faults
 from trainer.config import load_config
-from trainer.deadline import Timer, step_deadline
 from trainer.errors import (
     CheckpointEngineInitError,
     ConfigError,
     FaultInjected,
+    RayClusterStartError,
     StepTimeoutError,
     WorkerError,
 )
 from trainer.models import resolve_model_path
+from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_cluster import RayClusterStartError
 from trainer.workers.ray_group import RayWorkerGroup, _shards
 
 POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
@@ -155,7 +154,7 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
 async def test_a_hung_weight_sync_join_in_rank_0s_actor_is_checkpoint_engine_init_error(
     ray_cluster, model_dir, tmp_path
 ):
-    faults.install("init_process_group:hang")  # rank 0's actor and the server both hang
+    install_faults("init_process_group:hang")  # rank 0's actor and the server both hang
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
     )
@@ -173,7 +172,7 @@ async def test_a_hung_weight_sync_join_in_rank_0s_actor_is_checkpoint_engine_ini
 
 
 async def test_actor_hung_in_backload_times_out_with_the_steps_error(ray_cluster, model_dir):
-    faults.install("backload_to_gpu:hang@3")
+    install_faults("backload_to_gpu:hang@3")
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=True, num_workers=2
     )
@@ -196,7 +195,7 @@ async def test_actor_hung_in_backload_times_out_with_the_steps_error(ray_cluster
 
 
 async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(ray_cluster, model_dir):
-    faults.install("forward_backward:sleep=60")
+    install_faults("forward_backward:sleep=60")
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
     )
@@ -231,7 +230,7 @@ async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(ray_c
 async def test_remote_error_of_our_class_arrives_as_itself_with_the_remote_traceback(
     ray_cluster, model_dir
 ):
-    faults.install("optim_step:error=boom")
+    install_faults("optim_step:error=boom")
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
     )
@@ -260,4 +259,4 @@ async def test_remote_foreign_error_becomes_worker_error_with_traceback(ray_clus
         assert "ray::PolicyActor.compute_logprobs" in info.value.detail  # remote traceback
     finally:
         await group.shutdown()
-    assert os.environ.get(faults.ENV_VAR) is None
+    assert os.environ.get(FAULTS_ENV) is None

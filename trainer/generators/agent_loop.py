@@ -13,8 +13,6 @@ import statistics
 
 import attrs
 
-from trainer import faults
-from trainer.deadline import open_owner_nursery, operation
 from trainer.generators.base import (
     Generator,
     GeneratorInput,
@@ -22,6 +20,7 @@ from trainer.generators.base import (
     Trajectory,
     TrajectoryInput,
 )
+from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
 __all__ = ["AgentLoopGenerator", "EnvStep"]
 
@@ -82,7 +81,7 @@ class AgentLoopGenerator(Generator):
                 max_tokens=min(self.sampling.max_tokens, budget),
             )
             with operation("generate"):
-                await faults.fire("generate")
+                await fire_fault("generate")
                 completion = await self.engine.generate(
                     item.prompt_ids + response, sampling, trajectory_id=item.trajectory_id
                 )
@@ -92,7 +91,7 @@ class AgentLoopGenerator(Generator):
             logprobs += completion.logprobs
             finish = completion.finish_reason
             with operation("env_step"):
-                await faults.fire("env_step")
+                await fire_fault("env_step")
                 step = await self.env_step(item, response, turn)
             if step.done:
                 reward = step.reward

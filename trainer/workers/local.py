@@ -18,9 +18,8 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from trainer import faults
 from trainer.checkpoint import CheckpointManager
-from trainer.deadline import operation
+from trainer.vocabulary import fire_fault_sync, operation
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker, RefWorker
 
@@ -30,7 +29,7 @@ T = TypeVar("T")
 
 
 def _fire_then(op: str, fn: Callable[..., T], *args: Any) -> T:
-    faults.fire_sync(op)  # where the operation really runs: this worker thread
+    fire_fault_sync(op)  # where the operation really runs: this worker thread
     return fn(*args)
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import faults
 from trainer.checkpoint import CheckpointManager
+from trainer.vocabulary import fire_fault_sync
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker, RefWorker
 
@@ -41,7 +41,7 @@ class _Actor:
         return os.getpid()
 
     def fire(self, op: str, step: int | None) -> None:
-        faults.fire_sync(op, step)
+        fire_fault_sync(op, step)
 
 
 class RefActor(_Actor):

@@ -31,9 +31,10 @@ from typing import Any
 
 import trio
 
+from trainer.errors import RayClusterStartError
+
 __all__ = [
     "ACTOR_ENV_VARS",
-    "RayClusterStartError",
     "actor_env",
     "init_kwargs",
     "open_cluster",
@@ -56,7 +57,7 @@ START_ENV = {
 
 #: Variables of the trainer's environment every actor gets (fault injection, the test
 #: marker that finds a run's processes, the import path of this checkout).
-ACTOR_ENV_VARS = ("TRAINER_FAULTS", "TRAINER_TEST_MARKER", "PYTHONPATH")
+ACTOR_ENV_VARS = ("TRAINER_FAULTS", "TRAINER_FAULTS_FIRED", "TRAINER_TEST_MARKER", "PYTHONPATH")
 #: How long disconnecting (and stopping a cluster this run started) may take.
 STOP_TIMEOUT_S = 30.0
 
@@ -64,24 +65,6 @@ STOP_TIMEOUT_S = 30.0
 def actor_env() -> dict[str, str]:
     """``runtime_env["env_vars"]`` for the run's actors: :data:`ACTOR_ENV_VARS` that are set."""
     return {k: os.environ[k] for k in ACTOR_ENV_VARS if k in os.environ}
-
-
-class RayClusterStartError(RuntimeError):
-    """``ray.init`` failed on every attempt; carries each attempt's reason."""
-
-    def __init__(self, address: str | None, attempts: int, reasons: list[str]) -> None:
-        super().__init__(address, attempts, reasons)
-        self.address = address
-        self.attempts = attempts
-        self.reasons = reasons
-
-    def __str__(self) -> str:
-        where = "a local Ray cluster" if self.address is None else f"Ray at {self.address!r}"
-        tries = "; ".join(f"attempt {i + 1}: {r}" for i, r in enumerate(self.reasons))
-        return (
-            f"could not start {where} after {self.attempts} attempt(s) ({tries}); "
-            "see /tmp/ray/session_latest/logs/raylet.out and docs/scaling.md"
-        )
 
 
 def prepare_env() -> None:

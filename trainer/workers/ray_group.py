@@ -35,15 +35,14 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.checkpoint import CheckpointManager
-from trainer.deadline import (
-    RefFailed,
+from trainer.errors import RefFailed, WorkerError
+from trainer.vocabulary import (
     current_stage,
     current_step,
     get_refs_as_completed,
     operation,
     wait_refs,
 )
-from trainer.errors import WorkerError
 from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
 from trainer.workers.ray_cluster import actor_env

@@ -1,0 +1,51 @@
+"""The names of DESIGN 4.3, spelled once: the stages of a step and the operations it awaits.
+
+Config validation, fault specs, ``stage()``/``operation()``, metrics (``timing/<stage>``) and
+the docs all use these literals; a typo is a type error, and at run time a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = ["OPERATIONS", "STAGES", "Operation", "Stage"]
+
+Stage = Literal[
+    "generate",
+    "fwd_logprobs_values_reward",
+    "compute_advantages",
+    "train_critic_and_policy",
+    "save_checkpoints",
+    "sync_weights",
+    "eval",
+    # fully-async only
+    "wait_for_generation_buffer",
+    "run_training",
+]
+
+Operation = Literal[
+    "generate",
+    "env_step",
+    "forward",
+    "forward_backward",
+    "optim_step",
+    "offload_to_cpu",
+    "backload_to_gpu",
+    "broadcast_to_inference_engines",
+    "init_process_group",
+    "save_checkpoint",
+    # control-plane endpoints, by their path
+    "/pause",
+    "/resume",
+    "/sleep",
+    "/wake_up",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+]
+
+#: Every stage, in step order (``Stage``'s values).
+STAGES: tuple[Stage, ...] = get_args(Stage)
+#: Every operation a deadline can name and a fault can target (``Operation``'s values).
+OPERATIONS: tuple[Operation, ...] = get_args(Operation)
