@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
+from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
-from trainer.models import load_tokenizer, resolve_model_path
 
 CONCURRENCY = (1, 8, 32)
 

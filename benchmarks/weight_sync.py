@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
+from engines.models import build_tiny_model, quiet_transformers
 from sync.group import free_port, join_group
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer.debug import StallInstrument
-from trainer.models import build_tiny_model, quiet_transformers
 from trainer.workers.local import LocalWorkerGroup
 
 _RECEIVER = """

@@ -11,7 +11,7 @@ observation=TEXT)`` makes the loop append ``TEXT``'s tokens to the response with
 (the policy is not trained on them; their rollout logprobs are 0.0) and sample the next
 model turn from prompt + everything so far. ``EnvStep(done=True, reward=R)`` ends the
 trajectory with reward ``R``. The observation uses only words of the built-in tiny
-tokenizer's vocabulary (``trainer.models.WORDS``); an unknown word would become ``<unk>``.
+tokenizer's vocabulary (``engines.models.WORDS``); an unknown word would become ``<unk>``.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from engines.local.weight_group import BACKSTOP_S, GroupHandle, free_port, join_group
+from engines.process_group import BACKSTOP_S, GroupHandle, free_port, join_group
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation
 

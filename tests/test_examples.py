@@ -8,11 +8,11 @@ import pytest
 
 import trainer.run
 from engines.local.inprocess import open_inprocess_client
+from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
 from examples.multi_turn_generator import RETRY_OBSERVATION, RetryOnWrongGenerator
 from trainer.config import load_config
 from trainer.generators import GeneratorInput, TrajectoryInput
-from trainer.models import build_tiny_model, load_tokenizer
 
 GENERATOR = "examples.multi_turn_generator:RetryOnWrongGenerator"
 

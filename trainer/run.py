@@ -21,6 +21,7 @@ import attrs
 import trio
 import yaml
 
+from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
@@ -43,7 +44,6 @@ from trainer.metrics import (
     setup_run_logging,
     teardown_run_logging,
 )
-from trainer.models import load_tokenizer, resolve_model_path
 from trainer.parts import open_engine, open_ray_cluster, open_workers, uses_ray
 from trainer.vocabulary import install_faults, step_deadline
 from trainer.workers.group import WorkerGroup

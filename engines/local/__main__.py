@@ -101,7 +101,7 @@ async def serve(args: argparse.Namespace) -> None:
 
     from engines.local.engine import open_local_engine
     from engines.local.server import ServerApp
-    from trainer.models import resolve_model_path
+    from engines.models import resolve_model_path
 
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)

@@ -81,7 +81,7 @@ class LocalEngine:
     def __init__(self, model_dir: str | Path, *, seed: int = 0, max_num_seqs: int = 256) -> None:
         from transformers import AutoModelForCausalLM
 
-        from trainer.models import load_tokenizer
+        from engines.models import load_tokenizer
 
         self.model_dir = Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)

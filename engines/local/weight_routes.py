@@ -31,7 +31,7 @@ import trio
 from engines.local.engine import EngineAsleepError
 from engines.local.http import Request, Response, json_response
 from engines.local.protocol import ProtocolError, parse_json_object
-from engines.local.weight_group import join_group
+from engines.process_group import join_group
 
 if TYPE_CHECKING:
     from engines.local.server import ServerApp

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from engines.launch import launch_local_engines
-from trainer.models import build_tiny_model
+from engines.models import build_tiny_model
 
 #: Generous: two cores shared with other test runs.
 STARTUP_TIMEOUT_S = 180.0

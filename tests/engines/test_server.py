@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
+from engines.models import load_tokenizer
 from engines.types import Completion, SamplingParams
 from tests.engines.helpers import stats, steps, wait_running
 from trainer.errors import InferenceServerError
-from trainer.models import load_tokenizer
 
 LONG = SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0)
 

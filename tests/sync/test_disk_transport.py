@@ -8,11 +8,11 @@ import torch
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
+from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from sync.transports import DiskTransport
 from sync.weights import save_weights_for_sampler
 from trainer.errors import InferenceServerError
-from trainer.models import build_tiny_model
 from trainer.workers.local import LocalWorkerGroup
 
 

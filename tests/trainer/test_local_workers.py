@@ -7,8 +7,8 @@ import time
 import pytest
 import trio
 
+from engines.models import build_tiny_model
 from trainer.errors import StepTimeoutError
-from trainer.models import build_tiny_model
 from trainer.vocabulary import Timer, install_faults, step_deadline
 from trainer.workers.local import LocalWorkerGroup
 

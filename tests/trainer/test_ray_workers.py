@@ -16,6 +16,7 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
+from engines.models import resolve_model_path
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
@@ -29,7 +30,6 @@ from trainer.errors import (
     StepTimeoutError,
     WorkerError,
 )
-from trainer.models import resolve_model_path
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker

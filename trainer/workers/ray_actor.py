@@ -153,7 +153,7 @@ class PolicyActor(_Actor):
         step: int | None,
     ) -> None:
         """Rank 0 hosts the weight-sync group with the engines (blocks until all joined)."""
-        from engines.local.weight_group import join_group
+        from engines.process_group import join_group
 
         self._weight_group = join_group(
             name,
