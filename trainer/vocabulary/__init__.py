@@ -44,6 +44,7 @@ from trainer.vocabulary._names import OPERATIONS as OPERATIONS
 from trainer.vocabulary._names import STAGES as STAGES
 from trainer.vocabulary._names import Operation as Operation
 from trainer.vocabulary._names import Stage as Stage
+from trainer.vocabulary._nursery import leaves as exception_leaves
 from trainer.vocabulary._nursery import open_owner_nursery as open_owner_nursery
 from trainer.vocabulary._nursery import raise_first as raise_first
 from trainer.vocabulary._ray_waits import get_refs_as_completed as get_refs_as_completed
@@ -69,6 +70,7 @@ __all__ = [
     "current_operation",
     "current_stage",
     "current_step",
+    "exception_leaves",
     "fire_fault",
     "fire_fault_sync",
     "install_faults",
