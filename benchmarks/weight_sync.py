@@ -105,17 +105,13 @@ def raw_seconds(numel: int, repeats: int) -> float:
 
 
 class _ThreadWorkers:
-    """The policy's broadcast calls without the group's trio limiter (for another trio run)."""
+    """Rank 0 run inline in the calling thread, without the group's trio limiter (another trio run)."""
 
     def __init__(self, workers: LocalWorkerGroup) -> None:
-        self.policy = workers.policy
-        self.group = workers.weight_group
+        self.model = workers.policy.model
 
-    async def weight_buckets(self, bucket_bytes: int):
-        return self.policy.weight_buckets(bucket_bytes)
-
-    async def broadcast_bucket(self, names, timeout_s) -> None:
-        await trio.to_thread.run_sync(self.policy.broadcast_bucket, self.group, names, timeout_s)
+    async def run_on_rank0(self, fn, *args, abandon_on_cancel: bool = False):
+        return await trio.to_thread.run_sync(fn, self.model, *args)
 
 
 async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> dict[str, float]:
@@ -129,11 +125,11 @@ async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> 
             async with InferenceClient(urls) as client:
                 transport = BroadcastTransport(bucket_mb * 2**20, group_init_timeout_s=300)
                 await transport.init(client, workers)
-                await save_weights_for_sampler(workers, client, transport)  # warm-up
+                await save_weights_for_sampler(client, workers, transport)  # warm-up
                 best, worst_stall = float("inf"), 0.0
                 for _ in range(repeats):
                     stall.take_max_ms()
-                    r = await save_weights_for_sampler(workers, client, transport)
+                    r = await save_weights_for_sampler(client, workers, transport)
                     best = min(best, r["sync/last_weight_sync_seconds"])
                     worst_stall = max(worst_stall, stall.take_max_ms())
                 out["transfer_s"], out["stall_ms"] = best, worst_stall
@@ -141,7 +137,7 @@ async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> 
                 def blocking() -> None:
                     async def main() -> None:
                         async with InferenceClient(urls) as c:
-                            await transport.transfer(_ThreadWorkers(workers), c)
+                            await transport.transfer(c, _ThreadWorkers(workers))
 
                     trio.run(main)
 

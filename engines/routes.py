@@ -8,14 +8,12 @@ A plain ``vllm serve`` has the OpenAI routes only. The control plane appears wit
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import trio
 
 from trainer.errors import InferenceServerError, InferenceServerTimeoutError
-
-if TYPE_CHECKING:
-    from engines.client import InferenceClient
+from trainer.vocabulary import raise_first
 
 __all__ = [
     "DATA_PLANE_ROUTES",
@@ -23,8 +21,8 @@ __all__ = [
     "ROUTE_FLAGS",
     "SLEEP_ROUTES",
     "WEIGHT_TRANSFER_ROUTES",
+    "SupportsControlOne",
     "probe",
-    "raise_first",
 ]
 
 _DEV = "VLLM_SERVER_DEV_MODE=1"
@@ -55,16 +53,17 @@ WEIGHT_TRANSFER_ROUTES = (
 )
 
 
-def raise_first(errors: list[tuple[int, Exception]]) -> None:
-    """Raise the first error (by server index), the others attached to it as notes."""
-    errors.sort(key=lambda pair: pair[0])
-    first = errors[0][1]
-    for _, other in errors[1:]:
-        first.add_note(f"also: {type(other).__name__}: {other}")
-    raise first
+class SupportsControlOne(Protocol):
+    """What :func:`probe` needs of a client (:class:`engines.control_plane.ControlPlane` has it)."""
+
+    urls: list[str]
+
+    async def control_one(self, url: str, method: str, path: str) -> Any:
+        """One control-plane request to ``url``; raises ``InferenceServerError`` for a non-2xx."""
+        ...
 
 
-async def probe(client: InferenceClient, required: Iterable[str]) -> None:
+async def probe(client: SupportsControlOne, required: Iterable[str]) -> None:
     """Check that every server serves ``required`` routes; name the vllm flag when one is missing.
 
     Side-effect free: a POST route is probed with GET (405 = present, 404 = missing).
@@ -77,33 +76,33 @@ async def probe(client: InferenceClient, required: Iterable[str]) -> None:
     unknown = [r for r in routes if r not in ROUTE_FLAGS]
     if unknown:
         raise ValueError(f"unknown routes {unknown}; known: {', '.join(ROUTE_FLAGS)}")
-    errors: list[tuple[int, Exception]] = []
+    errors: dict[int, Exception] = {}
 
     async def probe_one(i: int, url: str) -> None:
         missing: list[str] = []
         for route in routes:
             try:
-                await client._control_one(url, "GET", route, None, None)
+                await client.control_one(url, "GET", route)
             except InferenceServerTimeoutError as exc:
-                errors.append((i, exc))
+                errors[i] = exc
                 return
             except InferenceServerError as exc:
                 if exc.status == 404:
                     missing.append(route)
                 elif exc.status == 501:
                     detail = f"the server has {route} but does not implement it: {exc.detail}"
-                    errors.append((i, InferenceServerError(url, route, 501, detail)))
+                    errors[i] = InferenceServerError(url, route, 501, detail)
                     return
                 elif exc.status != 405 or ROUTE_FLAGS[route][0] == "GET":
-                    errors.append((i, exc))
+                    errors[i] = exc
                     return
         if missing:
             flags = "; ".join(f"{r} -> set {ROUTE_FLAGS[r][1]}" for r in missing)
             detail = f"missing routes {missing}: start `vllm serve` with the flags: {flags}"
-            errors.append((i, InferenceServerError(url, missing[0], 404, detail)))
+            errors[i] = InferenceServerError(url, missing[0], 404, detail)
 
     async with trio.open_nursery() as nursery:
         for i, url in enumerate(client.urls):
             nursery.start_soon(probe_one, i, url)
     if errors:
-        raise_first(errors)
+        raise_first([errors[i] for i in sorted(errors)])

@@ -28,18 +28,10 @@ from typing import Any
 
 import trio
 
-from engines.process_group import BACKSTOP_S, GroupHandle, free_port, join_group
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation
 
-__all__ = [
-    "BACKSTOP_S",
-    "GroupHandle",
-    "free_port",
-    "init_group",
-    "join_group",
-    "join_in_thread",
-]
+__all__ = ["init_group", "join_in_thread"]
 
 OP = "init_process_group"
 

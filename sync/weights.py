@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import trio
 
-from sync.transports.base import WeightTransport
+from sync.transports.base import Rank0, WeightTransport
 from trainer.vocabulary import (
     cleanup_bracket,
     current_deadline,
@@ -87,16 +87,16 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
 
 
 async def _transfer_and_record(
-    workers: Any, engine: Any, transport: WeightTransport, out: dict[str, float]
+    engine: Any, workers: Rank0, transport: WeightTransport, out: dict[str, float]
 ) -> None:
     out["sync/last_weight_sync_seconds"] = await run_transfer(
-        lambda: transport.transfer(workers, engine)
+        lambda: transport.transfer(engine, workers)
     )
 
 
 async def save_weights_for_sampler(
-    workers: Any,
     engine: _Engine,
+    workers: Rank0,
     transport: WeightTransport,
     *,
     pause_mode: str = "keep",
@@ -113,23 +113,23 @@ async def save_weights_for_sampler(
     if colocated:
         await engine.wake_up(["weights"])
         async with _wake_kv_after(engine):
-            await _transfer_and_record(workers, engine, transport, out)
+            await _transfer_and_record(engine, workers, transport, out)
     elif offload_kv and fully_async:
         await engine.pause(pause_mode)
         async with cleanup_bracket(engine.resume, "/resume"):
             await engine.sleep(1)
             await engine.wake_up(["weights"])
             async with _wake_kv_after(engine):
-                await _transfer_and_record(workers, engine, transport, out)
+                await _transfer_and_record(engine, workers, transport, out)
     elif offload_kv:
         await engine.sleep(1)
         await engine.wake_up(["weights"])
         async with _wake_kv_after(engine):
-            await _transfer_and_record(workers, engine, transport, out)
+            await _transfer_and_record(engine, workers, transport, out)
     else:
         await engine.pause(pause_mode)
         async with cleanup_bracket(engine.resume, "/resume"):
-            await _transfer_and_record(workers, engine, transport, out)
+            await _transfer_and_record(engine, workers, transport, out)
     return out
 
 

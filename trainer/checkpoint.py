@@ -1,14 +1,8 @@
 """Atomic checkpoints: save, resume, retention (DESIGN 4.6 and 5).
 
-Layout under ``RUN_DIR/checkpoints`` (the manager's ``root``)::
-
-    global_step_4/
-        ...                     whatever the ``write`` callback put there (model/, optimizer.pt, ...)
-        trainer_state.json      {"step": 4, ...the trainer's dict: dataloader position, config hash}
-        manifest.json           sha256 and size of every other file
-    global_step_6/
-    latest                      "global_step_6\\n", written last
-    .tmp-global_step_8-k2j1/    a save in progress, or one a crash left behind
+The layout under ``RUN_DIR/checkpoints``, the manifest and the trainer state are described,
+read and checked in ``trainer.checkpoint_format`` (its file-name constants are re-exported
+here). Listing a run's checkpoints for a person is ``trainer.checkpoint_inspect``.
 
 How a save stays atomic: everything is written into a ``.tmp-*`` directory, every file and
 directory is fsynced, the directory is renamed to ``global_step_N`` (a rename within one
@@ -39,26 +33,33 @@ corrupted, or holds something this module refuses to load; ``ValueError`` for ba
 
 from __future__ import annotations
 
-import builtins
 import json
 import logging
 import os
-import re
 import secrets
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Literal
 
 import attrs
 
-if TYPE_CHECKING:
-    pass
-
+from trainer.checkpoint_format import (
+    LATEST_FILE,
+    MANIFEST_FILE,
+    STEP_DIR_PREFIX,
+    TMP_PREFIX,
+    TRAINER_STATE_FILE,
+    is_complete,
+    parse_step_dir_name,
+    read_trainer_state,
+    step_dirs,
+    verify,
+    write_manifest,
+)
 from trainer.checkpoint_io import (
-    files_under,
     fsync_dir,
     load_model,
     load_state,
@@ -67,7 +68,6 @@ from trainer.checkpoint_io import (
     save_model,
     save_state,
     set_rng_state,
-    sha256_file,
     write_text_synced,
 )
 from trainer.errors import CheckpointError
@@ -75,11 +75,11 @@ from trainer.errors import CheckpointError
 __all__ = [
     "LATEST_FILE",
     "MANIFEST_FILE",
+    "RESUME_MODES",
     "STEP_DIR_PREFIX",
     "TMP_PREFIX",
     "TRAINER_STATE_FILE",
     "CheckpointError",
-    "CheckpointInfo",
     "CheckpointManager",
     "load_model",
     "load_state",
@@ -91,42 +91,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: A checkpoint directory is ``STEP_DIR_PREFIX + str(step)``.
-STEP_DIR_PREFIX = "global_step_"
-#: The pointer file in ``root`` naming the checkpoint to resume from.
-LATEST_FILE = "latest"
-#: JSON written by the manager into every checkpoint: ``step`` plus the trainer's dict.
-TRAINER_STATE_FILE = "trainer_state.json"
-#: JSON written by the manager into every checkpoint: size and sha256 of every other file.
-MANIFEST_FILE = "manifest.json"
-#: Entries of ``root`` starting with this are in-progress or abandoned writes.
-TMP_PREFIX = ".tmp-"
 #: The allowed values of ``trainer.resume_mode``.
 RESUME_MODES: tuple[str, ...] = ("none", "latest", "path")
-MANIFEST_FORMAT = 1
-
-_STEP_RE = re.compile(re.escape(STEP_DIR_PREFIX) + r"(0|[1-9][0-9]*)")
-
-
-# --------------------------------------------------------------------------- driver side
-
-
-@attrs.frozen
-class CheckpointInfo:
-    """One ``global_step_N`` directory, as ``CheckpointManager.list`` sees it."""
-
-    step: int
-    """The step number from the directory name."""
-    path: Path
-    """The checkpoint directory."""
-    size: int
-    """Total bytes of every file in it."""
-    mtime: float
-    """Modification time (epoch seconds) of its manifest, or of the directory without one."""
-    is_latest: bool
-    """Whether ``CheckpointManager.latest()`` resolves to it (what ``resume_mode=latest`` uses)."""
-    complete: bool
-    """Whether it has a manifest and trainer state (not whether the bytes verify; see ``verify``)."""
 
 
 def _check_max_to_keep(_inst: object, _attr: object, value: int | None) -> None:
@@ -211,12 +177,7 @@ class CheckpointManager:
                         "pass trainer state in the trainer_state dict instead"
                     )
             write_text_synced(tmp / TRAINER_STATE_FILE, state_json + "\n")
-            files = {}
-            for path in files_under(tmp):
-                digest, size = sha256_file(path, fsync=True)
-                files[path.relative_to(tmp).as_posix()] = {"size": size, "sha256": digest}
-            manifest = {"format": MANIFEST_FORMAT, "step": step, "files": files}
-            write_text_synced(tmp / MANIFEST_FILE, json.dumps(manifest, indent=2) + "\n")
+            total = write_manifest(tmp, step)
             for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
                 fsync_dir(Path(dirpath))
             self._install(tmp, final)
@@ -224,7 +185,6 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         self._write_latest(final.name)
-        total = sum(entry["size"] for entry in files.values())
         logger.info(
             "saved checkpoint %s (%.1f MB) in %.2fs",
             final,
@@ -262,19 +222,10 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- find
 
-    def _step_dirs(self) -> builtins.list[tuple[int, Path]]:
-        if not self.root.is_dir():
-            return []
-        found = []
-        for entry in self.root.iterdir():
-            m = _STEP_RE.fullmatch(entry.name)
-            if m and entry.is_dir():
-                found.append((int(m.group(1)), entry))
-        return sorted(found)
-
-    @staticmethod
-    def _is_complete(path: Path) -> bool:
-        return (path / MANIFEST_FILE).is_file() and (path / TRAINER_STATE_FILE).is_file()
+    #: ``trainer.checkpoint_format.read_trainer_state``, here for whoever holds the manager.
+    read_trainer_state = staticmethod(read_trainer_state)
+    #: ``trainer.checkpoint_format.verify``, here for whoever holds the manager.
+    verify = staticmethod(verify)
 
     def latest(self) -> Path | None:
         """The checkpoint ``latest`` points at, or ``None`` when there is no checkpoint at all.
@@ -291,9 +242,9 @@ class CheckpointManager:
             text = None
         except (OSError, UnicodeDecodeError) as exc:
             text = f"<unreadable: {exc}>"
-        complete = [p for _, p in self._step_dirs() if self._is_complete(p)]
+        complete = [p for _, p in step_dirs(self.root) if is_complete(p)]
         if text is not None:
-            if _STEP_RE.fullmatch(text) and self._is_complete(self.root / text):
+            if parse_step_dir_name(text) is not None and is_complete(self.root / text):
                 return self.root / text
             problem = f"{pointer} holds {text!r}, which is not a complete checkpoint"
         else:
@@ -344,7 +295,7 @@ class CheckpointManager:
                     f"trainer.resume_path={str(resume_path)!r} {what}; point it at a "
                     "checkpoints/global_step_N directory"
                 )
-            if not self._is_complete(found):
+            if not is_complete(found):
                 hint = (
                     "it looks like a run or checkpoints directory: point at one "
                     "global_step_N inside it, or use trainer.resume_mode=latest"
@@ -370,111 +321,9 @@ class CheckpointManager:
                 )
         return found
 
-    @staticmethod
-    def read_trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-        """The ``trainer_state.json`` of the checkpoint at ``path``: ``{"step": N, ...}``.
-
-        Raises ``CheckpointError`` if it is missing, not JSON, not an object, or lacks ``step``.
-        """
-        file = Path(path) / TRAINER_STATE_FILE
-        try:
-            data = json.loads(file.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"{file} is missing: {path} is not a complete checkpoint"
-            ) from None
-        except (ValueError, OSError) as exc:
-            raise CheckpointError(
-                f"{file} is unreadable ({exc}); run `python -m trainer ckpt verify {path}`"
-            ) from None
-        if not isinstance(data, dict) or not isinstance(data.get("step"), int):
-            raise CheckpointError(f"{file} must be a JSON object with an integer 'step'")
-        return data
-
-    def list(self) -> builtins.list[CheckpointInfo]:
-        """Every ``global_step_N`` directory under ``root``, oldest step first."""
-        latest = self.latest()
-        out = []
-        for step, path in self._step_dirs():
-            files = files_under(path)
-            size = sum(f.stat().st_size for f in files if f.is_file())
-            manifest = path / MANIFEST_FILE
-            mtime = (manifest if manifest.is_file() else path).stat().st_mtime
-            out.append(
-                CheckpointInfo(
-                    step=step,
-                    path=path,
-                    size=size,
-                    mtime=mtime,
-                    is_latest=path == latest,
-                    complete=self._is_complete(path),
-                )
-            )
-        return out
-
-    @staticmethod
-    def verify(path: str | os.PathLike[str]) -> builtins.list[str]:
-        """Problems with the checkpoint at ``path``; an empty list means it is intact.
-
-        Checks: the manifest exists and parses; every file it lists exists with the recorded
-        size and sha256; no file was added after the save; ``trainer_state.json`` is listed and
-        its ``step`` matches a ``global_step_N`` directory name. Reads every byte once.
-        Never raises for a bad checkpoint (that is what the list is for).
-        """
-        ckpt = Path(path)
-        if not ckpt.is_dir():
-            return [f"{ckpt} is not a directory"]
-        try:
-            manifest = json.loads((ckpt / MANIFEST_FILE).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return [f"{MANIFEST_FILE} is missing (an interrupted save, or not a checkpoint)"]
-        except (ValueError, OSError) as exc:
-            return [f"{MANIFEST_FILE} is unreadable: {exc}"]
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            return [f"{MANIFEST_FILE} has no 'files' table"]
-
-        problems = []
-        for rel, entry in sorted(files.items()):
-            parts = PurePosixPath(rel).parts
-            if PurePosixPath(rel).is_absolute() or ".." in parts or not parts:
-                problems.append(f"{rel}: path escapes the checkpoint directory")
-                continue
-            file = ckpt / rel
-            if not file.is_file():
-                problems.append(f"{rel}: missing")
-                continue
-            try:
-                want_size, want_sha = int(entry["size"]), str(entry["sha256"])
-            except (KeyError, TypeError, ValueError):
-                problems.append(f"{rel}: malformed manifest entry {entry!r}")
-                continue
-            size = file.stat().st_size
-            if size != want_size:
-                problems.append(f"{rel}: size {size} bytes, manifest says {want_size}")
-                continue
-            if sha256_file(file)[0] != want_sha:
-                problems.append(f"{rel}: sha256 differs from the manifest (corrupted or modified)")
-        for file in files_under(ckpt):
-            rel = file.relative_to(ckpt).as_posix()
-            if rel != MANIFEST_FILE and rel not in files:
-                problems.append(f"{rel}: not in the manifest (added after the save)")
-        if TRAINER_STATE_FILE not in files:
-            problems.append(f"{TRAINER_STATE_FILE}: not in the manifest")
-        else:
-            m = _STEP_RE.fullmatch(ckpt.name)
-            try:
-                step = CheckpointManager.read_trainer_state(ckpt)["step"]
-            except CheckpointError as exc:
-                problems.append(str(exc))
-            else:
-                if m and int(m.group(1)) != step:
-                    problems.append(f"{TRAINER_STATE_FILE} says step {step}, directory {ckpt.name}")
-        return problems
-
     # ----------------------------------------------------------------- retention
 
-    def prune(self, keep: int) -> builtins.list[Path]:
+    def prune(self, keep: int) -> list[Path]:
         """Delete all but the ``keep`` highest-step checkpoints, oldest first; never the one
         ``latest()`` resolves to (it is kept in addition, should it not be among them).
 
@@ -484,7 +333,7 @@ class CheckpointManager:
         """
         if isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
-        steps = self._step_dirs()
+        steps = step_dirs(self.root)
         protected = {path for _, path in steps[-keep:]}
         latest = self.latest()
         if latest is not None:

@@ -12,21 +12,24 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint_format import TRAINER_STATE_FILE, read_trainer_state, verify
+from trainer.checkpoint_inspect import list_checkpoints
 
 __all__ = ["ckpt_main"]
 
 
-def _manager(path: Path) -> CheckpointManager:
+def _root(path: Path) -> Path:
+    """The ``checkpoints`` directory: ``path`` itself, or ``path/checkpoints`` in a run dir."""
     if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    return CheckpointManager(path, None)
+        return path / "checkpoints"
+    return path
 
 
 def _one(path: Path) -> Path:
     """A single checkpoint: the directory itself, or the latest under a run/checkpoints dir."""
-    if (path / "trainer_state.json").is_file():
+    if (path / TRAINER_STATE_FILE).is_file():
         return path
-    latest = _manager(path).latest()
+    latest = CheckpointManager(_root(path), None).latest()
     if latest is None:
         raise SystemExit(f"ckpt: no checkpoint under {path}")
     return latest
@@ -42,7 +45,7 @@ def ckpt_main(argv: list[str]) -> int:
         print(f"ckpt: {args.dir} does not exist", file=sys.stderr)
         return 2
     if args.action == "list":
-        infos = _manager(args.dir).list()
+        infos = list_checkpoints(_root(args.dir))
         if not infos:
             print(f"no checkpoints under {args.dir}")
         for info in infos:
@@ -52,19 +55,19 @@ def ckpt_main(argv: list[str]) -> int:
     if args.action == "show":
         path = _one(args.dir)
         print(f"{path}")
-        print(json.dumps(_manager(path.parent).read_trainer_state(path), indent=2))
+        print(json.dumps(read_trainer_state(path), indent=2))
         for f in sorted(p for p in path.rglob("*") if p.is_file()):
             print(f"  {f.relative_to(path)}\t{f.stat().st_size} bytes")
         return 0
     if args.action == "verify":
         paths = (
             [_one(args.dir)]
-            if (args.dir / "trainer_state.json").is_file()
-            else [i.path for i in _manager(args.dir).list()]
+            if (args.dir / TRAINER_STATE_FILE).is_file()
+            else [i.path for i in list_checkpoints(_root(args.dir))]
         )
         bad = 0
         for path in paths:
-            problems = _manager(path.parent).verify(path)
+            problems = verify(path)
             print(f"{path}: {'OK' if not problems else 'BROKEN'}")
             for p in problems:
                 print(f"  - {p}")
@@ -73,6 +76,6 @@ def ckpt_main(argv: list[str]) -> int:
     if args.keep is None or args.keep < 1:
         print("ckpt prune: --keep N (N >= 1) is required", file=sys.stderr)
         return 2
-    for removed in _manager(args.dir).prune(args.keep):
+    for removed in CheckpointManager(_root(args.dir), None).prune(args.keep):
         print(f"removed {removed}")
     return 0

@@ -1,24 +1,42 @@
-"""The synchronous step loop: each stage of DESIGN 4.3 in order, each inside a ``Timer``.
+"""The synchronous run: the first weight sync, then each step's stages (DESIGN 4.3) in order.
 
+Each stage is a ``Timer``; each step runs under ``trainer.step_timeout_s``, each weight sync
+under ``trainer.weight_sync_timeout_s``, each eval under its own ``trainer.step_timeout_s``.
 Mechanism (deadlines, brackets, transfers, checkpoint writes) lives elsewhere; this module
-only says what happens in a step and in which order.
+only says what happens and in which order.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sync.weights import save_weights_for_sampler
 from trainer import stages
 from trainer.errors import WeightSyncTimeoutError
+from trainer.run_context import RunContext
 from trainer.vocabulary import Timer, step_deadline
 from trainer.workers.batch import make_batch
 
-if TYPE_CHECKING:
-    from trainer.run import RunContext
+__all__ = ["run_eval", "run_step", "run_training", "sync_weights"]
 
-__all__ = ["run_step", "sync_weights", "train_loop"]
+
+async def run_training(ctx: RunContext) -> None:
+    """Sync the policy to the engines, then run steps ``first_step..last_step`` (eval where due).
+
+    The first sync matters on resume: the checkpoint's policy differs from ``model.path``.
+    The last step saves a checkpoint when ``trainer.ckpt_interval`` is set.
+    """
+    await sync_weights(ctx, ctx.first_step - 1)
+    for step in range(ctx.first_step, ctx.last_step + 1):
+        t0 = time.perf_counter()
+        with step_deadline(step, ctx.cfg.trainer.step_timeout_s):
+            metrics = await run_step(ctx, step)
+        ctx.record_step(
+            {"step": step, **metrics, "timing/step": time.perf_counter() - t0, **ctx.loop_metrics()}
+        )
+        if ctx.eval_due(step):
+            ctx.record_eval(step, await run_eval(ctx, step))
 
 
 async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
@@ -51,8 +69,8 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
     with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
         e = ctx.cfg.engine
         result = await save_weights_for_sampler(
-            ctx.workers,
             ctx.engine,
+            ctx.workers,
             ctx.transport,
             pause_mode=e.pause_mode,
             colocated=e.colocated,
@@ -62,21 +80,9 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
     return {**result, "sync/weight_version": ctx.weight_version}
 
 
-async def train_loop(ctx: RunContext, first_step: int, last_step: int) -> list[dict[str, Any]]:
-    """Steps ``first_step..last_step``, each under ``trainer.step_timeout_s``; logs each step."""
-    history = []
-    for step in range(first_step, last_step + 1):
-        t0 = time.perf_counter()
-        with step_deadline(step, ctx.cfg.trainer.step_timeout_s):
-            metrics = await run_step(ctx, step)
-        metrics = {
-            "step": step,
-            **metrics,
-            "timing/step": time.perf_counter() - t0,
-            **ctx.loop_metrics(),
-        }
-        ctx.record_step(metrics)
-        if ctx.eval_due(step):
-            ctx.record_eval(step, await ctx.evaluate())
-        history.append(metrics)
-    return history
+async def run_eval(ctx: RunContext, step: int) -> dict[str, float]:
+    """Greedy rollouts of the eval prompts: the ``eval`` stage, under ``trainer.step_timeout_s``."""
+    timings: dict[str, float] = {}
+    with step_deadline(step, ctx.cfg.trainer.step_timeout_s), Timer("eval", timings):
+        metrics = await stages.evaluate(ctx, step)
+    return metrics | {"timing/eval": timings["eval"]}

@@ -1,9 +1,10 @@
 """The parts of a run that are started and always stopped: Ray cluster, engines, workers.
 
 Each is an async context manager that :func:`trainer.run.train` enters in this order
-(cluster, engines with their weight transport, workers) and so leaves in reverse, whatever
-the error: workers shut down, engines stopped, the Ray cluster left (stopped when the
-run started it).
+(cluster, engines, workers, weight transport) and so leaves in reverse, whatever the
+error: transport closed, workers shut down, engines stopped, the Ray cluster left (stopped
+when the run started it). Modules that import Ray are imported only by runs that use it
+(importing Ray costs seconds), hence the imports inside functions below.
 """
 
 from __future__ import annotations
@@ -20,33 +21,37 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
-from sync.transports import DiskTransport, InProcessTransport, WeightTransport
-from sync.transports.broadcast import BroadcastTransport
+from sync.transports import BroadcastTransport, DiskTransport, InProcessTransport, WeightTransport
 from trainer.config import Config
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 
-__all__ = ["open_engine", "open_ray_cluster", "open_workers", "uses_ray"]
+__all__ = [
+    "make_transport",
+    "open_engine",
+    "open_ray_cluster",
+    "open_transport",
+    "open_workers",
+    "uses_ray",
+]
 
 log = logging.getLogger("trainer.run")
+#: How long closing the weight transport (rank 0 leaving its group) may take.
+TRANSPORT_CLOSE_TIMEOUT_S = 30.0
 
 
 @asynccontextmanager
-async def open_engine(
-    cfg: Config, model_dir: Path, run_dir: Path
-) -> AsyncIterator[tuple[Any, WeightTransport]]:
-    """The engines of ``engine.backend`` and the weight transport to reach them.
+async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Any]:
+    """The client of the engines of ``engine.backend``.
 
-    The transport is not initialised yet: ``await transport.init(engine, workers)`` once the
-    workers exist (policy rank 0 may host its group). Servers the trainer starts are
-    stopped when the block exits, whatever the error.
+    Servers the trainer starts are stopped when the block exits, whatever the error.
     """
     e = cfg.engine
     if e.backend == "inprocess":
         from engines.local.inprocess import open_inprocess_client
 
         async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
-            yield client, InProcessTransport()
+            yield client
         return
     async with AsyncExitStack() as stack:
         started: dict[str, Any] = {
@@ -86,25 +91,46 @@ async def open_engine(
             )
         )
         await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
-        yield client, _transport(cfg, run_dir)
+        yield client
 
 
-def _transport(cfg: Config, run_dir: Path) -> WeightTransport:
-    """``sync.transport``: safetensors files, or a torch.distributed broadcast group."""
+def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
+    """``sync.transport``: safetensors files, or a torch.distributed broadcast group.
+
+    ``engine.backend=inprocess`` hands the tensors over in memory.
+    """
+    if cfg.engine.backend == "inprocess":
+        return InProcessTransport()
     bucket_bytes = cfg.sync.bucket_size_mb * 2**20
     if cfg.sync.transport == "broadcast":
-        master_address = "127.0.0.1"
-        if cfg.engine.placement == "ray":  # servers may be on other nodes: this node's Ray IP
-            import ray
-
-            master_address = ray.util.get_node_ip_address()
+        # rank 0 hosts the group at its node's address (Ray's, when Ray runs there)
         return BroadcastTransport(
             bucket_bytes,
             group_init_timeout_s=cfg.sync.group_init_timeout_s,
             timeout_s=cfg.workers.collective_timeout_s,
-            master_address=master_address,
         )
     return DiskTransport(run_dir / "weight_sync", bucket_bytes)
+
+
+@asynccontextmanager
+async def open_transport(
+    cfg: Config, run_dir: Path, engine: Any, workers: WorkerGroup
+) -> AsyncIterator[WeightTransport]:
+    """The run's weight transport, initialised (engines up, workers created); always closed.
+
+    Closing is shielded and bounded by :data:`TRANSPORT_CLOSE_TIMEOUT_S`.
+    """
+    transport = make_transport(cfg, run_dir)
+    await transport.init(engine, workers)
+    try:
+        yield transport
+    finally:
+        with trio.move_on_after(TRANSPORT_CLOSE_TIMEOUT_S, shield=True) as scope:
+            await transport.close(workers)
+        if scope.cancelled_caught:
+            log.warning(
+                "closing the weight transport did not finish in %.0fs", TRANSPORT_CLOSE_TIMEOUT_S
+            )
 
 
 @asynccontextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import statistics
 import time
 from contextlib import AsyncExitStack
@@ -17,26 +18,24 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
-import attrs
+import torch
 import trio
 import yaml
 
 from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
-from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
 from trainer.data import (
-    Example,
     PromptLoader,
     load_examples,
     load_jsonl,
     resolve_reward_fn,
     task_examples,
 )
-from trainer.debug import StallInstrument
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
+from trainer.loop import run_training
 from trainer.metrics import (
     MetricsLogger,
     StepProgress,
@@ -44,81 +43,13 @@ from trainer.metrics import (
     setup_run_logging,
     teardown_run_logging,
 )
-from trainer.parts import open_engine, open_ray_cluster, open_workers, uses_ray
-from trainer.vocabulary import install_faults, step_deadline
-from trainer.workers.group import WorkerGroup
+from trainer.parts import open_engine, open_ray_cluster, open_transport, open_workers, uses_ray
+from trainer.run_context import RunContext
+from trainer.vocabulary import install_faults, unfired_faults
 
-__all__ = ["RunContext", "train"]
+__all__ = ["train"]
 
 log = logging.getLogger("trainer.run")
-#: A step whose longest event-loop stall exceeds this logs the task that caused it.
-SLOW_STALL_MS = 100.0
-
-
-@attrs.define(eq=False)
-class RunContext:
-    """What a step needs: config, data, generator, engine, workers, checkpoints, loggers."""
-
-    cfg: Config
-    run_dir: Path
-    tokenizer: Any
-    loader: PromptLoader
-    generator: Generator
-    eval_generator: Generator | None
-    eval_examples: list[Example]
-    engine: Any
-    transport: WeightTransport
-    workers: WorkerGroup
-    ckpt: CheckpointManager
-    metrics: MetricsLogger
-    progress: StepProgress
-    weight_version: int = 0
-    last_saved_step: int = -1
-    stalls: StallInstrument = attrs.field(factory=StallInstrument)
-
-    def checkpoint_due(self, step: int) -> bool:
-        interval = self.cfg.trainer.ckpt_interval
-        return interval > 0 and step % interval == 0
-
-    def eval_due(self, step: int) -> bool:
-        interval = self.cfg.trainer.eval_interval
-        return interval > 0 and step % interval == 0 and self.eval_generator is not None
-
-    def loop_metrics(self) -> dict[str, float]:
-        """Event-loop health over the step: the longest time the trio thread did not yield."""
-        culprit = self.stalls.worst_task
-        stall_ms = self.stalls.take_max_ms()
-        if stall_ms > SLOW_STALL_MS:
-            log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
-        return {"loop/max_stall_ms": stall_ms}
-
-    def record_step(self, metrics: dict[str, Any]) -> None:
-        if "checkpoint/step" in metrics:
-            self.last_saved_step = metrics["checkpoint/step"]
-        self.metrics.log(metrics)
-        self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
-        log.info(
-            "step %d reward %.3f step_s %.2f",
-            metrics["step"],
-            metrics["reward/mean"],
-            metrics["timing/step"],
-        )
-
-    async def evaluate(self) -> dict[str, float]:
-        """Greedy rollouts of every eval prompt (not bounded by step_timeout_s)."""
-        from trainer.stages import generator_input
-
-        assert self.eval_generator is not None
-        out = await self.eval_generator.generate(generator_input(self, self.eval_examples, 0, n=1))
-        rewards = [t.reward for t in out.trajectories]
-        return {
-            "eval/reward_mean": statistics.fmean(rewards),
-            "eval/num_prompts": float(len(rewards)),
-        }
-
-    def record_eval(self, step: int, metrics: dict[str, float]) -> None:
-        self.metrics.log({"step": step, **metrics})
-        log.info("eval at step %d: %s", step, metrics)
 
 
 def _make_run_dir(cfg: Config) -> Path:
@@ -171,7 +102,7 @@ async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
     run_dir = _make_run_dir(cfg)
     handlers = setup_run_logging(run_dir)
-    install_faults(cfg.faults)
+    install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
     _limit_torch_threads(cfg)
     try:
         return await _train(cfg, run_dir)
@@ -180,6 +111,12 @@ async def train(cfg: Config) -> dict[str, Any]:
         log.info("run failed: %r", exc)
         raise
     finally:
+        for fault in unfired_faults():
+            log.warning(
+                "fault %r never fired: the run never reached %s on the steps it names",
+                str(fault),
+                fault.op,
+            )
         teardown_run_logging(handlers)
 
 
@@ -189,10 +126,6 @@ def _limit_torch_threads(cfg: Config) -> None:
     Each process defaulting to all cores makes tiny forward passes tens of times slower on a
     busy two-core box; the servers we start use one thread each.
     """
-    import os
-
-    import torch
-
     if torch.cuda.is_available():
         return
     servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
@@ -239,9 +172,9 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
         if uses_ray(cfg):
             await stack.enter_async_context(open_ray_cluster(cfg))
-        engine, transport = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+        engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
-        await transport.init(engine, workers)
+        transport = await stack.enter_async_context(open_transport(cfg, run_dir, engine, workers))
 
         def make_generator(sp: SamplingParams) -> Generator:
             return generator_cls(
@@ -267,7 +200,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
             await workers.load_checkpoint(resume_from)
             loader.load_state_dict(state["loader"])
-            start = int(state["global_step"])
+            start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
         _truncate_metrics(metrics_path, start)
         ctx = RunContext(
@@ -286,23 +219,15 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             ckpt=ckpt,
             metrics=stack.enter_context(MetricsLogger(metrics_path)),
             progress=stack.enter_context(StepProgress(last_step, start=start, enabled=t.progress)),
+            first_step=start + 1,
+            last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
             last_saved_step=start if resume_from is not None else -1,
         )
-        from trainer.loop import sync_weights, train_loop
-
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
-
-        # the initial sync, under weight_sync_timeout_s (a resumed policy differs from model.path)
         try:
-            await sync_weights(ctx, start)
-            await train_loop(ctx, start + 1, last_step)
-            if t.ckpt_interval and ctx.last_saved_step != last_step and last_step > start:
-                from trainer.stages import save_checkpoint
-
-                with step_deadline(last_step, t.step_timeout_s):  # outside a step: its own budget
-                    await save_checkpoint(ctx, last_step)
+            await run_training(ctx)
         except BaseException:
             teardown.start()
             raise

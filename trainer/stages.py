@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from trainer.algorithms import compute_advantages
+from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput, TrajectoryInput
+from trainer.run_context import RunContext
 from trainer.workers.batch import TrainBatch
-
-if TYPE_CHECKING:
-    from trainer.data import Example
-    from trainer.run import RunContext
 
 __all__ = [
     "advantages_for",
+    "evaluate",
     "generator_input",
     "rollout_metrics",
     "save_checkpoint",
@@ -90,10 +89,21 @@ async def train_policy(
 
 async def save_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
     """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer."""
+    # the checkpoint manager records the step itself (trainer_state.json's "step")
     state = {
-        "global_step": step,
         "loader": ctx.loader.state_dict(),
         "weight_version": ctx.weight_version,
     }
     path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
     return {"checkpoint/step": step, "checkpoint/path": str(path)}
+
+
+async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
+    """Greedy rollouts of every eval prompt, once each; the mean reward."""
+    assert ctx.eval_generator is not None
+    out = await ctx.eval_generator.generate(generator_input(ctx, ctx.eval_examples, step, n=1))
+    rewards = [t.reward for t in out.trajectories]
+    return {
+        "eval/reward_mean": statistics.fmean(rewards),
+        "eval/num_prompts": float(len(rewards)),
+    }

@@ -1,22 +1,50 @@
-"""The transport interface ``save_weights_for_sampler`` drives."""
+"""The interface ``save_weights_for_sampler`` drives, and what a transport may ask of the workers.
+
+A transport owns both halves of a weight sync: the trainer side here in ``sync`` (what runs
+on policy rank 0, through :meth:`Rank0.run_on_rank0`) and the engine side in ``engines``
+(the server's weight-transfer routes). The worker group knows no transport: it only runs a
+function on rank 0, with rank 0's policy model as the first argument.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["WeightTransport"]
+__all__ = ["Rank0", "WeightTransport"]
+
+T = TypeVar("T")
+
+
+class Rank0(Protocol):
+    """The one thing a transport needs of the worker group (``trainer.workers.WorkerGroup``)."""
+
+    async def run_on_rank0(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        abandon_on_cancel: bool = False,
+    ) -> T:
+        """``fn(policy_model, *args)`` where policy rank 0 runs (a thread here, or its actor).
+
+        ``fn`` must be a module-level function (it may travel to another process). Not
+        abandoned by default: a cancellation waits for it (DESIGN 3 rule 6);
+        ``abandon_on_cancel=True`` lets the caller give up on it (a bounded init).
+        """
+        ...
 
 
 class WeightTransport(Protocol):
     """Moves the policy's current weights into every engine.
 
-    ``transfer`` runs inside ``operation("broadcast_to_inference_engines")`` with generation
-    paused; it returns once every engine serves the new weights (applied atomically with
-    respect to requests, by the engine).
+    ``init`` runs once (engines up, workers created); ``transfer`` runs inside
+    ``operation("broadcast_to_inference_engines")`` with generation paused and returns once
+    every engine serves the new weights (applied atomically with respect to requests, by
+    the engine); ``close`` releases what ``init`` built (bounded; safe after a failure).
     """
 
-    async def init(self, engine: Any, workers: Any) -> None:
-        """Once, before the first transfer (engines up, workers created)."""
-        ...
+    async def init(self, engine: Any, workers: Rank0) -> None: ...
 
-    async def transfer(self, workers: Any, engine: Any) -> None: ...
+    async def transfer(self, engine: Any, workers: Rank0) -> None: ...
+
+    async def close(self, workers: Rank0) -> None: ...

@@ -1,8 +1,8 @@
 """``sync.transport=disk``: safetensors files plus vLLM's four-phase weight-transfer routes.
 
 Rank 0 writes its parameters in buckets of at most ``bucket_bytes`` (one safetensors file
-each, written by the worker in its own thread: no second full copy of the model in memory),
-and the engines read each bucket as it is announced:
+each, written where rank 0 runs: no second full copy of the model in memory), and the
+engines read each bucket as it is announced::
 
     POST /init_weight_transfer_engine  {"init_info": {"backend": "disk"}}      once
     POST /start_weight_update          {}
@@ -11,7 +11,7 @@ and the engines read each bucket as it is announced:
 
 The files live under ``directory`` (the run directory's ``weight_sync/``) and are deleted
 after each sync; the engines must see the same filesystem (the same machine, or a shared
-mount).
+mount). The engine side is ``engines/local/weight_routes.py`` (backend ``disk``).
 """
 
 from __future__ import annotations
@@ -20,27 +20,49 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
-__all__ = ["DiskTransport"]
+from sync.transports.base import Rank0
+from sync.transports.buckets import plan_buckets, update_info
+
+__all__ = ["DiskTransport", "write_buckets"]
+
+
+def write_buckets(
+    model: torch.nn.Module, directory: str, bucket_bytes: int
+) -> list[dict[str, Any]]:
+    """Rank 0: write the parameters as safetensors buckets; one ``update_info`` (+ ``path``) each."""
+    from safetensors.torch import save_file  # only rank 0's process of a disk sync needs it
+
+    target = Path(directory)
+    target.mkdir(parents=True, exist_ok=True)
+    infos = []
+    for i, bucket in enumerate(plan_buckets(model.named_parameters(), bucket_bytes)):
+        path = target / f"bucket_{i}.safetensors"
+        save_file({name: t.detach().contiguous() for name, t in bucket}, str(path))
+        infos.append({**update_info(bucket), "path": str(path.resolve())})
+    return infos
 
 
 class DiskTransport:
+    """Bucket files written by rank 0, read by every engine (see the module docstring)."""
+
     def __init__(self, directory: Path, bucket_bytes: int) -> None:
         self.directory = Path(directory)
         self.bucket_bytes = bucket_bytes
         self._version = 0
 
-    async def init(self, engine: Any, workers: Any) -> None:
+    async def init(self, engine: Any, workers: Rank0) -> None:
         await engine.control(
             "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
         )
 
-    async def transfer(self, workers: Any, engine: Any) -> None:
+    async def transfer(self, engine: Any, workers: Rank0) -> None:
         self._version += 1
         target = self.directory / f"v{self._version}"
         try:
-            buckets = await workers.export_weights(target, self.bucket_bytes)
+            buckets = await workers.run_on_rank0(write_buckets, str(target), self.bucket_bytes)
             await engine.control("POST", "/start_weight_update", json={})
             for bucket in buckets:
                 await engine.control("POST", "/update_weights", json={"update_info": bucket})
@@ -48,3 +70,6 @@ class DiskTransport:
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, target, True)
+
+    async def close(self, workers: Rank0) -> None:
+        return None

@@ -10,11 +10,17 @@ from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
+from sync.transports import broadcast
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import install_faults
 from trainer.workers.local import LocalWorkerGroup
+
+
+def hosted_group(transport: BroadcastTransport) -> object:
+    """Rank 0's membership in the transport's group, as this process holds it (local workers)."""
+    return broadcast.hosted_groups().get(transport.group_id)
 
 
 async def _checksums(client: InferenceClient) -> list[str]:
@@ -30,21 +36,24 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
             await transport.init(client, workers)
-            group = workers.weight_group
+            group = hosted_group(transport)
+            assert group is not None
             await transport.init(client, workers)  # built once, reused
-            assert workers.weight_group is group
+            assert hosted_group(transport) is group
             for _ in range(2):
                 with torch.no_grad():  # the policy moves away from what the engines serve
                     for p in workers.policy.model.parameters():
                         p.add_(0.01 * torch.randn_like(p))
                 policy_sum = state_checksum(dict(workers.policy.model.named_parameters()))
                 assert policy_sum not in await _checksums(client)
-                result = await save_weights_for_sampler(workers, client, transport)
+                result = await save_weights_for_sampler(client, workers, transport)
                 assert await _checksums(client) == [policy_sum, policy_sum]
                 assert result["sync/last_weight_sync_seconds"] > 0
             assert not any(await client.is_paused())  # the bracket resumed generation
             completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))
             assert completion.finish_reason in ("stop", "length")
+            await transport.close(workers)
+            assert hosted_group(transport) is None and not transport.initialized
 
 
 async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
@@ -59,4 +68,4 @@ async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
             with pytest.raises(CheckpointEngineInitError) as info:
                 await transport.init(client, workers)
             assert info.value.group == "weight_sync" and info.value.timeout_s == 2
-            assert workers.weight_group is None and not transport.initialized
+            assert hosted_group(transport) is None and not transport.initialized

@@ -35,7 +35,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await transport.init(client, workers)
-            result = await save_weights_for_sampler(workers, client, transport)
+            result = await save_weights_for_sampler(client, workers, transport)
             (after,) = [
                 r["checksum"]
                 for r in await client.control_json(

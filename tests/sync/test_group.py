@@ -15,7 +15,8 @@ import pytest
 import torch
 import trio
 
-from sync.group import free_port, init_group, join_group, join_in_thread
+from engines.process_group import free_port, join_group
+from sync.group import init_group, join_in_thread
 from trainer.errors import CheckpointEngineInitError, FaultInjected
 from trainer.vocabulary import install_faults
 

@@ -63,7 +63,7 @@ class BlockingTransport:
             raise RuntimeError(self.fail)
         self.events.append("bucket_written")
 
-    async def transfer(self, workers: object, engine: object) -> None:
+    async def transfer(self, engine: object, workers: object) -> None:
         self.started.set()
         await trio.to_thread.run_sync(self._write_bucket)
         await trio.sleep(0.01)  # /finish_weight_update
@@ -80,7 +80,7 @@ async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
     result: dict[str, float] = {}
 
     async def sync() -> None:
-        result.update(await save_weights_for_sampler(None, engine, transport))
+        result.update(await save_weights_for_sampler(engine, None, transport))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sync)
@@ -110,7 +110,7 @@ async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finis
     t0 = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError) as info:
         with step_deadline(3, 0.1, WeightSyncTimeoutError):
-            await save_weights_for_sampler(None, RecordingEngine(events), transport)
+            await save_weights_for_sampler(RecordingEngine(events), None, transport)
     assert time.monotonic() - t0 >= 0.6  # the transfer was waited for, not abandoned
     assert info.value.operation == "broadcast_to_inference_engines"
     # the transfer's own waits end at the deadline (the finishing call is cut off), and
@@ -124,7 +124,7 @@ async def test_a_cancellation_then_a_failed_transfer_chains_the_transfer_error()
     transport = BlockingTransport(events, 0.4, fail="bucket 3 went missing")
     with pytest.raises(WeightSyncTimeoutError) as info:
         with step_deadline(2, 0.1, WeightSyncTimeoutError):
-            await save_weights_for_sampler(None, RecordingEngine(events), transport)
+            await save_weights_for_sampler(RecordingEngine(events), None, transport)
     cause = info.value.__cause__
     assert isinstance(cause, RuntimeError) and str(cause) == "bucket 3 went missing"
     assert events == ["paused", "broadcast_failed"]
@@ -134,7 +134,7 @@ async def test_a_failed_transfer_without_cancellation_raises_its_own_error_and_r
     events: list[str] = []
     transport = BlockingTransport(events, 0.05, fail="boom")
     with pytest.raises(RuntimeError, match="boom"):
-        await save_weights_for_sampler(None, RecordingEngine(events), transport)
+        await save_weights_for_sampler(RecordingEngine(events), None, transport)
     assert events == ["paused", "broadcast_failed", "resumed"]
 
 
@@ -165,7 +165,7 @@ async def test_offload_kv_fully_async_wakes_kv_before_resuming(outcome):
             else _no_raise()
         ):
             await save_weights_for_sampler(
-                None, engine, transport, offload_kv=True, fully_async=True
+                engine, None, transport, offload_kv=True, fully_async=True
             )
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
@@ -188,7 +188,7 @@ async def test_offload_kv_sync_trainer_always_wakes_kv_after_the_transfer(outcom
         else:
             transport = BlockingTransport(events, 0.2, fail="x" if outcome == "failure" else None)
         with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-            await save_weights_for_sampler(None, engine, transport, offload_kv=True)
+            await save_weights_for_sampler(engine, None, transport, offload_kv=True)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
         "sleep",
@@ -203,7 +203,7 @@ async def test_colocated_wakes_weights_then_transfers_then_wakes_kv(outcome):
     events: list[str] = []
     transport = BlockingTransport(events, 0.05, fail="x" if outcome == "failure" else None)
     with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-        await save_weights_for_sampler(None, RecordingEngine(events), transport, colocated=True)
+        await save_weights_for_sampler(RecordingEngine(events), None, transport, colocated=True)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == ["wake_weights", done, "wake_kv_cache"]
 

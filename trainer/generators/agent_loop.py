@@ -1,6 +1,6 @@
 """The default generator: one agent loop per trajectory, all of them in one nursery.
 
-Each trajectory alternates model turns (``operation("generate")``) and environment steps
+Each trajectory alternates model turns (``engine.generate``, operation ``generate``) and environment steps
 (``operation("env_step")``) until the environment says it is done, ``max_turns`` is reached
 or the response budget runs out. The default environment is single-turn: it scores the
 first response with the reward function. Override :meth:`AgentLoopGenerator.env_step` for
@@ -50,11 +50,9 @@ class AgentLoopGenerator(Generator):
                 nursery.start_soon(run_one, i, item)
         trajectories = [t for t in results if t is not None]
         assert len(trajectories) == len(batch)
-        lengths = [sum(t.loss_mask) for t in trajectories]
         return GeneratorOutput(
             trajectories,
             metrics={
-                "generate/response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
                 "generate/num_turns_mean": statistics.fmean(t.num_turns for t in trajectories),
                 "generate/truncated_frac": statistics.fmean(
                     t.finish_reason in ("length", "truncated") for t in trajectories
@@ -80,11 +78,10 @@ class AgentLoopGenerator(Generator):
                 seed=item.seed + turn,
                 max_tokens=min(self.sampling.max_tokens, budget),
             )
-            with operation("generate"):
-                await fire_fault("generate")
-                completion = await self.engine.generate(
-                    item.prompt_ids + response, sampling, trajectory_id=item.trajectory_id
-                )
+            # the engine client names the operation and fires its fault (where it runs)
+            completion = await self.engine.generate(
+                item.prompt_ids + response, sampling, trajectory_id=item.trajectory_id
+            )
             turns += 1
             response += completion.token_ids
             mask += [1] * len(completion.token_ids)
@@ -96,7 +93,8 @@ class AgentLoopGenerator(Generator):
             if step.done:
                 reward = step.reward
                 break
-            obs = self.tokenizer.encode(step.observation, add_special_tokens=False)[:budget]
+            left = self.max_response_tokens - len(response)  # what this turn's tokens left
+            obs = self.tokenizer.encode(step.observation, add_special_tokens=False)[:left]
             response += obs
             mask += [0] * len(obs)
             logprobs += [0.0] * len(obs)

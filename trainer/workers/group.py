@@ -9,9 +9,9 @@ process) and ``RayWorkerGroup`` (Ray actors, data parallel).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from trainer.checkpoint import CheckpointManager
 from trainer.workers.batch import TrainBatch
 
 __all__ = ["WorkerGroup"]
+
+T = TypeVar("T")
 
 
 class WorkerGroup(Protocol):
@@ -42,33 +44,18 @@ class WorkerGroup(Protocol):
 
     async def backload_to_gpu(self) -> None: ...
 
-    async def named_weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0's weights, for a weight sync to the engines."""
-        ...
+    async def run_on_rank0(
+        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+    ) -> T:
+        """``fn(policy_model, *args)`` where policy rank 0 runs; its result.
 
-    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Rank 0's weights as safetensors buckets under ``directory``; one update_info each."""
-        ...
-
-    async def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Rank 0's vLLM ``update_info`` per bucket (``sync.transport=broadcast``)."""
-        ...
-
-    async def weight_sync_endpoint(self, host: str) -> tuple[str, int]:
-        """Where rank 0 hosts the weight-sync group's store: ``host`` when rank 0 is in
-        this process, rank 0's node address otherwise; and a free port there."""
-        ...
-
-    def join_weight_sync(
-        self, name: str, host: str, port: int, world_size: int, store_timeout_s: float
-    ) -> Callable[[], Awaitable[None]]:
-        """Start rank 0's join of the weight-sync group now; return the wait for it (which
-        :func:`sync.group.init_group` bounds). The group is kept for ``broadcast_bucket``."""
-        ...
-
-    async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
-        """Broadcast the named parameters as one flat buffer from rank 0 (bounded by
-        ``timeout_s``)."""
+        The one way a weight transport reaches rank 0 (it owns what runs there): a thread
+        of this process for local workers, rank 0's actor for Ray workers, so ``fn`` must be
+        a module-level function and its arguments picklable. The current step travels
+        with the call (faults fire on the right step). Not abandoned by default: a
+        cancellation waits for ``fn`` to return (DESIGN 3 rule 6, a transfer never
+        half-done); ``abandon_on_cancel=True`` lets a bounded wait give up on it.
+        """
         ...
 
     async def save_checkpoint(

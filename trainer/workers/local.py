@@ -11,7 +11,7 @@ they die with the process.
 from __future__ import annotations
 
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,8 +41,6 @@ class LocalWorkerGroup:
         self.ref = ref
         self._policy_limiter = trio.CapacityLimiter(1)
         self._ref_limiter = trio.CapacityLimiter(1)
-        #: Rank 0's side of the weight-sync group (``sync.transport=broadcast``), once joined.
-        self.weight_group: Any = None
 
     @classmethod
     async def create(
@@ -105,74 +103,18 @@ class LocalWorkerGroup:
     async def backload_to_gpu(self) -> None:
         await self._call("backload_to_gpu", self._policy_limiter, self.policy.backload_to_gpu)
 
-    async def named_weights(self) -> dict[str, torch.Tensor]:
-        # part of a weight transfer: never abandoned (DESIGN 3 rule 6)
-        return await trio.to_thread.run_sync(
-            self.policy.named_weights, limiter=self._policy_limiter
-        )
+    async def run_on_rank0(
+        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+    ) -> T:
+        """``fn(policy.model, *args)`` in the policy's thread (see ``WorkerGroup``).
 
-    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Write rank 0's weights as safetensors buckets (for the disk transport)."""
-        return await trio.to_thread.run_sync(
-            self.policy.export_weights,
-            directory,
-            bucket_bytes,
-            # a transfer's writing thread is never abandoned (DESIGN 3 rule 6)
-            limiter=self._policy_limiter,
-        )
-
-    async def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Rank 0's ``update_info`` per bucket (for the broadcast transport)."""
-        return await trio.to_thread.run_sync(
-            self.policy.weight_buckets, bucket_bytes, limiter=self._policy_limiter
-        )
-
-    async def weight_sync_endpoint(self, host: str) -> tuple[str, int]:
-        """Where rank 0 hosts the weight-sync group's store: ``host`` and a free port there."""
-        from sync.group import free_port
-
-        return host, await trio.to_thread.run_sync(free_port, host)
-
-    def join_weight_sync(
-        self, name: str, host: str, port: int, world_size: int, store_timeout_s: float
-    ) -> Callable[[], Awaitable[None]]:
-        """Start rank 0's join of group ``name`` now (a thread); return the wait for it.
-
-        The wait is what :func:`sync.group.init_group` bounds; the joined group is kept for
-        :meth:`broadcast_bucket`.
+        It holds the policy's limiter, so it never runs beside a training call.
         """
-        from sync.group import join_group, join_in_thread
-
-        wait = join_in_thread(
-            lambda: join_group(
-                name,
-                master_address=host,
-                master_port=port,
-                rank=0,
-                world_size=world_size,
-                store_timeout_s=store_timeout_s,
-            )
-        )
-
-        async def joined() -> None:
-            self.weight_group = await wait()
-
-        return joined
-
-    async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
-        """Broadcast one bucket from rank 0 in the worker's thread, never abandoned (rule 6).
-
-        The collective itself is bounded by ``timeout_s`` (the step's remaining budget).
-        """
-        if self.weight_group is None:
-            raise RuntimeError("broadcast_bucket before join_weight_sync")
-        await trio.to_thread.run_sync(
-            self.policy.broadcast_bucket,
-            self.weight_group,
-            names,
-            timeout_s,
+        return await trio.to_thread.run_sync(
+            functools.partial(fn, self.policy.model, *args),
+            abandon_on_cancel=abandon_on_cancel,
             limiter=self._policy_limiter,
-            thread_name="worker:broadcast_to_inference_engines",
+            thread_name=f"worker:rank0:{getattr(fn, '__name__', 'fn')}",
         )
 
     async def save_checkpoint(

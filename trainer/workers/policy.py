@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -179,72 +178,6 @@ class PolicyWorker:
 
     def backload_to_gpu(self) -> None:
         """Bring optimizer state back to the accelerator (a no-op on a CPU-only run)."""
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """Detached copies of every parameter, as the inference engines name them."""
-        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
-
-    def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Write parameters as safetensors buckets of at most ``bucket_bytes`` (one tensor may exceed it).
-
-        Returns one ``update_info`` per bucket (vLLM's names/dtype_names/shapes, plus ``path``).
-        """
-        from safetensors.torch import save_file
-
-        directory.mkdir(parents=True, exist_ok=True)
-        buckets: list[dict[str, Any]] = []
-        current: dict[str, torch.Tensor] = {}
-        size = 0
-
-        def flush() -> None:
-            nonlocal current, size
-            if not current:
-                return
-            path = directory / f"bucket_{len(buckets)}.safetensors"
-            save_file(current, str(path))
-            buckets.append(
-                {
-                    "names": list(current),
-                    "dtype_names": [str(t.dtype).removeprefix("torch.") for t in current.values()],
-                    "shapes": [list(t.shape) for t in current.values()],
-                    "path": str(path.resolve()),
-                }
-            )
-            current, size = {}, 0
-
-        for name, param in self.model.named_parameters():
-            nbytes = param.numel() * param.element_size()
-            if current and size + nbytes > bucket_bytes:
-                flush()
-            current[name] = param.detach().contiguous()
-            size += nbytes
-        flush()
-        return buckets
-
-    def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        """vLLM ``update_info`` (names, dtype_names, shapes) per bucket of at most ``bucket_bytes``.
-
-        A bucket holds one dtype (it travels as one flat buffer); one tensor may exceed the size.
-        """
-        buckets: list[dict[str, Any]] = []
-        size, dtype = 0, None
-        for name, param in self.model.named_parameters():
-            nbytes = param.numel() * param.element_size()
-            if not buckets or size + nbytes > bucket_bytes or param.dtype != dtype:
-                buckets.append({"names": [], "dtype_names": [], "shapes": []})
-                size, dtype = 0, param.dtype
-            buckets[-1]["names"].append(name)
-            buckets[-1]["dtype_names"].append(str(param.dtype).removeprefix("torch."))
-            buckets[-1]["shapes"].append(list(param.shape))
-            size += nbytes
-        return buckets
-
-    def broadcast_bucket(self, group: Any, names: list[str], timeout_s: float) -> None:
-        """Broadcast the named parameters as one flat buffer from rank 0 of ``group`` (blocking)."""
-        params = dict(self.model.named_parameters())
-        with torch.no_grad():
-            flat = torch.cat([params[n].detach().reshape(-1) for n in names])
-        group.broadcast(flat, 0, timeout_s=timeout_s)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Write model (HF-loadable), optimizer, scheduler and RNG states into ``directory``."""

@@ -15,25 +15,22 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from engines.process_group import free_port
 from trainer.checkpoint import CheckpointManager
-from trainer.vocabulary import fire_fault_sync
+from trainer.vocabulary import at_step, fire_fault_sync
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker, RefWorker
 
 __all__ = ["PolicyActor", "RefActor"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+T = TypeVar("T")
 
 
 class _Actor:
@@ -68,14 +65,14 @@ class PolicyActor(_Actor):
         self.rank = rank
         self.world_size = world_size
         self._reduced = False
-        self._weight_group: Any = None
         self.worker = PolicyWorker(model_dir, **policy_kwargs)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port for the group's TCP store (rank 0 is asked)."""
         import ray
 
-        return ray.util.get_node_ip_address(), _free_port()
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
 
     def init_group(self, host: str, port: int, timeout_s: float) -> None:
         """Join the data-parallel group: gloo on CPU, NCCL on GPU (a collective; all ranks)."""
@@ -137,46 +134,10 @@ class PolicyActor(_Actor):
         self.fire(op, step)
         self.worker.backload_to_gpu()
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self.worker.named_weights()
-
-    def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        return self.worker.weight_buckets(bucket_bytes)
-
-    def join_weight_sync(
-        self,
-        name: str,
-        host: str,
-        port: int,
-        world_size: int,
-        store_timeout_s: float,
-        step: int | None,
-    ) -> None:
-        """Rank 0 hosts the weight-sync group with the engines (blocks until all joined)."""
-        from engines.process_group import join_group
-
-        self._weight_group = join_group(
-            name,
-            master_address=host,
-            master_port=port,
-            rank=0,
-            world_size=world_size,
-            store_timeout_s=store_timeout_s,
-            step=step,
-        )
-
-    def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
-        """One bucket of rank 0's weights to every engine over the weight-sync group.
-
-        (The ``broadcast_to_inference_engines`` fault fires once per transfer, in the
-        trainer's transfer thread, not per bucket here.)
-        """
-        if self._weight_group is None:
-            raise RuntimeError("broadcast_bucket before join_weight_sync")
-        self.worker.broadcast_bucket(self._weight_group, names, timeout_s)
-
-    def export_weights(self, directory: str, bucket_bytes: int) -> list[dict[str, Any]]:
-        return self.worker.export_weights(Path(directory), bucket_bytes)
+    def run(self, fn: Callable[..., T], args: tuple[Any, ...], step: int | None) -> T:
+        """``fn(model, *args)`` at the driver's ``step`` (``RayWorkerGroup.run_on_rank0``)."""
+        with at_step(step):
+            return fn(self.worker.model, *args)
 
     def save_checkpoint(
         self,

@@ -23,9 +23,9 @@ a collective waiting for it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import torch
@@ -34,6 +34,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from sync.transports.inprocess import copy_weights
 from trainer.checkpoint import CheckpointManager
 from trainer.errors import RefFailed, WorkerError
 from trainer.vocabulary import (
@@ -41,6 +42,7 @@ from trainer.vocabulary import (
     current_step,
     get_refs_as_completed,
     operation,
+    remaining,
     wait_refs,
 )
 from trainer.workers.batch import TrainBatch
@@ -49,14 +51,16 @@ from trainer.workers.ray_cluster import actor_env
 
 __all__ = ["RayWorkerGroup"]
 
+T = TypeVar("T")
+
 log = logging.getLogger("trainer.workers.ray")
 
 #: How long ``shutdown`` may take (killing actors, removing the placement group).
 SHUTDOWN_TIMEOUT_S = 30.0
 #: Placement-group and actor start-up bound (model load included).
 STARTUP_TIMEOUT_S = 300.0
-#: How long past its own collective timeout a rank-0 broadcast is waited for.
-BROADCAST_GRACE_S = 30.0
+#: How long past the step's deadline a rank-0 call that is never abandoned is waited for.
+RANK0_GRACE_S = 30.0
 
 
 def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
@@ -260,56 +264,36 @@ class RayWorkerGroup:
     async def backload_to_gpu(self) -> None:
         await self._call_policy("backload_to_gpu", "backload_to_gpu")
 
-    async def named_weights(self) -> dict[str, torch.Tensor]:
-        return (await self._wait([self.policy[0].named_weights.remote()]))[0]
-
     async def rank_weights(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's weights (for checks that the ranks agree)."""
-        return await self._wait([a.named_weights.remote() for a in self.policy])
+        return await self._wait([a.run.remote(copy_weights, (), None) for a in self.policy])
 
-    async def weight_buckets(self, bucket_bytes: int) -> list[dict[str, Any]]:
-        """Rank 0's ``update_info`` per bucket (for the broadcast transport)."""
-        return (await self._wait([self.policy[0].weight_buckets.remote(bucket_bytes)]))[0]
+    async def run_on_rank0(
+        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+    ) -> T:
+        """``fn(policy.model, *args)`` in rank 0's actor (see ``WorkerGroup``).
 
-    async def weight_sync_endpoint(self, host: str) -> tuple[str, int]:
-        """Rank 0's node address and a free port there (``host`` is ignored: rank 0 is remote)."""
-        address, port = (await self._wait([self.policy[0].master_address.remote()]))[0]
-        return address, port
-
-    def join_weight_sync(
-        self, name: str, host: str, port: int, world_size: int, store_timeout_s: float
-    ) -> Callable[[], Awaitable[None]]:
-        """Start rank 0's join of group ``name`` now (in its actor); return the wait for it."""
-        ref = self.policy[0].join_weight_sync.remote(
-            name, host, port, world_size, store_timeout_s, current_step()
-        )
-
-        async def joined() -> None:
-            await self._wait([ref])
-
-        return joined
-
-    async def broadcast_bucket(self, names: list[str], timeout_s: float) -> None:
-        """Rank 0's actor broadcasts one bucket; the collective is bounded by ``timeout_s``.
-
-        Like the local backend's broadcast thread, the wait is never abandoned (rule 6): a
-        cancellation waits for the actor to finish or fail the collective, bounded by
-        ``timeout_s`` plus :data:`BROADCAST_GRACE_S`.
+        Abandoned: the wait is :func:`wait_refs` (bounded by the step's remaining budget).
+        Not abandoned: a cancellation waits for the actor, bounded by the remaining budget
+        plus :data:`RANK0_GRACE_S` (the actor's own collectives are bounded by the budget),
+        then ``WorkerError``; without a deadline, until the actor answers.
         """
-        ref = self.policy[0].broadcast_bucket.remote(names, timeout_s)
-        wait = timeout_s + BROADCAST_GRACE_S
+        ref = self.policy[0].run.remote(fn, args, current_step())
+        if abandon_on_cancel:
+            return (await self._wait([ref]))[0]
+        left = remaining()
+        bound = None if left is None else left + RANK0_GRACE_S
         try:
-            await trio.to_thread.run_sync(get_refs_as_completed, [ref], wait)
+            return (await trio.to_thread.run_sync(get_refs_as_completed, [ref], bound))[0]
         except RefFailed as failure:
             raise _translate(failure.error, "policy", 0) from None
         except GetTimeoutError:
             raise WorkerError(
-                "policy", 0, current_stage(), f"broadcast of a bucket not done within {wait:g}s"
+                "policy",
+                0,
+                current_stage(),
+                f"{getattr(fn, '__name__', fn)} on rank 0 not done within {bound:g}s",
             ) from None
-
-    async def export_weights(self, directory: Path, bucket_bytes: int) -> list[dict[str, Any]]:
-        ref = self.policy[0].export_weights.remote(str(directory), bucket_bytes)
-        return (await self._wait([ref]))[0]
 
     async def save_checkpoint(
         self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]

@@ -1,0 +1,280 @@
+"""The control-plane half of the client: one request fanned out to every server at once.
+
+::
+
+    async with ControlPlane(urls, control_plane_timeout_s=60) as servers:
+        await servers.pause("keep")                  # every server, concurrently
+        await servers.control_one(urls[0], "POST", "/init_weight_transfer_engine",
+                                  json={"init_info": info})   # one server
+        await servers.resume()
+
+:class:`~engines.client.InferenceClient` is a ``ControlPlane`` with the data plane added.
+
+Each request runs inside ``operation(path)`` and is bounded by ``control_plane_timeout_s``
+with a trio cancel scope (so a server that accepts the connection and never answers is
+caught) -> :class:`~trainer.errors.InferenceServerTimeoutError`. Only connection failures
+(the request never reached the server) are retried. A non-2xx answer or a malformed body
+raises :class:`~trainer.errors.InferenceServerError` (see :mod:`engines.http_requests`). When
+several servers fail one fan-out, every call still runs to its end; then the first failure
+(in URL order) is raised with the others attached as notes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Self
+
+import httpx
+import trio
+
+from engines.http_requests import CONNECT_ERRORS, RetryPolicy, decode_json, send
+from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
+from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
+from trainer.vocabulary import operation, raise_first
+
+__all__ = [
+    "CONTROL_PLANE_TIMEOUT_ENV",
+    "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
+    "ControlPlane",
+    "PauseMode",
+    "resolve_control_plane_timeout",
+]
+
+PauseMode = Literal["keep", "abort", "wait"]
+
+#: Default bound of one control-plane request (``engine.control_plane_timeout_s``).
+DEFAULT_CONTROL_PLANE_TIMEOUT_S = 600.0
+#: Environment variable that overrides ``engine.control_plane_timeout_s``.
+CONTROL_PLANE_TIMEOUT_ENV = "TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S"
+
+
+def resolve_control_plane_timeout(config_value: float | None) -> float | None:
+    """The control-plane timeout in seconds, or None for unbounded.
+
+    ``TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S`` (when set and non-empty) overrides
+    ``config_value``; with neither, 600 s. A value <= 0 (or infinite) disables the bound.
+    Raises ``ConfigError`` when the environment variable is not a number.
+    """
+    raw = os.environ.get(CONTROL_PLANE_TIMEOUT_ENV, "").strip()
+    if raw:
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{CONTROL_PLANE_TIMEOUT_ENV}={raw!r} is not a number of seconds "
+                "(<= 0 disables the control-plane timeout)"
+            ) from None
+    elif config_value is not None:
+        value = float(config_value)
+    else:
+        value = DEFAULT_CONTROL_PLANE_TIMEOUT_S
+    if math.isnan(value):
+        raise ConfigError("engine.control_plane_timeout_s must be a number, not NaN")
+    return value if 0 < value < math.inf else None
+
+
+class ControlPlane:
+    """Drives the control routes of N inference servers (reference or vLLM) over HTTP.
+
+    Use as ``async with ControlPlane(urls) as servers:`` or call :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        api_key: str | None = None,
+        control_plane_timeout_s: float | None = None,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        max_backoff_s: float = 2.0,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        """``control_plane_timeout_s`` is resolved by :func:`resolve_control_plane_timeout`
+        (the env var wins; None means 600 s; <= 0 disables). ``ValueError`` for no URLs."""
+        if not urls:
+            raise ValueError("InferenceClient needs at least one server URL")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Control-plane calls get their own pool, so a /pause never waits behind frozen
+        # generation requests holding every data-plane connection.
+        self._control_http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4 * len(self.urls)),
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connection pool (idempotent)."""
+        await self._control_http.aclose()
+
+    def retry_policy(self, retry_on: tuple[type[Exception], ...]) -> RetryPolicy:
+        """This client's retry settings, retrying ``retry_on``."""
+        return RetryPolicy(self.max_retries, self.backoff_s, self.max_backoff_s, retry_on)
+
+    # -- one server, every server -----------------------------------------------------------------
+
+    async def control_one(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> httpx.Response:
+        """Send one control-plane request to the server at ``url``; its 2xx response.
+
+        Runs in ``operation(path)``, bounded by ``control_plane_timeout_s``
+        (``InferenceServerTimeoutError``); ``InferenceServerError`` for a non-2xx answer or
+        a connection that still fails after the retries.
+        """
+        timeout = self.control_plane_timeout_s
+        with operation(path):
+            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+                return await send(
+                    self._control_http,
+                    url,
+                    method,
+                    path,
+                    headers=self._headers,
+                    retries=self.retry_policy(CONNECT_ERRORS),
+                    params=params,
+                    json_body=json,
+                )
+            assert scope.cancelled_caught and timeout is not None
+            raise InferenceServerTimeoutError(url, path, timeout)
+
+    async def control(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> list[httpx.Response]:
+        """Send one control-plane request to every server concurrently; the 2xx responses, in URL order.
+
+        Each call is a :meth:`control_one`. Every call runs to its end even when another
+        fails; then the first failure (URL order) is raised, the others as its notes.
+        """
+        results: list[httpx.Response | None] = [None] * len(self.urls)
+        errors: dict[int, Exception] = {}
+
+        async def one(i: int, url: str) -> None:
+            try:
+                results[i] = await self.control_one(url, method, path, params, json)
+            except Exception as exc:
+                errors[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i, url in enumerate(self.urls):
+                nursery.start_soon(one, i, url)
+        if errors:
+            raise_first([errors[i] for i in sorted(errors)])
+        return [r for r in results if r is not None]
+
+    async def control_json(
+        self, method: str, path: str, params: Mapping[str, Any] | None = None, json: Any = None
+    ) -> list[Any]:
+        """:meth:`control`, each body decoded as JSON (None when empty)."""
+        responses = await self.control(method, path, params, json)
+        return [decode_json(url, path, r) for url, r in zip(self.urls, responses)]
+
+    def _field(self, values: list[Any], path: str, key: str, kind: type) -> list[Any]:
+        out = []
+        for url, value in zip(self.urls, values):
+            if not isinstance(value, dict) or not isinstance(value.get(key), kind):
+                raise InferenceServerError(
+                    url, path, 200, f"expected a JSON object with {key!r}: {value!r:.200}"
+                )
+            out.append(value[key])
+        return out
+
+    # -- the routes -------------------------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """``POST /pause?mode=...`` on every server (keep: freeze, abort: end, wait: drain)."""
+        await self.control("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        """``POST /resume`` on every server."""
+        await self.control("POST", "/resume")
+
+    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+        """``POST /sleep?level=...`` on every server (1: offload weights, 2: discard them).
+
+        ``mode`` says what happens to in-flight requests, as for :meth:`pause`; None leaves
+        it to the server (vLLM's default: abort)."""
+        params: dict[str, Any] = {"level": level}
+        if mode is not None:
+            params["mode"] = mode
+        await self.control("POST", "/sleep", params=params)
+
+    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """``POST /wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None wakes both)."""
+        tag_list = list(tags) if tags is not None else []
+        await self.control("POST", "/wake_up", params={"tags": tag_list} if tag_list else None)
+
+    async def is_paused(self) -> list[bool]:
+        """``GET /is_paused`` of every server."""
+        return self._field(
+            await self.control_json("GET", "/is_paused"), "/is_paused", "is_paused", bool
+        )
+
+    async def is_sleeping(self) -> list[bool]:
+        """``GET /is_sleeping`` of every server."""
+        return self._field(
+            await self.control_json("GET", "/is_sleeping"), "/is_sleeping", "is_sleeping", bool
+        )
+
+    async def reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache`` on every server."""
+        await self.control("POST", "/reset_prefix_cache")
+
+    async def get_world_size(self) -> list[int]:
+        """``GET /get_world_size`` of every server."""
+        return self._field(
+            await self.control_json("GET", "/get_world_size"), "/get_world_size", "world_size", int
+        )
+
+    async def weight_checksums(self) -> list[str]:
+        """One sha256 per server over its loaded weights (``POST /weight_checker`` checksum).
+
+        The reference server's ``checksum`` field equals
+        ``engines.local.engine.state_checksum`` of the same state dict; for vLLM (which
+        returns only per-parameter digests) it is a sha256 over the sorted ``name:digest``
+        pairs. vLLM answers 409 while paused or asleep.
+        """
+        path = "/weight_checker"
+        values = await self.control_json("POST", path, json={"action": "checksum"})
+        out = []
+        for url, value in zip(self.urls, values):
+            if isinstance(value, dict) and isinstance(value.get("checksum"), str):
+                out.append(value["checksum"])
+            elif isinstance(value, dict) and isinstance(value.get("checksums"), dict):
+                pairs = "".join(f"{k}:{v}\n" for k, v in sorted(value["checksums"].items()))
+                out.append(hashlib.sha256(pairs.encode()).hexdigest())
+            else:
+                raise InferenceServerError(
+                    url, path, 200, f"not a weight_checker answer: {value!r:.200}"
+                )
+        return out
+
+    async def probe(self, required: Iterable[str] = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES)) -> None:
+        """Check that every server serves ``required`` routes; name the vllm flag when one is missing.
+
+        See :func:`engines.routes.probe` (side-effect free; 404 names the ``vllm serve``
+        flag, 501 means present but not implemented; ``ValueError`` for an unknown route).
+        """
+        await probe(self, required)

@@ -1,0 +1,85 @@
+"""``RunContext``: what the loop's stages need of a run, built by ``trainer.run``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from sync.transports import WeightTransport
+from trainer.checkpoint import CheckpointManager
+from trainer.config import Config
+from trainer.data import Example, PromptLoader
+from trainer.debug import StallInstrument
+from trainer.generators.base import Generator
+from trainer.metrics import MetricsLogger, StepProgress
+from trainer.workers.group import WorkerGroup
+
+__all__ = ["SLOW_STALL_MS", "RunContext"]
+
+log = logging.getLogger("trainer.run")
+#: A step whose longest event-loop stall exceeds this logs the task that caused it.
+SLOW_STALL_MS = 100.0
+
+
+@attrs.define(eq=False)
+class RunContext:
+    """Config, data, generators, engine, transport, workers, checkpoints and loggers of a run."""
+
+    cfg: Config
+    run_dir: Path
+    tokenizer: Any
+    loader: PromptLoader
+    generator: Generator
+    #: Greedy rollouts for eval (``None`` when ``trainer.eval_interval`` is 0).
+    eval_generator: Generator | None
+    eval_examples: list[Example]
+    #: The inference client (``engines.client.InferenceClient`` or the in-process one).
+    engine: Any
+    transport: WeightTransport
+    workers: WorkerGroup
+    ckpt: CheckpointManager
+    metrics: MetricsLogger
+    progress: StepProgress
+    #: The first step to run (1, or the step after a resumed checkpoint) and the last one.
+    first_step: int
+    last_step: int
+    #: Weight syncs so far (restored on resume).
+    weight_version: int = 0
+    last_saved_step: int = -1
+    stalls: StallInstrument = attrs.field(factory=StallInstrument)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Every ``trainer.ckpt_interval`` steps, and the last step (when checkpointing at all)."""
+        interval = self.cfg.trainer.ckpt_interval
+        return interval > 0 and (step % interval == 0 or step == self.last_step)
+
+    def eval_due(self, step: int) -> bool:
+        interval = self.cfg.trainer.eval_interval
+        return interval > 0 and step % interval == 0 and self.eval_generator is not None
+
+    def loop_metrics(self) -> dict[str, float]:
+        """Event-loop health over the step: the longest time the trio thread did not yield."""
+        culprit = self.stalls.worst_task
+        stall_ms = self.stalls.take_max_ms()
+        if stall_ms > SLOW_STALL_MS:
+            log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
+        return {"loop/max_stall_ms": stall_ms}
+
+    def record_step(self, metrics: dict[str, Any]) -> None:
+        if "checkpoint/step" in metrics:
+            self.last_saved_step = metrics["checkpoint/step"]
+        self.metrics.log(metrics)
+        self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
+        log.info(
+            "step %d reward %.3f step_s %.2f",
+            metrics["step"],
+            metrics["reward/mean"],
+            metrics["timing/step"],
+        )
+
+    def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.log({"step": step, **metrics})
+        log.info("eval at step %d: %s", step, metrics)
