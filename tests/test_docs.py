@@ -16,7 +16,8 @@ from typing import Any
 
 import attrs
 
-from trainer.config import Config, _type_name, iter_fields
+from trainer.config import iter_fields, type_name
+from trainer.config_schema import Config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
@@ -64,7 +65,7 @@ def reference_markdown() -> str:
         doc = a.metadata.get("doc", "") + (f" Env `{env}` overrides it." if env else "")
         doc = _cell(doc).replace("<", "&lt;").replace(">", "&gt;")
         tables.setdefault(section, []).append(
-            f"| `{key}` | `{_cell(repr(_default(key)))}` | `{_cell(_type_name(tp))}` | {doc} |"
+            f"| `{key}` | `{_cell(repr(_default(key)))}` | `{_cell(type_name(tp))}` | {doc} |"
         )
     parts = []
     for section, rows in tables.items():

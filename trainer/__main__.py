@@ -43,7 +43,8 @@ def _fail(exc: BaseException, *, code: int, show_traceback: bool) -> int:
 def _train(argv: list[str]) -> int:
     import trio
 
-    from trainer.config import ConfigWarning, load_config
+    from trainer.config import load_config
+    from trainer.config_schema import ConfigWarning
     from trainer.errors import CheckpointError, ConfigError, DataError
 
     parser = argparse.ArgumentParser(add_help=False)

@@ -23,38 +23,18 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer.config_schema import (
-    AlgorithmConfig,
     Config,
     ConfigWarning,
-    DataConfig,
-    EngineConfig,
-    GeneratorConfig,
-    ModelConfig,
-    OptimConfig,
-    SamplingConfig,
-    SyncConfig,
-    TrainerConfig,
-    WorkersConfig,
 )
 from trainer.errors import ConfigError
+from trainer.vocabulary import Fault, parse_faults
 
 __all__ = [
-    "AlgorithmConfig",
-    "Config",
-    "ConfigWarning",
-    "DataConfig",
-    "EngineConfig",
-    "GeneratorConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "SamplingConfig",
-    "SyncConfig",
-    "TrainerConfig",
-    "WorkersConfig",
     "help_text",
     "iter_fields",
     "load_config",
     "to_dict",
+    "type_name",
     "validate_cfg",
 ]
 
@@ -74,20 +54,20 @@ def iter_fields(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, att
             yield key, a, tp
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " | ".join(repr(x) for x in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(t) for t in typing.get_args(tp))
+        return " | ".join(type_name(t) for t in typing.get_args(tp))
     if origin is tuple:
-        return f"tuple[{', '.join('...' if t is Ellipsis else _type_name(t) for t in typing.get_args(tp))}]"
+        return f"tuple[{', '.join('...' if t is Ellipsis else type_name(t) for t in typing.get_args(tp))}]"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
-    wrong = ConfigError(f"config: {key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    wrong = ConfigError(f"config: {key}={value!r} has the wrong type: expected {type_name(tp)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -187,6 +167,51 @@ def _assemble(cls: type, leaves: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def _unreachable(fault: Fault, cfg: Config) -> str | None:
+    """Why ``fault`` can never fire in a run configured as ``cfg`` (and what would reach it)."""
+    e, t = cfg.engine, cfg.trainer
+    op = fault.op
+    if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
+        return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
+    if op == "init_process_group" and (
+        cfg.sync.transport != "broadcast" or e.backend == "inprocess"
+    ):
+        return (
+            f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
+            f"engine.backend={e.backend}); set sync.transport=broadcast to reach it"
+        )
+    if op == "save_checkpoint" and t.ckpt_interval <= 0:
+        return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
+    sleeps = e.colocated or e.offload_kv_for_weight_sync
+    if op in ("/sleep", "/wake_up") and not sleeps:
+        return (
+            "weight syncs pause the engines instead of sleeping them; set "
+            "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
+        )
+    if op in ("/pause", "/resume") and sleeps:
+        return (
+            "weight syncs sleep the engines instead of pausing them (engine.colocated or "
+            "engine.offload_kv_for_weight_sync); set both to false to reach it"
+        )
+    transfer_routes = (
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    )
+    if op in transfer_routes and e.backend == "inprocess":
+        return (
+            "engine.backend=inprocess takes weights in memory; use engine.backend=local to reach it"
+        )
+    return None
+
+
+def _check_reachable(fault: Fault, cfg: Config) -> None:
+    reason = _unreachable(fault, cfg)
+    if reason is not None:
+        raise ConfigError(f"config: faults={str(fault)!r} can never fire: {reason}")
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets."""
     t = cfg.trainer
@@ -220,9 +245,8 @@ def validate_cfg(cfg: Config) -> None:
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
     if cfg.faults:
-        from trainer.vocabulary import parse_faults
-
-        parse_faults(cfg.faults)
+        for fault in parse_faults(cfg.faults):
+            _check_reachable(fault, cfg)
     collective = cfg.workers.collective_timeout_s
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),
@@ -286,6 +310,6 @@ def help_text() -> str:
         env = a.metadata.get("env")
         env_s = f" [env {env}]" if env else ""
         lines.append(
-            f"  {key} = {obj!r}  ({_type_name(tp)}){env_s}\n      {a.metadata.get('doc', '')}"
+            f"  {key} = {obj!r}  ({type_name(tp)}){env_s}\n      {a.metadata.get('doc', '')}"
         )
     return "\n".join(lines)

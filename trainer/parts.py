@@ -22,7 +22,7 @@ from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from sync.transports import BroadcastTransport, DiskTransport, InProcessTransport, WeightTransport
-from trainer.config import Config
+from trainer.config_schema import Config
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 

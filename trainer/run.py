@@ -25,7 +25,8 @@ import yaml
 from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
 from trainer.checkpoint import CheckpointManager
-from trainer.config import Config, to_dict
+from trainer.config import to_dict
+from trainer.config_schema import Config
 from trainer.data import (
     PromptLoader,
     load_examples,

@@ -10,7 +10,7 @@ import attrs
 
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
-from trainer.config import Config
+from trainer.config_schema import Config
 from trainer.data import Example, PromptLoader
 from trainer.debug import StallInstrument
 from trainer.generators.base import Generator

@@ -8,7 +8,8 @@ import sys
 import pytest
 import yaml
 
-from trainer.config import Config, ConfigWarning, iter_fields, load_config, to_dict
+from trainer.config import iter_fields, load_config, to_dict
+from trainer.config_schema import Config, ConfigWarning
 from trainer.errors import ConfigError
 
 
