@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from trainer.vocabulary import FAULTS_ENV, install_faults, release_hangs
+from trainer.vocabulary import FAULTS_ENV, FAULTS_FIRED_ENV, install_faults, release_hangs
 from trainer.workers.ray_cluster import start_cluster, stop_cluster
 
 
@@ -23,11 +23,13 @@ def _isolated_faults():
     test-only) so they do not pile up across the run.
     """
     saved = os.environ.pop(FAULTS_ENV, None)
+    os.environ.pop(FAULTS_FIRED_ENV, None)
     install_faults(None)
     yield
     release_hangs()
     install_faults(None)
     os.environ.pop(FAULTS_ENV, None)
+    os.environ.pop(FAULTS_FIRED_ENV, None)
     if saved is not None:
         os.environ[FAULTS_ENV] = saved
 

@@ -32,6 +32,7 @@ from trainer.vocabulary import (
     parse_faults,
     release_hangs,
     step_deadline,
+    unfired_faults,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -481,7 +482,7 @@ async def test_a_hang_that_fires_after_a_release_blocks_again():
 
 _CHILD = """
 import sys
-from trainer.vocabulary import fire_fault_sync, release_hangs, active_faults
+from trainer.vocabulary import fire_fault_sync
 for step in (1, 2):
     print(f"step {step}", flush=True)
     fire_fault_sync("forward_backward", step=step)
@@ -539,3 +540,31 @@ async def test_an_installed_hang_really_hangs_a_worker_process_started_afterward
 def test_a_fault_can_only_target_a_known_operation():
     with pytest.raises(ValueError, match="'backward'"):
         Fault("backward", FaultAction.HANG)
+
+
+# --- faults that never fired --------------------------------------------------------------
+
+
+async def test_a_fault_that_never_fired_here_or_in_a_child_is_reported(tmp_path):
+    log = tmp_path / "faults_fired.log"
+    install_faults("forward_backward:error=from child@2,optim_step:error=never@2", fired_log=log)
+    assert [str(f) for f in unfired_faults()] == [
+        "forward_backward:error=from child@2",
+        "optim_step:error=never@2",
+    ]
+    # a step the fault does not name: nothing fired
+    fire_fault_sync("forward_backward", step=1)
+    assert len(unfired_faults()) == 2
+    # the child inherits the spec and the log, fires at step 2 and dies of it
+    result = await trio.run_process(
+        [sys.executable, "-c", _CHILD], cwd=ROOT, capture_stdout=True, check=False
+    )
+    assert result.returncode != 0
+    assert log.read_text() == "forward_backward:error=from child@2\n"
+    assert [str(f) for f in unfired_faults()] == ["optim_step:error=never@2"]
+    # firing here records it too; installing again starts over
+    with pytest.raises(FaultInjected):
+        fire_fault_sync("optim_step", step=2)
+    assert unfired_faults() == []
+    install_faults("optim_step:error=never@2", fired_log=log)
+    assert log.read_text() == "" and len(unfired_faults()) == 1

@@ -1,0 +1,95 @@
+"""The loop owns the run: first sync, steps, eval as its own bounded stage, last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import pytest
+import trio
+
+import trainer.run
+from engines.models import build_tiny_model, load_tokenizer
+from engines.types import SamplingParams
+from trainer.config import load_config
+from trainer.data import task_examples
+from trainer.errors import StepTimeoutError
+from trainer.generators import Generator, GeneratorInput, GeneratorOutput
+from trainer.loop import run_eval
+
+CUSTOM = "tests.trainer.test_agent_loop:OneCallGenerator"
+
+
+class GreedyHangs(Generator):
+    """Samples normally, but a greedy (eval) rollout never returns."""
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        assert self.sampling.temperature == 0.0
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+
+async def test_eval_is_its_own_stage_under_its_own_step_budget(autojump_clock):
+    cfg = load_config(
+        None,
+        ["trainer.step_timeout_s=30", "workers.collective_timeout_s=30", "trainer.eval_interval=1"],
+    )
+    tokenizer = load_tokenizer(build_tiny_model())
+    ctx = types.SimpleNamespace(
+        cfg=cfg,
+        tokenizer=tokenizer,
+        eval_generator=GreedyHangs(
+            engine=None,  # type: ignore[arg-type]  (never reached)
+            tokenizer=tokenizer,
+            reward_fn=lambda response, answer: 0.0,
+            sampling=SamplingParams(temperature=0.0),
+        ),
+        eval_examples=task_examples("max_digit", 3, 0),
+        weight_version=4,
+    )
+    t0 = trio.current_time()
+    with pytest.raises(StepTimeoutError) as info:
+        await run_eval(ctx, 7)  # type: ignore[arg-type]
+    err = info.value
+    assert (err.step, err.budget_s, err.stage, err.operation) == (7, 30, "eval", "await")
+    assert trio.current_time() - t0 == pytest.approx(30)
+
+
+@pytest.mark.filterwarnings(
+    # trainer/workers/policy.py sums float(loss) of a tensor that requires grad
+    "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
+)
+async def test_a_run_syncs_first_checkpoints_its_last_step_and_evaluates_after_a_step(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=inprocess",
+            f"generator.cls={CUSTOM}",
+            "trainer.max_steps=3",
+            "trainer.ckpt_interval=2",
+            "trainer.eval_interval=3",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=2",
+            "generator.sampling.max_tokens=2",
+            "data.eval=tests/trainer/eval_prompts.jsonl",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.progress=false",
+            # a custom generator without an environment never reaches env_step
+            "faults=env_step:error=never@1",
+        ],
+    )
+    await trainer.run.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    # the first sync happened before step 1: step 1's own sync is the second
+    assert [r["sync/weight_version"] for r in steps] == [2, 3, 4]
+    # every ckpt_interval steps and the last step, each inside its step
+    assert [r.get("checkpoint/step") for r in steps] == [None, 2, 3]
+    assert all("timing/save_checkpoints" in r for r in steps[1:])
+    state = json.loads((tmp_path / "checkpoints/global_step_3/trainer_state.json").read_text())
+    assert state["step"] == 3 and "global_step" not in state
+    (evaluation,) = [r for r in rows if "eval/reward_mean" in r]
+    assert evaluation["step"] == 3 and evaluation["eval/num_prompts"] == 2.0
+    assert evaluation["timing/eval"] > 0
+    assert "fault 'env_step:error=never@1' never fired" in (tmp_path / "train.log").read_text()
