@@ -15,10 +15,11 @@ run *ARGS: setup
 test *ARGS: setup
     {{py}} -m pytest -q "$@"
 
-# Format check, lint and type check.
+# Format check, lint, the import contracts (.importlinter) and type check.
 lint: setup
     {{py}} -m ruff format --check .
     {{py}} -m ruff check .
+    .venv/bin/lint-imports
     {{py}} -m pyright
 
 # Measured comparisons (never part of the tests).

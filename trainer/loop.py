@@ -16,7 +16,6 @@ from trainer import stages
 from trainer.errors import WeightSyncTimeoutError
 from trainer.run_context import RunContext
 from trainer.vocabulary import Timer, step_deadline
-from trainer.workers.batch import make_batch
 
 __all__ = ["run_eval", "run_step", "run_training", "sync_weights"]
 
@@ -46,7 +45,7 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
         prompts = ctx.loader.next_batch()
         rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
     with Timer("fwd_logprobs_values_reward", timings):
-        batch = make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
+        batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
         batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         metrics = stages.rollout_metrics(prompts, rollouts)

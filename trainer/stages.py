@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from trainer.algorithms import compute_advantages
 from trainer.data import Example
-from trainer.generators.base import GeneratorInput, GeneratorOutput, TrajectoryInput
+from trainer.generators.base import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
 from trainer.run_context import RunContext
 from trainer.workers.batch import TrainBatch
 
@@ -17,6 +18,7 @@ __all__ = [
     "advantages_for",
     "evaluate",
     "generator_input",
+    "make_batch",
     "rollout_metrics",
     "save_checkpoint",
     "train_policy",
@@ -43,6 +45,21 @@ def generator_input(
                 )
             )
     return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
+
+
+def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
+    """Pad ``prompt + response`` of each trajectory to a common length."""
+    seqs = [t.prompt_ids + t.response_ids for t in trajectories]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (t, s) in enumerate(zip(trajectories, seqs)):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+        p = len(t.prompt_ids)
+        mask[i, p : p + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=mask[:, 1:].contiguous())
 
 
 def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, Any]:

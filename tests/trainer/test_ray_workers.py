@@ -33,7 +33,7 @@ from trainer.errors import (
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_group import RayWorkerGroup, _shards
+from trainer.workers.ray_group import RayWorkerGroup, shards
 
 POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
 
@@ -80,8 +80,8 @@ def test_cluster_start_error_is_picklable_and_names_every_attempt():
 
 
 def test_shards_cover_every_row_once():
-    assert _shards(5, 2) == [slice(0, 3), slice(3, 5)]
-    assert _shards(1, 3) == [slice(0, 1), slice(1, 1), slice(1, 1)]
+    assert shards(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert shards(1, 3) == [slice(0, 1), slice(1, 1), slice(1, 1)]
 
 
 async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_cluster, model_dir):

@@ -1,4 +1,4 @@
-"""The padded tensor batch that workers train on, built from trajectories."""
+"""The padded tensor batch that workers train on (``trainer.stages.make_batch`` builds it)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from trainer.generators.base import Trajectory
-
-__all__ = ["TrainBatch", "make_batch"]
+__all__ = ["TrainBatch"]
 
 
 @attrs.define
@@ -50,18 +48,3 @@ class TrainBatch:
             old_logprobs=take(self.old_logprobs),
             ref_logprobs=take(self.ref_logprobs),
         )
-
-
-def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
-    """Pad ``prompt + response`` of each trajectory to a common length."""
-    seqs = [t.prompt_ids + t.response_ids for t in trajectories]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
-    for i, (t, s) in enumerate(zip(trajectories, seqs)):
-        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[i, : len(s)] = 1
-        p = len(t.prompt_ids)
-        mask[i, p : p + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=mask[:, 1:].contiguous())

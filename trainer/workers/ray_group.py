@@ -49,7 +49,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
 from trainer.workers.ray_cluster import actor_env
 
-__all__ = ["RayWorkerGroup"]
+__all__ = ["RayWorkerGroup", "shards"]
 
 T = TypeVar("T")
 
@@ -79,7 +79,7 @@ def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
     return WorkerError(worker, rank, stage, f"{type(error).__name__}: {error}")
 
 
-def _shards(n: int, world: int) -> list[slice]:
+def shards(n: int, world: int) -> list[slice]:
     """Contiguous row ranges, one per rank (the first ``n % world`` ranks get one more)."""
     base, extra = divmod(n, world)
     out, start = [], 0
@@ -218,7 +218,7 @@ class RayWorkerGroup:
 
     async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Each rank computes its shard; the rows come back in order."""
-        shards = [s for s in _shards(len(batch), self.world_size) if s.stop > s.start]
+        shards = [s for s in shards(len(batch), self.world_size) if s.stop > s.start]
         step = current_step()
         with operation("forward"):
             refs = [
@@ -236,7 +236,7 @@ class RayWorkerGroup:
 
     async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
         """Each rank accumulates its shard's share of the global token mean; metrics merged."""
-        shards = _shards(len(batch), self.world_size)
+        shards = shards(len(batch), self.world_size)
 
         def args(rank: int) -> tuple[Any, ...]:
             s = shards[rank]
