@@ -30,7 +30,7 @@ from trainer.errors import (
     StepTimeoutError,
     WorkerError,
 )
-from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline
+from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline, wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_group import RayWorkerGroup, shards
@@ -95,7 +95,7 @@ async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_clu
     )
     try:
         await group.forward_backward(batch, batch.num_tokens)
-        reduced = await group._wait([a.reduce_gradients.remote() for a in group.policy])
+        reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
         for flat in reduced:  # every rank holds the whole batch's gradient
             torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
         metrics = await group.optim_step()

@@ -218,12 +218,12 @@ class RayWorkerGroup:
 
     async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """Each rank computes its shard; the rows come back in order."""
-        shards = [s for s in shards(len(batch), self.world_size) if s.stop > s.start]
+        rows = [s for s in shards(len(batch), self.world_size) if s.stop > s.start]
         step = current_step()
         with operation("forward"):
             refs = [
                 self.policy[r].compute_logprobs.remote("forward", step, batch.select(s))
-                for r, s in enumerate(shards)
+                for r, s in enumerate(rows)
             ]
             return torch.cat(await self._wait(refs), dim=0)
 
@@ -236,10 +236,10 @@ class RayWorkerGroup:
 
     async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
         """Each rank accumulates its shard's share of the global token mean; metrics merged."""
-        shards = shards(len(batch), self.world_size)
+        parts = shards(len(batch), self.world_size)
 
         def args(rank: int) -> tuple[Any, ...]:
-            s = shards[rank]
+            s = parts[rank]
             return (batch.select(s) if s.stop > s.start else None, num_tokens)
 
         per_rank = await self._call_policy("forward_backward", "forward_backward", args)
