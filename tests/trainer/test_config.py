@@ -94,6 +94,46 @@ def test_bad_fault_spec_is_rejected_at_load():
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (["faults=init_process_group:hang"], "set sync.transport=broadcast to reach it"),
+        (
+            ["faults=/sleep:hang@2"],
+            "set engine.offload_kv_for_weight_sync=true or engine.colocated=true",
+        ),
+        (["faults=/pause:hang", "engine.colocated=true"], "set both to false to reach it"),
+        (["faults=save_checkpoint:error=disk full"], "set trainer.ckpt_interval=N to reach it"),
+        (["faults=forward:hang@50", "trainer.max_steps=10"], "raise it to reach step 50"),
+        (
+            ["faults=/update_weights:hang", "engine.backend=inprocess"],
+            "use engine.backend=local to reach it",
+        ),
+    ],
+)
+def test_a_fault_the_run_can_never_reach_is_refused_naming_the_setting_that_would(
+    overrides, reason
+):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert "can never fire" in message and reason in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["faults=init_process_group:hang", "sync.transport=broadcast"],
+        ["faults=/sleep:hang@2", "engine.offload_kv_for_weight_sync=true"],
+        ["faults=/pause:hang@2,forward:hang@10", "trainer.max_steps=10"],
+        ["faults=save_checkpoint:error=disk full", "trainer.ckpt_interval=5"],
+    ],
+)
+def test_a_fault_the_run_reaches_is_accepted(overrides):
+    assert load_config(None, overrides).faults == overrides[0].removeprefix("faults=")
+
+
 def test_yaml_file_then_overrides_then_env(tmp_path, monkeypatch):
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"trainer": {"max_steps": 7, "seed": 3}, "optim": {"lr": 0.01}}))
