@@ -11,8 +11,8 @@ from engines.local.inprocess import open_inprocess_client
 from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
 from examples.multi_turn_generator import RETRY_OBSERVATION, RetryOnWrongGenerator
+from tests.trainer.helpers import batch_of
 from trainer.config import load_config
-from trainer.generators import GeneratorInput, TrajectoryInput
 
 GENERATOR = "examples.multi_turn_generator:RetryOnWrongGenerator"
 
@@ -24,24 +24,6 @@ def always_wrong(response: str, answer: str) -> float:
 
 def always_right(response: str, answer: str) -> float:
     return 1.0
-
-
-def _batch(tokenizer, n: int) -> GeneratorInput:
-    prompt = "max 7 5 ="
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return GeneratorInput(
-        tuple(
-            TrajectoryInput(
-                prompt=prompt,
-                prompt_ids=ids,
-                answer="7",
-                group_id=0,
-                trajectory_id=f"1-0-{i}",
-                seed=i,
-            )
-            for i in range(n)
-        )
-    )
 
 
 async def _generate(reward_fn, max_turns: int):
@@ -56,7 +38,7 @@ async def _generate(reward_fn, max_turns: int):
             max_turns=max_turns,
             max_response_tokens=64,
         )
-        out = await gen.generate(_batch(tokenizer, 4))
+        out = await gen.generate(batch_of(tokenizer, 4))
     return tokenizer, out
 
 

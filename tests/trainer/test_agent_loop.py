@@ -7,14 +7,11 @@ import pytest
 from engines.local.inprocess import open_inprocess_client
 from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
+from tests.trainer.helpers import OneCallGenerator, batch_of
 from trainer.errors import FaultInjected
 from trainer.generators import (
     AgentLoopGenerator,
     EnvStep,
-    Generator,
-    GeneratorInput,
-    GeneratorOutput,
-    Trajectory,
     TrajectoryInput,
 )
 from trainer.vocabulary import install_faults
@@ -23,50 +20,11 @@ from trainer.vocabulary import install_faults
 LONG_OBSERVATION = " ".join(["no , what is the answer ?"] * 4)
 
 
-def batch_of(tokenizer, n: int) -> GeneratorInput:
-    prompt = "max 7 5 ="
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    return GeneratorInput(
-        tuple(
-            TrajectoryInput(
-                prompt=prompt,
-                prompt_ids=ids,
-                answer="7",
-                group_id=0,
-                trajectory_id=f"1-0-{i}",
-                seed=i,
-            )
-            for i in range(n)
-        )
-    )
-
-
 class TalkativeEnv(AgentLoopGenerator):
     """Answers every model turn with an observation longer than the response budget."""
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
         return EnvStep(done=False, observation=LONG_OBSERVATION)
-
-
-class OneCallGenerator(Generator):
-    """A custom generator: one model call per trajectory, no agent loop, no environment."""
-
-    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
-        out = []
-        for item in batch:
-            c = await self.engine.generate(item.prompt_ids, self.sampling, trajectory_id=None)
-            out.append(
-                Trajectory(
-                    prompt_ids=item.prompt_ids,
-                    response_ids=c.token_ids,
-                    loss_mask=[1] * len(c.token_ids),
-                    reward=0.0,
-                    rollout_logprobs=c.logprobs,
-                    group_id=item.group_id,
-                    finish_reason=c.finish_reason,
-                )
-            )
-        return GeneratorOutput(out)
 
 
 @pytest.fixture(scope="module")

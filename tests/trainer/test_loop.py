@@ -17,7 +17,7 @@ from trainer.errors import StepTimeoutError
 from trainer.generators import Generator, GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval
 
-CUSTOM = "tests.trainer.test_agent_loop:OneCallGenerator"
+CUSTOM = "tests.trainer.helpers:OneCallGenerator"
 
 
 class GreedyHangs(Generator):

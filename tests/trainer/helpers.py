@@ -1,0 +1,52 @@
+"""Generator-side helpers shared by the trainer tests: a batch of prompts, a custom generator."""
+
+from __future__ import annotations
+
+from trainer.generators import (
+    Generator,
+    GeneratorInput,
+    GeneratorOutput,
+    Trajectory,
+    TrajectoryInput,
+)
+
+__all__ = ["OneCallGenerator", "batch_of"]
+
+
+def batch_of(tokenizer, n: int) -> GeneratorInput:
+    prompt = "max 7 5 ="
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    return GeneratorInput(
+        tuple(
+            TrajectoryInput(
+                prompt=prompt,
+                prompt_ids=ids,
+                answer="7",
+                group_id=0,
+                trajectory_id=f"1-0-{i}",
+                seed=i,
+            )
+            for i in range(n)
+        )
+    )
+
+
+class OneCallGenerator(Generator):
+    """A custom generator: one model call per trajectory, no agent loop, no environment."""
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        out = []
+        for item in batch:
+            c = await self.engine.generate(item.prompt_ids, self.sampling, trajectory_id=None)
+            out.append(
+                Trajectory(
+                    prompt_ids=item.prompt_ids,
+                    response_ids=c.token_ids,
+                    loss_mask=[1] * len(c.token_ids),
+                    reward=0.0,
+                    rollout_logprobs=c.logprobs,
+                    group_id=item.group_id,
+                    finish_reason=c.finish_reason,
+                )
+            )
+        return GeneratorOutput(out)
