@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-import importlib
 import json
 import logging
 import os
@@ -424,21 +422,3 @@ def test_public_api_is_pinned():
     # reading and verifying a checkpoint stay reachable from the manager
     assert CheckpointManager.read_trainer_state is read_trainer_state
     assert CheckpointManager.verify is verify
-
-
-def _trainer_imports(module: str) -> set[str]:
-    source = Path(importlib.import_module(module).__file__ or "").read_text()
-    return {
-        node.module
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trainer.")
-    }
-
-
-def test_checkpoint_modules_import_downward_only():
-    # format <- writer <- inspection: the writer never needs the listing, the format neither
-    assert _trainer_imports("trainer.checkpoint_format") == {
-        "trainer.checkpoint_io",
-        "trainer.errors",
-    }
-    assert "trainer.checkpoint_inspect" not in _trainer_imports("trainer.checkpoint")
