@@ -42,13 +42,14 @@ _DONE = object()
 class Bridge:
     """Calls into one trio-asyncio loop; create with :func:`open_bridge`."""
 
-    def __init__(self, loop: trio_asyncio.TrioEventLoop) -> None:
+    def __init__(self, loop: trio_asyncio.TrioEventLoop, closed: trio.Event) -> None:
+        """``closed`` is set by the owner (``open_bridge``) when its block exits."""
         #: The asyncio event loop (a ``trio_asyncio.TrioEventLoop``).
         self.loop = loop
-        self._open = True
+        self._closed = closed
 
     def _check_open(self) -> None:
-        if not self._open or self.loop.is_closed():
+        if self._closed.is_set() or self.loop.is_closed():
             raise RuntimeError("the bridge's asyncio loop is closed (its open_bridge block exited)")
 
     async def run(self, fn: Callable[P, Awaitable[T]], *args: P.args, **kwargs: P.kwargs) -> T:
@@ -116,9 +117,9 @@ async def open_bridge() -> AsyncIterator[Bridge]:
 
     On exit the loop stops and closes; asyncio tasks still running are cancelled.
     """
+    closed = trio.Event()
     async with trio_asyncio.open_loop() as loop:
-        bridge = Bridge(loop)
         try:
-            yield bridge
+            yield Bridge(loop, closed)
         finally:
-            bridge._open = False
+            closed.set()

@@ -31,10 +31,8 @@ __all__ = [
     "RETRYABLE_ERRORS",
     "STEP_HEADER",
     "RetryPolicy",
-    "body_excerpt",
     "decode_json",
     "send",
-    "step_headers",
 ]
 
 #: Characters of a response body carried by an ``InferenceServerError``.
@@ -75,7 +73,7 @@ class RetryPolicy:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
 
-def step_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
+def _step_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
     """``headers`` plus ``X-Trainer-Step`` when a step is current (see ``current_step``)."""
     step = current_step()
     if step is None:
@@ -108,7 +106,7 @@ async def send(
                 url + path,
                 params=params,
                 json=json_body,
-                headers=step_headers(headers),
+                headers=_step_headers(headers),
             )
             break
         except retries.retry_on as exc:
@@ -124,11 +122,11 @@ async def send(
         except httpx.HTTPError as exc:
             raise InferenceServerError(url, path, None, f"{type(exc).__name__}: {exc}") from None
     if not response.is_success:
-        raise InferenceServerError(url, path, response.status_code, body_excerpt(response))
+        raise InferenceServerError(url, path, response.status_code, _body_excerpt(response))
     return response
 
 
-def body_excerpt(response: httpx.Response) -> str:
+def _body_excerpt(response: httpx.Response) -> str:
     """vLLM's error message when the body is an ``ErrorResponse``, else the start of the body."""
     text = response.text
     try:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -38,7 +37,9 @@ import attrs
 import httpx
 import trio
 
+from engines.process_stop import stop_group
 from trainer.errors import EngineStartError
+from trainer.vocabulary import exception_leaves, raise_first
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
@@ -178,31 +179,13 @@ async def _stop(engine: EngineProcess, timeout_s: float) -> None:
             await proc.stdin.aclose()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # the whole group is gone already
-        with trio.move_on_after(timeout_s if sig == signal.SIGTERM else 5.0):
+
+    async def exited(wait_s: float) -> bool:
+        with trio.move_on_after(wait_s):
             await proc.wait()
-        if proc.returncode is not None and sig == signal.SIGTERM:
-            try:  # the leader is gone; make sure nothing else of its group lingers
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            return
+        return proc.returncode is not None
 
-
-def _raise_first(group: BaseExceptionGroup) -> None:
-    """Raise the first error of a start-up group, the others attached as notes."""
-    errors = list(group.exceptions)
-    first = errors[0]
-    while isinstance(first, BaseExceptionGroup):
-        errors[0:1] = list(first.exceptions)
-        first = errors[0]
-    for other in errors[1:]:
-        first.add_note(f"also: {type(other).__name__}: {other}")
-    raise first
+    await stop_group(proc.pid, timeout_s, exited)
 
 
 @asynccontextmanager
@@ -248,7 +231,7 @@ async def open_engine_processes(
                     _, errors = group.split(trio.Cancelled)
                     if errors is None:
                         raise
-                    _raise_first(errors)
+                    raise_first(exception_leaves(errors))
             if scope.cancelled_caught:
                 slow = next((e for e in engines if not e.ready), engines[0])
                 raise EngineStartError(

@@ -20,13 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from trainer.errors import ConfigError
+
 __all__ = [
-    "SPECIAL_TOKENS",
-    "TINY_MODEL_CONFIG",
     "WORDS",
     "build_tiny_model",
-    "default_cache_dir",
     "load_tokenizer",
+    "quiet_transformers",
     "resolve_model_path",
 ]
 
@@ -76,7 +76,7 @@ TINY_MODEL_CONFIG: dict[str, Any] = dict(
 
 def quiet_transformers() -> None:
     """Silence transformers' per-load progress bars and info logs (they garble the run's display)."""
-    from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging  # heavy: only when a model loads
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_warning()
@@ -100,6 +100,7 @@ def _fingerprint(seed: int) -> str:
 
 
 def _build_tokenizer():
+    # heavy (tokenizers, torch, transformers): only when a model is built or loaded
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -122,7 +123,7 @@ def _build_tokenizer():
 
 def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Return the directory of the built-in tiny model, building it on first use."""
-    import torch
+    import torch  # heavy: see _build_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     quiet_transformers()
@@ -169,8 +170,6 @@ def resolve_model_path(path: str | None, seed: int = 0) -> Path:
         return build_tiny_model(seed=seed)
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
-        from trainer.errors import ConfigError
-
         raise ConfigError(
             f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
             "pass a local directory or leave model.path unset for the built-in tiny model"
@@ -185,7 +184,7 @@ def load_tokenizer(path: str | Path):
     ``qwen2`` model gets Qwen2's BPE class even when ``tokenizer.json`` holds another
     model); reading ``tokenizer.json`` directly is faithful for every fast tokenizer.
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy
 
     quiet_transformers()
     path = Path(path)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
 import subprocess
 import tempfile
 import threading
@@ -56,6 +55,7 @@ from engines.launch import (
     server_command,
     server_env,
 )
+from engines.process_stop import KILL_WAIT_S, stop_group_blocking
 from trainer.errors import EngineStartError, RefFailed
 from trainer.vocabulary import get_refs_as_completed
 
@@ -118,7 +118,7 @@ class EngineServerActor:
 
     def start(self, timeout_s: float) -> dict[str, Any]:
         """Start the server, wait for its ready line; its URL, pids, node and log path."""
-        import ray
+        import ray  # heavy: imported only where Ray places engines
 
         host = ray.util.get_node_ip_address()
         model_dir, seed, extra = self._cmd_args
@@ -171,20 +171,15 @@ class EngineServerActor:
                 proc.stdin.close()
             except OSError:
                 pass
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass  # the whole group is gone already
+
+        def exited(wait_s: float) -> bool:
             try:
                 proc.wait(wait_s)
-                break
             except subprocess.TimeoutExpired:
-                continue
-        try:  # the leader is gone; make sure nothing else of its group lingers
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+                return False
+            return True
+
+        stop_group_blocking(proc.pid, timeout_s, exited)
         return proc.returncode
 
 
@@ -213,7 +208,7 @@ def _spawn(
     env: dict[str, str],
 ) -> None:
     """Create the actors (GCS round-trips: called off the trio thread)."""
-    import ray
+    import ray  # heavy: imported only where Ray places engines
 
     log_dir, model_dir, seed, api_key, extra = args
     log_dir = os.path.abspath(log_dir)  # the same path on every node
@@ -230,7 +225,7 @@ def _spawn(
 
 def _tail(engine: RayEngine) -> str | None:
     """The server's log tail from its node; None when the actor does not answer (blocks)."""
-    import ray
+    import ray  # heavy: imported only where Ray places engines
 
     try:
         return ray.get(engine.actor.log_tail.remote(), timeout=_TAIL_TIMEOUT_S)
@@ -240,7 +235,7 @@ def _tail(engine: RayEngine) -> str | None:
 
 def _timeout_error(engines: list[RayEngine], refs: list[Any], timeout_s: float) -> EngineStartError:
     """Why start-up ran out of time: an actor never placed, or a server never listening."""
-    import ray
+    import ray  # heavy: imported only where Ray places engines
 
     for engine, ref in zip(engines, refs):
         if ray.wait([ref], timeout=0)[0]:
@@ -258,7 +253,7 @@ def _timeout_error(engines: list[RayEngine], refs: list[Any], timeout_s: float) 
 
 def _start_error(engine: RayEngine, error: BaseException) -> EngineStartError:
     """``EngineStartError`` for an actor whose ``start`` failed (the server's own, if any)."""
-    from ray.exceptions import RayActorError, RayTaskError
+    from ray.exceptions import RayActorError, RayTaskError  # heavy: see above
 
     if isinstance(error, RayTaskError) and isinstance(error.cause, EngineStartError):
         return error.cause
@@ -274,7 +269,7 @@ def _stop_all(engines: list[RayEngine], shutdown_timeout_s: float) -> None:
     room would wait for nothing (such an actor has no server; killing it is enough). A
     Ray failure in one phase is logged and never skips the kills.
     """
-    import ray
+    import ray  # heavy: imported only where Ray places engines
 
     try:
         pings = [e.actor.__ray_ready__.remote() for e in engines]
@@ -283,7 +278,7 @@ def _stop_all(engines: list[RayEngine], shutdown_timeout_s: float) -> None:
             e.actor.stop.remote(shutdown_timeout_s) for e, p in zip(engines, pings) if p in created
         ]
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=shutdown_timeout_s + 6.0)
+            ray.wait(refs, num_returns=len(refs), timeout=shutdown_timeout_s + KILL_WAIT_S + 1.0)
     except Exception as exc:  # the actors die below; their servers see stdin close
         log.warning("stopping the engine servers through their actors failed: %r", exc)
     for engine in engines:

@@ -32,7 +32,7 @@ import trio
 from engines.bridge import Bridge
 from engines.types import Completion, FinishReason, SamplingParams
 from trainer.errors import EngineStartError
-from trainer.vocabulary import operation
+from trainer.vocabulary import fire_fault, operation
 
 __all__ = [
     "VLLM_AVAILABLE",
@@ -117,7 +117,8 @@ class VLLMInProcessEngine:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
     ) -> Completion:
-        """Sample one completion; a trio cancellation cancels (and so aborts) the vLLM request."""
+        """Sample one completion inside ``operation("generate")``, where its fault fires; a trio
+        cancellation cancels (and so aborts) the vLLM request."""
         vllm = require_vllm()
         params = vllm.SamplingParams(**to_vllm_sampling_kwargs(sampling))
         request_id = f"{trajectory_id or 'gen'}-{uuid.uuid4().hex}"
@@ -131,6 +132,7 @@ class VLLMInProcessEngine:
             return last
 
         with operation("generate"):
+            await fire_fault("generate")
             return completion_from_output(await self.bridge.run(final))
 
     async def _control(self, path: str, method: str, *args: Any, **kwargs: Any) -> Any:

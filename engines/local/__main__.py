@@ -23,7 +23,14 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, cast
 
+import torch
 import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve as hypercorn_serve
+
+from engines.local.engine import open_local_engine
+from engines.local.server import ServerApp
+from engines.models import resolve_model_path
 
 __all__ = ["READY_PREFIX", "main", "serve"]
 
@@ -95,14 +102,6 @@ async def _watch_stdin(on_eof: Callable[[], None]) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return."""
-    import torch
-    from hypercorn.config import Config
-    from hypercorn.trio import serve as hypercorn_serve
-
-    from engines.local.engine import open_local_engine
-    from engines.local.server import ServerApp
-    from engines.models import resolve_model_path
-
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     model_dir = await trio.to_thread.run_sync(resolve_model_path, args.model)

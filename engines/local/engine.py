@@ -38,6 +38,7 @@ import torch
 import trio
 
 from engines.local.decode import KVCache, decode_step, sample_token
+from engines.models import load_tokenizer
 from engines.types import Completion, FinishReason, SamplingParams
 from trainer.vocabulary import open_owner_nursery
 
@@ -79,9 +80,8 @@ class LocalEngine:
     """A causal LM with a continuous-batching scheduler; create with :func:`open_local_engine`."""
 
     def __init__(self, model_dir: str | Path, *, seed: int = 0, max_num_seqs: int = 256) -> None:
+        # heavy (transformers' auto-model registry): loaded with the first engine only
         from transformers import AutoModelForCausalLM
-
-        from engines.models import load_tokenizer
 
         self.model_dir = Path(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)

@@ -1,9 +1,9 @@
 """``engine.backend=inprocess``: the reference engine inside the trainer, no HTTP.
 
 Offers the same surface as ``engines.client.InferenceClient`` (data plane and the control
-plane the trainer uses), each control call inside ``operation("/path")`` with its fault
-hook, so the trainer cannot tell the two apart. Useful for tests and debugging; the HTTP
-path is what runs against real vLLM.
+plane the trainer uses), ``generate`` inside ``operation("generate")`` and each control call
+inside ``operation("/path")``, each with its fault hook, so the trainer cannot tell the two
+apart. Useful for tests and debugging; the HTTP path is what runs against real vLLM.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ class InProcessClient:
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
     ) -> Completion:
-        return await self.engine.generate(prompt_ids, sampling)
+        """Sample one completion inside ``operation("generate")``, where its fault fires."""
+        with operation("generate"):
+            await fire_fault("generate")
+            return await self.engine.generate(prompt_ids, sampling)
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         with operation("/pause"):

@@ -41,26 +41,19 @@ from engines.local.protocol import (
     parse_completion_request,
     parse_json_object,
 )
-from engines.local.weight_routes import WEIGHT_TRANSFER_PATHS, handle_weight_transfer
+from engines.local.weight_routes import (
+    WEIGHT_TRANSFER_PATHS,
+    WeightReceiver,
+    handle_weight_transfer,
+)
 from engines.types import Completion
+from trainer.vocabulary import fire_fault
 
 __all__ = ["CONTROL_PLANE_PATHS", "Request", "Response", "ServerApp", "error_response"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[["ServerApp", Request], Awaitable[Response]]
-
-
-async def fire_fault(path: str, step: int | None) -> None:
-    """Let ``TRAINER_FAULTS`` fire for a control-plane ``path`` here, where it really runs.
-
-    A no-op when the trainer's fault module is not importable (the server runs alone).
-    """
-    try:
-        from trainer.vocabulary import fire  # type: ignore[import-not-found]
-    except ImportError:
-        return
-    await fire(path, step)
 
 
 class ServerApp:
@@ -73,6 +66,8 @@ class ServerApp:
         self.served_model = served_model
         self.api_key = api_key
         self.max_model_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 2048)
+        #: State of the weight-transfer protocol (:mod:`engines.local.weight_routes`).
+        self.weight_receiver = WeightReceiver()
 
     # -- ASGI -----------------------------------------------------------------------------------
 
@@ -127,7 +122,7 @@ class ServerApp:
         if isinstance(handler, Response):
             return handler
         try:
-            if request.path in CONTROL_PLANE_PATHS:
+            if request.path in CONTROL_PLANE_PATHS:  # TRAINER_FAULTS fire where the work runs
                 await fire_fault(request.path, request.step)
             if request.path == "/v1/completions":
                 return await self._until_disconnect(handler, request, receive)
@@ -146,7 +141,7 @@ class ServerApp:
 
     def _route(self, request: Request) -> Handler | Response:
         if request.path in WEIGHT_TRANSFER_PATHS:
-            return handle_weight_transfer
+            return ServerApp.weight_transfer
         methods = ROUTES.get(request.path)
         if methods is None:
             return error_response(404, f"no route {request.path}")
@@ -330,6 +325,10 @@ class ServerApp:
             n for n in set(baseline) | set(checksums) if baseline.get(n) != checksums.get(n)
         )
         return json_response({"match": not mismatches, "mismatches": mismatches})
+
+    async def weight_transfer(self, request: Request) -> Response:
+        """One of the weight-transfer routes (:mod:`engines.local.weight_routes`)."""
+        return await handle_weight_transfer(self.engine, self.weight_receiver, request)
 
     # -- ours -------------------------------------------------------------------------------------
 

@@ -22,19 +22,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
 import trio
+from safetensors.torch import load_file
 
-from engines.local.engine import EngineAsleepError
+from engines.local.engine import EngineAsleepError, LocalEngine
 from engines.local.http import Request, Response, json_response
 from engines.local.protocol import ProtocolError, parse_json_object
 from engines.process_group import join_group
-
-if TYPE_CHECKING:
-    from engines.local.server import ServerApp
 
 __all__ = ["WEIGHT_TRANSFER_PATHS", "WeightReceiver", "handle_weight_transfer"]
 
@@ -51,29 +49,29 @@ BACKENDS = ("disk", "gloo")
 
 @attrs.define(eq=False)
 class WeightReceiver:
-    """Per-server state of the protocol: which backend, and the update being staged."""
+    """Per-server state of the protocol: which backend, and the update being staged.
 
+    One per server, owned by the server app (``ServerApp.weight_receiver``).
+    """
+
+    #: ``disk`` or ``gloo`` once ``/init_weight_transfer_engine`` succeeded; None before.
     backend: str | None = None
     #: The weight-sync group (backend ``gloo``), joined once.
     group: Any = None
+    #: Tensors received since ``/start_weight_update``; None outside an update.
     staged: dict[str, torch.Tensor] | None = None
+    #: Updates applied by ``/finish_weight_update`` so far.
     updates_finished: int = 0
 
 
-def _receiver(app: ServerApp) -> WeightReceiver:
-    receiver = getattr(app, "weight_receiver", None)
-    if receiver is None:
-        receiver = WeightReceiver()
-        app.weight_receiver = receiver  # type: ignore[attr-defined]
-    return receiver
-
-
-async def handle_weight_transfer(app: ServerApp, request: Request) -> Response:
-    """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (POST only)."""
+async def handle_weight_transfer(
+    engine: LocalEngine, rx: WeightReceiver, request: Request
+) -> Response:
+    """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (POST only) for ``engine``, whose
+    protocol state is ``rx``. Bad input raises ``ProtocolError`` (a 4xx)."""
     if request.method != "POST":
         raise ProtocolError(405, f"{request.path} accepts POST only")
     body = parse_json_object(request.body) if request.body.strip() else {}
-    rx = _receiver(app)
     if request.path == "/init_weight_transfer_engine":
         info = body.get("init_info", {})
         backend = info.get("backend", "disk") if isinstance(info, dict) else None
@@ -103,16 +101,19 @@ async def handle_weight_transfer(app: ServerApp, request: Request) -> Response:
         info = body.get("update_info")
         if not isinstance(info, dict):
             raise ProtocolError(400, "the body needs an 'update_info' object", "update_info")
-        read = _receive_bucket if rx.backend == "gloo" else _read_bucket
-        rx.staged.update(await read(app, info))
+        if rx.backend == "gloo":
+            bucket = await _receive_bucket(engine, rx.group, info)
+        else:
+            bucket = await _read_bucket(engine, info)
+        rx.staged.update(bucket)
         return json_response({"staged": len(rx.staged)})
     staged, rx.staged = rx.staged, None
     try:
-        await app.engine.load_weights(staged)
+        await engine.load_weights(staged)
     except EngineAsleepError as exc:
         raise ProtocolError(409, f"{exc} before finishing a weight update") from None
     rx.updates_finished += 1
-    return json_response({"weight_version": app.engine.weight_version, "loaded": len(staged)})
+    return json_response({"weight_version": engine.weight_version, "loaded": len(staged)})
 
 
 async def _join_group(info: dict[str, Any]) -> Any:
@@ -160,7 +161,9 @@ def _announced(info: dict[str, Any]) -> tuple[list[Any], list[Any], list[Any]]:
     return names, dtypes, shapes
 
 
-async def _receive_bucket(app: ServerApp, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+async def _receive_bucket(
+    engine: LocalEngine, group: Any, info: dict[str, Any]
+) -> dict[str, torch.Tensor]:
     """Receive one bucket from rank 0's broadcast (one flat buffer), then check and split it.
 
     The receive comes first, so a bad announcement still takes part in the collective and
@@ -175,17 +178,18 @@ async def _receive_bucket(app: ServerApp, info: dict[str, Any]) -> dict[str, tor
     except (TypeError, ValueError):
         raise ProtocolError(400, "update_info.shapes must be lists of ints", "shapes") from None
     flat = torch.empty(sum(numels), dtype=dtype)
-    group = _receiver(app).group
     await trio.to_thread.run_sync(group.broadcast, flat)
-    _check_names(app, names, dtypes, shapes)
+    _check_names(engine, names, dtypes, shapes)
     out: dict[str, torch.Tensor] = {}
     for name, piece, shape in zip(names, flat.split(numels), shapes):
         out[name] = piece.view(shape)
     return out
 
 
-def _check_names(app: ServerApp, names: list[Any], dtypes: list[Any], shapes: list[Any]) -> None:
-    params = dict(app.engine.model.named_parameters())
+def _check_names(
+    engine: LocalEngine, names: list[Any], dtypes: list[Any], shapes: list[Any]
+) -> None:
+    params = dict(engine.model.named_parameters())
     for name, dtype, shape in zip(names, dtypes, shapes):
         if name not in params:
             raise ProtocolError(400, f"unknown parameter {name!r}", "names")
@@ -199,22 +203,16 @@ def _check_names(app: ServerApp, names: list[Any], dtypes: list[Any], shapes: li
             raise ProtocolError(400, f"{name}: unknown dtype {dtype!r}", "dtype_names")
 
 
-async def _read_bucket(app: ServerApp, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+async def _read_bucket(engine: LocalEngine, info: dict[str, Any]) -> dict[str, torch.Tensor]:
     names, dtypes, shapes = _announced(info)
     path = info.get("path")
     if not isinstance(path, str):
         raise ProtocolError(
             400, "update_info.path (a safetensors file) is required by the disk backend", "path"
         )
-    _check_names(app, names, dtypes, shapes)
-
-    def load() -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(path)
-
+    _check_names(engine, names, dtypes, shapes)
     try:
-        tensors = await trio.to_thread.run_sync(load)
+        tensors = await trio.to_thread.run_sync(load_file, path)
     except (OSError, ValueError, RuntimeError) as exc:  # missing file, corrupt header
         raise ProtocolError(400, f"cannot read {path}: {exc}", "path") from None
     missing = [n for n in names if n not in tensors]

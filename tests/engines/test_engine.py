@@ -16,9 +16,10 @@ from hypercorn.trio import serve
 
 from engines.client import InferenceClient
 from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engine
+from engines.local.inprocess import open_inprocess_client
 from engines.local.server import ServerApp
 from engines.types import SamplingParams
-from trainer.errors import InferenceServerError
+from trainer.errors import FaultInjected, InferenceServerError, StepTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 
 
@@ -133,6 +134,25 @@ async def test_injected_faults_fire_inside_the_server_on_their_step(model_dir: P
         assert info.value.status == 500
         assert "engine fell over" in info.value.detail
         assert not engine.is_paused  # the fault fired before the engine was touched
+
+
+async def test_the_inprocess_client_names_generate_and_fires_its_fault_there(
+    model_dir: Path,
+) -> None:
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    async with open_inprocess_client(model_dir) as client:
+        assert len((await client.generate([1, 2], params)).token_ids) == 2  # no fault: works
+        try:
+            install_faults("generate:error=boom")
+            with pytest.raises(FaultInjected) as info:
+                await client.generate([1, 2], params)
+            install_faults("generate:hang")
+            with pytest.raises(StepTimeoutError) as hung, step_deadline(4, 0.2):
+                await client.generate([1, 2], params)
+        finally:
+            install_faults("")
+    assert (info.value.operation, info.value.message) == ("generate", "boom")
+    assert (hung.value.step, hung.value.operation) == (4, "generate")
 
 
 async def test_batched_greedy_decoding_matches_transformers_generate(model_dir: Path) -> None:

@@ -20,7 +20,8 @@ from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.models import load_tokenizer
 from engines.types import Completion, SamplingParams
 from tests.engines.helpers import stats, steps, wait_running
-from trainer.errors import InferenceServerError
+from trainer.errors import FaultInjected, InferenceServerError
+from trainer.vocabulary import install_faults, step_deadline
 
 LONG = SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0)
 
@@ -93,6 +94,24 @@ async def test_same_seed_gives_the_same_tokens(engine_urls: list[str]) -> None:
         b = await client.generate([3, 4, 5], params)
     assert a.token_ids == b.token_ids
     assert a.logprobs == pytest.approx(b.logprobs)
+
+
+async def test_a_generate_fault_fires_in_the_client_before_the_request(
+    engine_urls: list[str],
+) -> None:
+    params = SamplingParams(max_tokens=4, ignore_eos=True, seed=3)
+    async with InferenceClient(engine_urls) as client:
+        assert len((await client.generate([3, 4, 5], params)).token_ids) == 4  # no fault: works
+        before = steps(await stats(engine_urls[0]))
+        install_faults("generate:error=boom")
+        try:
+            with pytest.raises(FaultInjected) as info, step_deadline(5, None):
+                await client.generate([3, 4, 5], params)
+        finally:
+            install_faults("")
+        assert steps(await stats(engine_urls[0])) == before  # nothing reached the server
+        assert len((await client.generate([3, 4, 5], params)).token_ids) == 4
+    assert (info.value.operation, info.value.message, info.value.step) == ("generate", "boom", 5)
 
 
 async def test_info_routes(engine_urls: list[str]) -> None:

@@ -22,7 +22,7 @@ from trainer.vocabulary import install_faults
 
 _CHILD = """
 import sys
-from sync.group import join_group
+from engines.process_group import join_group
 print("starting", flush=True)
 join_group("weights", master_address="127.0.0.1", master_port=int(sys.argv[1]), rank=0,
            world_size=2, store_timeout_s=600)

@@ -1,0 +1,102 @@
+"""The public names of each ``engines`` module, pinned (httpx's ``test_exported_members`` style).
+
+A name added to or dropped from an ``__all__`` is an API change: update this list with it.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+PUBLIC_API: dict[str, list[str]] = {
+    "engines": ["Completion", "SamplingParams"],
+    "engines.bridge": ["Bridge", "open_bridge"],
+    "engines.client": [
+        "CONTROL_PLANE_TIMEOUT_ENV",
+        "DATA_CONNECTIONS_PER_SERVER",
+        "DATA_PLANE_ROUTES",
+        "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
+        "PAUSE_ROUTES",
+        "ROUTE_FLAGS",
+        "SLEEP_ROUTES",
+        "WEIGHT_TRANSFER_ROUTES",
+        "InferenceClient",
+        "resolve_control_plane_timeout",
+    ],
+    "engines.control_plane": [
+        "CONTROL_PLANE_TIMEOUT_ENV",
+        "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
+        "ControlPlane",
+        "PauseMode",
+        "resolve_control_plane_timeout",
+    ],
+    "engines.http_requests": [
+        "BODY_EXCERPT_CHARS",
+        "CONNECT_ERRORS",
+        "RETRYABLE_ERRORS",
+        "STEP_HEADER",
+        "RetryPolicy",
+        "decode_json",
+        "send",
+    ],
+    "engines.launch": [
+        "DEFAULT_SHUTDOWN_TIMEOUT_S",
+        "DEFAULT_STARTUP_TIMEOUT_S",
+        "EngineProcess",
+        "launch_local_engines",
+        "open_engine_processes",
+        "server_command",
+        "server_env",
+    ],
+    "engines.local": ["EngineAsleepError", "LocalEngine", "open_local_engine"],
+    "engines.models": [
+        "WORDS",
+        "build_tiny_model",
+        "load_tokenizer",
+        "quiet_transformers",
+        "resolve_model_path",
+    ],
+    "engines.process_group": ["BACKSTOP_S", "GroupHandle", "free_port", "join_group"],
+    "engines.process_stop": ["KILL_WAIT_S", "signal_group", "stop_group", "stop_group_blocking"],
+    "engines.ray_launch": ["EngineServerActor", "RayEngine", "open_ray_engines"],
+    "engines.routes": [
+        "DATA_PLANE_ROUTES",
+        "PAUSE_ROUTES",
+        "ROUTE_FLAGS",
+        "SLEEP_ROUTES",
+        "WEIGHT_TRANSFER_ROUTES",
+        "SupportsControlOne",
+        "probe",
+    ],
+    "engines.types": ["Completion", "FinishReason", "SamplingParams"],
+    "engines.vllm_inprocess": [
+        "VLLM_AVAILABLE",
+        "VLLMInProcessEngine",
+        "completion_from_output",
+        "open_vllm_inprocess",
+        "require_vllm",
+        "to_vllm_sampling_kwargs",
+    ],
+}
+
+
+@pytest.mark.parametrize("module_name", sorted(PUBLIC_API))
+def test_all_is_the_pinned_public_api_and_every_name_exists(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    assert sorted(module.__all__) == sorted(PUBLIC_API[module_name])
+    assert len(set(module.__all__)) == len(module.__all__), "a name listed twice"
+    missing = [name for name in module.__all__ if not hasattr(module, name)]
+    assert not missing, f"{module_name}.__all__ names what it does not define: {missing}"
+    for name in module.__all__:
+        assert not name.startswith("_"), f"{module_name}.__all__ exports a private name {name}"
+
+
+def test_the_client_keeps_the_names_other_packages_import() -> None:
+    """``trainer`` and ``sync`` reach these through ``engines.client`` and ``engines.routes``."""
+    from engines import client, control_plane, routes
+
+    assert client.DATA_PLANE_ROUTES is routes.DATA_PLANE_ROUTES
+    assert client.resolve_control_plane_timeout is control_plane.resolve_control_plane_timeout
+    assert issubclass(client.InferenceClient, control_plane.ControlPlane)
+    assert callable(client.InferenceClient.control_one)
