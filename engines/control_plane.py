@@ -25,13 +25,14 @@ import hashlib
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 import httpx
 import trio
 
 from engines.http_requests import CONNECT_ERRORS, RetryPolicy, decode_json, send
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
+from engines.types import PauseMode
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
 from trainer.vocabulary import operation, raise_first
 
@@ -39,11 +40,9 @@ __all__ = [
     "CONTROL_PLANE_TIMEOUT_ENV",
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
     "ControlPlane",
-    "PauseMode",
     "resolve_control_plane_timeout",
 ]
 
-PauseMode = Literal["keep", "abort", "wait"]
 
 #: Default bound of one control-plane request (``engine.control_plane_timeout_s``).
 DEFAULT_CONTROL_PLANE_TIMEOUT_S = 600.0

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Literal, Protocol
 
 import attrs
 
-__all__ = ["Completion", "FinishReason", "SamplingParams"]
+__all__ = ["Completion", "EngineClient", "FinishReason", "PauseMode", "SamplingParams"]
 
 FinishReason = Literal["stop", "length", "abort"]
+#: What ``pause`` does with requests in flight: freeze them, end them, or let them finish.
+PauseMode = Literal["keep", "abort", "wait"]
 
 
 @attrs.frozen
@@ -41,3 +44,30 @@ class Completion:
     finish_reason: FinishReason
     #: The prompt the completion continues.
     prompt_token_ids: list[int] = attrs.field(factory=list)
+
+
+class EngineClient(Protocol):
+    """What drives the inference engines, whatever they are: the one interface of a run.
+
+    ``engines.client.InferenceClient`` implements it over HTTP (reference servers, ``vllm
+    serve``), ``engines.local.inprocess.InProcessClient`` in this process. Generators see
+    ``generate`` (``Generator.engine``); the weight-sync bracket uses the control calls, each
+    of which reaches every engine.
+    """
+
+    #: One entry per engine (its base URL; ``inprocess://0`` for the in-process engine).
+    urls: Sequence[str]
+
+    async def generate(
+        self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
+    ) -> Completion:
+        """One completion of ``prompt_ids`` (operation ``generate``)."""
+        ...
+
+    async def pause(self, mode: PauseMode = "keep") -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def sleep(self, level: int = 1) -> None: ...
+
+    async def wake_up(self, tags: list[str] | None = None) -> None: ...

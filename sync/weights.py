@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from engines.types import EngineClient, PauseMode
 from sync.transports.base import Rank0, WeightTransport
 from trainer.vocabulary import (
     cleanup_bracket,
@@ -45,13 +46,6 @@ from trainer.vocabulary import (
 __all__ = ["run_transfer", "save_weights_for_sampler"]
 
 OP = "broadcast_to_inference_engines"
-
-
-class _Engine(Protocol):
-    async def pause(self, mode: Any = "keep") -> None: ...
-    async def resume(self) -> None: ...
-    async def sleep(self, level: int = 1, mode: Any = None) -> None: ...
-    async def wake_up(self, tags: Any = None) -> None: ...
 
 
 async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
@@ -95,11 +89,11 @@ async def _transfer_and_record(
 
 
 async def save_weights_for_sampler(
-    engine: _Engine,
+    engine: EngineClient,
     workers: Rank0,
     transport: WeightTransport,
     *,
-    pause_mode: str = "keep",
+    pause_mode: PauseMode = "keep",
     colocated: bool = False,
     offload_kv: bool = False,
     fully_async: bool = False,
@@ -133,7 +127,7 @@ async def save_weights_for_sampler(
     return out
 
 
-def _wake_kv_after(engine: _Engine):
+def _wake_kv_after(engine: EngineClient):
     async def wake_kv() -> None:
         await engine.wake_up(["kv_cache"])
 

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import attrs
 
+from engines.types import PauseMode
+
 __all__ = [
     "AlgorithmConfig",
     "Config",
@@ -173,7 +175,7 @@ class EngineConfig:
     api_key: str | None = _field(
         None, "Bearer token for the servers (also given to servers we start)."
     )
-    pause_mode: Literal["keep", "abort", "wait"] = _field(
+    pause_mode: PauseMode = _field(
         "keep", "How generation pauses for a weight sync: keep (freeze), abort, wait (drain)."
     )
     colocated: bool = _field(

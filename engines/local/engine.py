@@ -31,7 +31,6 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
 
 import attrs
 import torch
@@ -39,20 +38,18 @@ import trio
 
 from engines.local.decode import KVCache, decode_step, sample_token
 from engines.models import load_tokenizer
-from engines.types import Completion, FinishReason, SamplingParams
+from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from trainer.vocabulary import open_owner_nursery
 
 __all__ = [
     "EngineAsleepError",
     "LocalEngine",
-    "PauseMode",
     "open_local_engine",
     "sample_token",
     "state_checksum",
 ]
 
 log = logging.getLogger(__name__)
-PauseMode = Literal["keep", "abort", "wait"]
 
 
 class EngineAsleepError(RuntimeError):

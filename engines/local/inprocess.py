@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from engines.local.engine import LocalEngine, PauseMode, open_local_engine
-from engines.types import Completion, SamplingParams
+from engines.local.engine import LocalEngine, open_local_engine
+from engines.types import Completion, PauseMode, SamplingParams
 from trainer.vocabulary import fire_fault, operation
 
 __all__ = ["InProcessClient", "open_inprocess_client"]

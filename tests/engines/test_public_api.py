@@ -28,7 +28,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "CONTROL_PLANE_TIMEOUT_ENV",
         "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
         "ControlPlane",
-        "PauseMode",
         "resolve_control_plane_timeout",
     ],
     "engines.http_requests": [
@@ -69,7 +68,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "SupportsControlOne",
         "probe",
     ],
-    "engines.types": ["Completion", "FinishReason", "SamplingParams"],
+    "engines.types": ["Completion", "EngineClient", "FinishReason", "PauseMode", "SamplingParams"],
     "engines.vllm_inprocess": [
         "VLLM_AVAILABLE",
         "VLLMInProcessEngine",

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import attrs
 
-from engines.types import Completion, SamplingParams
+from engines.types import EngineClient, SamplingParams
 from trainer.data import RewardFn
 
 __all__ = [
@@ -19,14 +19,6 @@ __all__ = [
     "Trajectory",
     "TrajectoryInput",
 ]
-
-
-class EngineClient(Protocol):
-    """What ``Generator.engine`` offers: the data plane of ``engines.client.InferenceClient``."""
-
-    async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
-    ) -> Completion: ...
 
 
 @attrs.frozen
