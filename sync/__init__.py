@@ -1,1 +1,3 @@
-"""Weight sync from the policy to the inference engines."""
+"""Weight sync from the policy to the inference engines: the bracket and the transports."""
+
+__all__: list[str] = []

@@ -1,5 +1,9 @@
 """An RL post-training trainer for LLMs whose step loop is written on trio.
 
-Kept import-light on purpose: ``engines`` and ``sync`` import ``trainer.errors`` and
-``trainer.deadline``, so this package must not import the loop (or torch) at import time.
+Kept import-light on purpose: ``engines`` and ``sync`` import ``trainer.vocabulary`` and
+``trainer.errors``, so this package imports nothing (not the loop, not torch) when imported.
+Start at ``trainer.loop`` (the run, step by step) and ``trainer.vocabulary`` (deadlines,
+stages and operations, faults).
 """
+
+__all__: list[str] = []

@@ -1,0 +1,60 @@
+"""``sync``'s public names, pinned (a change to them is a decision, not an accident)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+import sync
+
+#: Every public module of ``sync`` and its ``__all__``; private (``_x``) modules are not listed.
+PUBLIC = {
+    "sync": [],
+    "sync.group": ["init_group", "join_in_thread"],
+    "sync.transports": [
+        "BroadcastTransport",
+        "DiskTransport",
+        "InProcessTransport",
+        "Rank0",
+        "WeightTransport",
+    ],
+    "sync.transports.base": ["Rank0", "WeightTransport"],
+    "sync.transports.broadcast": [
+        "BroadcastTransport",
+        "GROUP",
+        "broadcast_bucket",
+        "group_endpoint",
+        "host_group",
+        "hosted_groups",
+        "leave_group",
+        "weight_buckets",
+    ],
+    "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
+    "sync.transports.disk": ["DiskTransport", "write_buckets"],
+    "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
+    "sync.weights": ["run_transfer", "save_weights_for_sampler"],
+}
+
+
+def _public_modules() -> list[str]:
+    found = pkgutil.walk_packages(sync.__path__, "sync.")
+    names = [
+        m.name
+        for m in found
+        if not any(p.startswith("_") and p != "__main__" for p in m.name.split("."))
+    ]
+    return sorted(["sync", *names])
+
+
+def test_every_public_module_is_pinned():
+    assert _public_modules() == sorted(PUBLIC)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLIC))
+def test_all_is_pinned_and_every_name_exists(name):
+    module = importlib.import_module(name)
+    assert sorted(module.__all__) == PUBLIC[name]
+    missing = [n for n in module.__all__ if not hasattr(module, n)]
+    assert not missing, f"{name}.__all__ names what it does not define: {missing}"
