@@ -110,9 +110,24 @@ async def test_expiry_names_the_innermost_open_stage_and_operation(autojump_cloc
     with pytest.raises(StepTimeoutError) as info, step_deadline(2, 60), stage("sync_weights"):
         with operation("/pause"):
             await trio.sleep(1)
-        with stage("broadcast"), operation("/update_weights"):
+        with stage("eval"), operation("/update_weights"):
             await trio.sleep_forever()
-    assert (info.value.stage, info.value.operation) == ("broadcast", "/update_weights")
+    assert (info.value.stage, info.value.operation) == ("eval", "/update_weights")
+
+
+@pytest.mark.parametrize(
+    ("enter", "name"),
+    [(stage, "train_policy"), (operation, "forward_bakcward"), (Timer, "sync")],
+)
+def test_a_stage_or_operation_outside_the_vocabulary_is_refused(enter, name):
+    with pytest.raises(ValueError, match=repr(name)):
+        with enter(name):
+            pass
+
+
+def test_any_control_plane_path_is_an_operation():
+    with operation("/is_paused"):  # every endpoint is named by its path (DESIGN 4.3)
+        assert current_operation() == "/is_paused"
 
 
 async def test_expiry_with_no_operation_open_names_await(autojump_clock):

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
+from trainer.vocabulary._names import OPERATIONS, STAGES, Operation, Stage
+
 __all__ = [
     "AWAIT",
     "Timer",
@@ -31,6 +33,9 @@ __all__ = [
 
 #: The operation named when a deadline expires with no ``operation()`` open.
 AWAIT = "await"
+
+_STAGES = frozenset(STAGES)
+_OPERATIONS = frozenset(OPERATIONS)
 
 _stage: contextvars.ContextVar[str | None] = contextvars.ContextVar("trainer_stage", default=None)
 _operation: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -84,13 +89,25 @@ def _entered(var: contextvars.ContextVar[Any], value: object) -> Iterator[None]:
         var.reset(token)
 
 
-def stage(name: str) -> AbstractContextManager[None]:
-    """Name the stage of the step the enclosed code belongs to (DESIGN 4.3)."""
+def stage(name: Stage) -> AbstractContextManager[None]:
+    """Name the stage of the step the enclosed code belongs to (one of ``STAGES``).
+
+    ``ValueError`` for any other name: a misspelt stage would name no real stage in errors
+    and metrics.
+    """
+    if name not in _STAGES:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(STAGES)}")
     return _entered(_stage, name)
 
 
-def operation(name: str) -> AbstractContextManager[None]:
-    """Name the awaited call (``forward_backward``, ``/pause``, ...) the enclosed code makes."""
+def operation(name: Operation | str) -> AbstractContextManager[None]:
+    """Name the awaited call the enclosed code makes: one of ``OPERATIONS``, or any other
+    control-plane endpoint by its path (``/is_paused``); ``ValueError`` otherwise."""
+    if name not in _OPERATIONS and not name.startswith("/"):
+        raise ValueError(
+            f"unknown operation {name!r}; operations: {', '.join(OPERATIONS)} "
+            "or a control-plane path such as '/is_paused'"
+        )
     return _entered(_operation, name)
 
 
@@ -115,7 +132,7 @@ class Timer:
     ``timings[name]`` receives the wall seconds spent in the block, even when it raises.
     """
 
-    def __init__(self, name: str, timings: dict[str, float] | None = None) -> None:
+    def __init__(self, name: Stage, timings: dict[str, float] | None = None) -> None:
         self.name = name
         self.timings = timings if timings is not None else {}
         self.elapsed_s = 0.0

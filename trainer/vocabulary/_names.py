@@ -1,7 +1,8 @@
 """The names of DESIGN 4.3, spelled once: the stages of a step and the operations it awaits.
 
 Config validation, fault specs, ``stage()``/``operation()``, metrics (``timing/<stage>``) and
-the docs all use these literals; a typo is a type error, and at run time a ``ValueError``.
+the docs all use these names. A misspelt stage is a type error (``Stage``) and, like a
+misspelt operation, a ``ValueError`` at run time.
 """
 
 from __future__ import annotations
