@@ -7,11 +7,11 @@ from typing import Any
 
 import attrs
 
+from engines.http_requests import STEP_HEADER
 from engines.local.protocol import error_body
 
 __all__ = [
     "MAX_BODY_BYTES",
-    "STEP_HEADER",
     "Request",
     "Response",
     "error_response",
@@ -20,8 +20,6 @@ __all__ = [
 
 #: Largest request body accepted (413 beyond).
 MAX_BODY_BYTES = 8 * 1024 * 1024
-#: Header carrying the trainer's current step (for fault injection inside the server).
-STEP_HEADER = "x-trainer-step"
 
 
 @attrs.frozen
@@ -42,7 +40,7 @@ class Request:
     @property
     def step(self) -> int | None:
         """The trainer step from ``X-Trainer-Step``; None when absent or not an integer."""
-        raw = self.headers.get(STEP_HEADER)
+        raw = self.headers.get(STEP_HEADER.lower())  # headers arrive lower-cased
         try:
             return int(raw) if raw is not None else None
         except ValueError:
