@@ -97,7 +97,7 @@ async def test_a_cancellation_waits_for_the_transfer_before_resuming():
     events: list[str] = []
     transport = BlockingTransport(events, 0.3)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(save_weights_for_sampler, None, RecordingEngine(events), transport)
+        nursery.start_soon(save_weights_for_sampler, RecordingEngine(events), None, transport)
         await transport.started.wait()
         await trio.to_thread.run_sync(transport.thread_started.wait)
         nursery.cancel_scope.cancel()
