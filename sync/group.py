@@ -11,7 +11,8 @@ controller's behalf (a thread left blocked in a collective keeps half-initialise
 the participant's store has a longer backstop timeout only so that an abandoned thread
 ends eventually. The init's own error (bad address, ``FaultInjected``, a server's 4xx) is
 re-raised unchanged. There is no retry in place: the trainer tears down what it started
-and exits. A group is built once and reused by every sync (see :class:`GroupHandle`).
+and exits. A group is built once and reused by every sync (see
+:class:`engines.process_group.GroupHandle`).
 
 Groups are *stateless* with respect to ``torch.distributed``'s global default group: each
 one is its own ``TCPStore`` plus ``ProcessGroupGloo``, as vLLM's weight-transfer groups

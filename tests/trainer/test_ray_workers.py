@@ -19,6 +19,7 @@ from engines.local.engine import state_checksum
 from engines.models import resolve_model_path
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
+from sync.transports.inprocess import copy_weights
 from sync.weights import save_weights_for_sampler
 from tests.e2e.helpers import alive_after
 from trainer.config import load_config
@@ -139,13 +140,14 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
                     b = make_batch(model_dir, seed=seed)
                     await group.forward_backward(b, b.num_tokens)
                     await group.optim_step()  # the policy moves away from what is served
-                    policy_sum = state_checksum(await group.named_weights())
+                    policy_sum = state_checksum(await group.run_on_rank0(copy_weights))
                     assert await served() != policy_sum
                     await transport.init(client, group)
-                    result = await save_weights_for_sampler(group, client, transport)
+                    result = await save_weights_for_sampler(client, group, transport)
                     assert await served() == policy_sum, type(transport).__name__
                     assert result["sync/last_weight_sync_seconds"] > 0
                     assert not any(await client.is_paused())
+                    await transport.close(group)  # rank 0's actor leaves the group
     finally:
         await group.shutdown()
     assert await wait_gone(list(group.pids.values())) == []
