@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -69,8 +70,6 @@ class PolicyActor(_Actor):
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port for the group's TCP store (rank 0 is asked)."""
-        import ray
-
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
