@@ -89,4 +89,8 @@ async def test_multi_turn_generator_trains_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["generate/num_turns_mean"] == 2.0 for r in rows)
+    # one name per value: the trained-token count is response_length/mean, nothing else
+    assert all(
+        "generate/response_length_mean" not in r and r["response_length/mean"] > 0 for r in rows
+    )
     assert all(r["reward/mean"] == 0.0 for r in rows)
