@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 import trainer.run
 from engines.local.inprocess import open_inprocess_client
 from engines.models import build_tiny_model, load_tokenizer
@@ -67,10 +65,6 @@ async def test_right_first_answer_ends_the_trajectory_after_one_turn():
         assert all(m == 1 for m in t.loss_mask)
 
 
-@pytest.mark.filterwarnings(
-    # trainer/workers/policy.py sums float(loss) of a tensor that requires grad
-    "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
-)
 async def test_multi_turn_generator_trains_end_to_end(tmp_path):
     cfg = load_config(
         None,

@@ -235,6 +235,12 @@ def validate_cfg(cfg: Config) -> None:
             f"config: engine.placement='ray' places the servers the trainer starts, but "
             f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local"
         )
+    if cfg.sync.transport == "broadcast" and cfg.engine.backend == "inprocess":
+        raise ConfigError(
+            "config: sync.transport='broadcast' builds a process group to engine servers, but "
+            "engine.backend='inprocess' has none (it takes the weights in memory); use "
+            "engine.backend=local for broadcast, or leave sync.transport at its default"
+        )
     w = cfg.workers
     if w.backend == "local" and w.num_policy_workers != 1:
         raise ConfigError(

@@ -27,6 +27,7 @@ Both halves: the functions below marked "rank 0" run where rank 0 runs (through
 from __future__ import annotations
 
 import functools
+import math
 import uuid
 from typing import Any
 
@@ -38,7 +39,7 @@ from sync.group import init_group
 from sync.transports.base import Rank0
 from sync.transports.buckets import plan_buckets, update_info
 from trainer.errors import CheckpointEngineInitError
-from trainer.vocabulary import open_owner_nursery, remaining
+from trainer.vocabulary import open_owner_nursery, operation, remaining
 
 __all__ = [
     "GROUP",
@@ -53,6 +54,7 @@ __all__ = [
 
 #: The name errors and logs give the weight-sync group.
 GROUP = "weight_sync"
+INIT_OP = "init_process_group"
 
 #: Rank 0's side of the groups this process joined, by group id.
 _hosted: dict[str, GroupHandle] = {}
@@ -152,12 +154,18 @@ class BroadcastTransport:
             return
         urls = list(engine.urls)
         world_size = 1 + len(urls)
-        with trio.move_on_after(self.group_init_timeout_s) as scope:  # rank 0 may be remote
-            host, port = await workers.run_on_rank0(
-                group_endpoint, self.master_address, abandon_on_cancel=True
-            )
+        # one bound for the whole init: asking rank 0 where to host, then every join
+        with operation(INIT_OP), trio.move_on_after(self.group_init_timeout_s) as scope:
+            await self._build(engine, workers, urls, world_size)
         if scope.cancelled_caught:
             raise CheckpointEngineInitError(GROUP, self.group_init_timeout_s)
+        self.initialized = True
+
+    async def _build(self, engine: Any, workers: Rank0, urls: list[str], world_size: int) -> None:
+        """Rank 0's endpoint, then every participant's join (unbounded here: see ``init``)."""
+        host, port = await workers.run_on_rank0(
+            group_endpoint, self.master_address, abandon_on_cancel=True
+        )
         store_timeout_s = max(self.group_init_timeout_s + BACKSTOP_S, self.timeout_s)
 
         async def rank0_join() -> None:
@@ -190,8 +198,7 @@ class BroadcastTransport:
             return join
 
         joins = [rank0_join, *(server_join(i, u) for i, u in enumerate(urls))]
-        await init_group(GROUP, joins, timeout_s=self.group_init_timeout_s)
-        self.initialized = True
+        await init_group(GROUP, joins, timeout_s=math.inf)  # init() bounds the whole
 
     async def transfer(self, engine: Any, workers: Rank0) -> None:
         if not self.initialized:

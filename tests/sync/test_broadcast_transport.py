@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
@@ -69,3 +70,44 @@ async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
                 await transport.init(client, workers)
             assert info.value.group == "weight_sync" and info.value.timeout_s == 2
             assert hosted_group(transport) is None and not transport.initialized
+
+
+class SlowRank0:
+    """Rank 0 that takes 6 s to say where it hosts, then never finishes joining."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def run_on_rank0(self, fn, *args, abandon_on_cancel: bool = False):
+        self.calls.append(fn.__name__)
+        if fn is broadcast.group_endpoint:
+            await trio.sleep(6)
+            return "127.0.0.1", 1
+        await trio.sleep_forever()
+
+
+class SilentServer:
+    """An engine whose /init_weight_transfer_engine never answers."""
+
+    urls = ("http://127.0.0.1:1",)
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def control_one(self, url, method, path, params=None, json=None):
+        self.calls.append(path)
+        await trio.sleep_forever()
+
+
+async def test_the_whole_group_init_is_bounded_once_and_attempted_once(autojump_clock):
+    rank0, server = SlowRank0(), SilentServer()
+    transport = BroadcastTransport(2**20, group_init_timeout_s=10)
+    t0 = trio.current_time()
+    with pytest.raises(CheckpointEngineInitError) as info:
+        await transport.init(server, rank0)
+    # one bound for both phases: 10 s, not 6 s + 10 s
+    assert trio.current_time() - t0 == pytest.approx(10)
+    assert info.value.timeout_s == 10 and not transport.initialized
+    # no retry in place: each participant was asked to join once
+    assert rank0.calls == ["group_endpoint", "host_group"]
+    assert server.calls == ["/init_weight_transfer_engine"]

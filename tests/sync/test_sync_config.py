@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from trainer.config import load_config
+from trainer.errors import ConfigError
 
 
 def test_group_init_timeout_defaults_to_600_and_the_env_var_sets_it(monkeypatch):
@@ -19,3 +22,17 @@ def test_broadcast_loads_with_either_worker_backend():
     for backend in ("local", "ray"):
         cfg = load_config(None, ["sync.transport=broadcast", f"workers.backend={backend}"])
         assert (cfg.sync.transport, cfg.workers.backend) == ("broadcast", backend)
+
+
+def test_broadcast_to_the_in_process_engine_is_refused_saying_why():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["sync.transport=broadcast", "engine.backend=inprocess"])
+    assert "engine.backend='inprocess' has none" in str(info.value)
+    assert load_config(None, ["engine.backend=inprocess"]).sync.transport == "disk"
+
+
+def test_a_group_init_fault_needs_the_broadcast_transport():
+    with pytest.raises(ConfigError, match=r"set sync\.transport=broadcast to reach it"):
+        load_config(None, ["faults=init_process_group:hang"])
+    cfg = load_config(None, ["faults=init_process_group:hang", "sync.transport=broadcast"])
+    assert cfg.faults == "init_process_group:hang"

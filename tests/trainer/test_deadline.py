@@ -164,6 +164,11 @@ async def test_stage_and_operation_are_restored_on_exit():
     assert (current_stage(), current_operation()) == (None, None)
 
 
+def _block_the_loop_for(seconds: float) -> None:
+    """Spend real wall time on the trio thread (the mock clock does not move)."""
+    time.sleep(seconds)
+
+
 async def test_timer_records_its_stage_and_seconds_even_when_the_block_raises():
     timings: dict[str, float] = {}
     with (
@@ -171,10 +176,11 @@ async def test_timer_records_its_stage_and_seconds_even_when_the_block_raises():
         Timer("compute_advantages", timings) as timer,
     ):
         assert current_stage() == "compute_advantages"
+        _block_the_loop_for(0.02)  # wall time the timer must count
         raise ValueError("bad reward")
     assert current_stage() is None
     assert timings == {"compute_advantages": timer.elapsed_s}
-    assert timer.elapsed_s >= 0
+    assert timer.elapsed_s >= 0.02
 
 
 async def test_timer_records_its_seconds_when_the_deadline_cuts_it_off(autojump_clock):
@@ -182,11 +188,14 @@ async def test_timer_records_its_seconds_when_the_deadline_cuts_it_off(autojump_
     with (
         pytest.raises(StepTimeoutError) as info,
         step_deadline(1, 5),
-        Timer("fwd_logprobs_values_reward", timings),
+        Timer("fwd_logprobs_values_reward", timings) as timer,
     ):
+        _block_the_loop_for(0.02)  # wall time the timer must count
         await trio.sleep_forever()
     assert info.value.stage == "fwd_logprobs_values_reward"
-    assert set(timings) == {"fwd_logprobs_values_reward"}
+    assert timings == {"fwd_logprobs_values_reward": timer.elapsed_s}
+    # wall seconds (perf_counter), not the 5 s the mock clock jumped
+    assert 0.02 <= timer.elapsed_s < 5
 
 
 # Tests with threads run on the real clock (or mock_clock, which stands still): an

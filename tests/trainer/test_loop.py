@@ -55,10 +55,6 @@ async def test_eval_is_its_own_stage_under_its_own_step_budget(autojump_clock):
     assert trio.current_time() - t0 == pytest.approx(30)
 
 
-@pytest.mark.filterwarnings(
-    # trainer/workers/policy.py sums float(loss) of a tensor that requires grad
-    "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
-)
 async def test_a_run_syncs_first_checkpoints_its_last_step_and_evaluates_after_a_step(tmp_path):
     cfg = load_config(
         None,

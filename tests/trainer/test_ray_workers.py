@@ -70,7 +70,8 @@ async def wait_gone(pids: list[int]) -> list[int]:
 def test_local_backend_with_two_workers_is_a_config_error_saying_why():
     with pytest.raises(ConfigError, match=r"backend='local' runs exactly 1 policy worker"):
         load_config(None, ["workers.num_policy_workers=2"])
-    assert load_config(None, ["workers.backend=ray", "workers.num_policy_workers=2"])
+    cfg = load_config(None, ["workers.backend=ray", "workers.num_policy_workers=2"])
+    assert (cfg.workers.backend, cfg.workers.num_policy_workers) == ("ray", 2)
 
 
 def test_cluster_start_error_is_picklable_and_names_every_attempt():
