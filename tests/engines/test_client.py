@@ -231,11 +231,16 @@ async def test_concurrency_cap_bounds_requests_in_flight() -> None:
     in_flight = 0
     peak = 0
 
+    full = trio.Event()
+
     async def slow(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await trio.sleep(0.05)
+        if in_flight == 3:
+            full.set()
+        with trio.move_on_after(30):  # hold the first requests until the cap is reached
+            await full.wait()
         in_flight -= 1
         return 200, COMPLETION
 

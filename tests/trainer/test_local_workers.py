@@ -52,4 +52,4 @@ async def test_the_event_loop_keeps_running_while_a_worker_computes(model_dir):
         nursery.start_soon(tick)
         await group.optim_step()
         nursery.cancel_scope.cancel()
-    assert ticks >= 10  # a blocking optim_step on the loop would have allowed none
+    assert ticks >= 3  # a blocking optim_step on the loop would have allowed at most one
