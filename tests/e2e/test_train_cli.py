@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -135,6 +136,18 @@ def test_ckpt_subcommands_list_verify_and_prune(tmp_path):
         "global_step_4",
     ]
     assert listed.stdout.splitlines()[-1].endswith("(latest)")
+    shown = ckpt("show", str(run_dir))  # the latest checkpoint: its state, then its files
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0].endswith("global_step_4")
+    state = json.loads(shown.stdout[shown.stdout.index("{") : shown.stdout.index("\n}") + 2])
+    assert state["step"] == 4 and state["loader"]
+    files = [
+        line.split("\t")[0].strip() for line in lines if line.startswith("  ") and "\t" in line
+    ]
+    assert {"trainer_state.json", "manifest.json", "optimizer.pt"} <= set(files)
+    one = ckpt("show", str(run_dir / "checkpoints" / "global_step_2"))
+    assert one.returncode == 0 and one.stdout.splitlines()[0].endswith("global_step_2")
     assert ckpt("verify", str(run_dir)).returncode == 0
     optimizer = run_dir / "checkpoints" / "global_step_2" / "optimizer.pt"
     data = bytearray(optimizer.read_bytes())

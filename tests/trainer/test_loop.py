@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import types
 
 import pytest
 import trio
 
 import trainer.run
+from engines.client import InferenceClient
+from engines.launch import launch_local_engines
 from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
 from trainer.config import load_config
 from trainer.data import task_examples
-from trainer.errors import StepTimeoutError
+from trainer.errors import ConfigError, StepTimeoutError
 from trainer.generators import Generator, GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval
 
@@ -89,3 +92,48 @@ async def test_a_run_syncs_first_checkpoints_its_last_step_and_evaluates_after_a
     assert evaluation["step"] == 3 and evaluation["eval/num_prompts"] == 2.0
     assert evaluation["timing/eval"] > 0
     assert "fault 'env_step:error=never@1' never fired" in (tmp_path / "train.log").read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "nosuch.mod:G",
+            "generator.cls='nosuch.mod:G' cannot be imported: No module named 'nosuch'",
+        ),
+        ("trainer.data:Example", "is not a subclass of trainer.generators.Generator"),
+    ],
+)
+async def test_a_bad_generator_cls_stops_the_run_before_any_engine_starts(tmp_path, spec, message):
+    cfg = load_config(None, [f"generator.cls={spec}", f"trainer.run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        await trainer.run.train(cfg)
+    assert not (tmp_path / "engines").exists()  # no server was started
+
+
+async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(tmp_path, capsys):
+    """engine.backend=remote (servers someone else runs), a reference model, the progress lines."""
+    async with launch_local_engines(1, build_tiny_model(), tmp_path / "servers") as urls:
+        cfg = load_config(
+            None,
+            [
+                "engine.backend=remote",
+                f"engine.urls=[{urls[0]}]",
+                "algorithm.use_kl_loss=true",
+                "trainer.max_steps=2",
+                "trainer.train_batch_size=2",
+                "generator.n_samples_per_prompt=2",
+                f"trainer.run_dir={tmp_path / 'run'}",
+                "trainer.progress=true",
+            ],
+        )
+        await trainer.run.train(cfg)
+        # the trainer stopped nothing it did not start: the server still answers
+        async with InferenceClient(urls) as client:
+            await client.probe()
+    rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all("policy/kl" in r and r["policy/kl"] >= 0 for r in rows)
+    assert not (tmp_path / "run/engines").exists()  # no server of its own
+    err = capsys.readouterr().err  # not a terminal: one plain line per step
+    assert "step 1/2 reward" in err and "step 2/2 reward" in err
