@@ -197,8 +197,12 @@ async def test_actor_hung_in_backload_times_out_with_the_steps_error(ray_cluster
     assert await wait_gone(list(group.pids.values())) == []
 
 
-async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(ray_cluster, model_dir):
-    install_faults("forward_backward:sleep=60")
+async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(
+    ray_cluster, model_dir, tmp_path
+):
+    # each rank appends the fault to this log when it fires: both are then inside the call
+    fired = tmp_path / "faults_fired.log"
+    install_faults("forward_backward:sleep=60", fired_log=fired)
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
     )
@@ -211,7 +215,10 @@ async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(ray_c
                 async with trio.open_nursery() as nursery:
 
                     async def kill_rank_1() -> None:
-                        await trio.sleep(2)
+                        with trio.fail_after(40):  # both ranks are stuck in forward_backward
+                            # the event happens in other processes: poll the file they append to
+                            while len(fired.read_text().splitlines()) < 2:  # noqa: ASYNC110
+                                await trio.sleep(0.05)
                         await trio.to_thread.run_sync(ray.kill, group.policy[1])
 
                     nursery.start_soon(kill_rank_1)
