@@ -55,8 +55,10 @@ class EngineClient(Protocol):
     of which reaches every engine.
     """
 
-    #: One entry per engine (its base URL; ``inprocess://0`` for the in-process engine).
-    urls: Sequence[str]
+    @property
+    def urls(self) -> Sequence[str]:
+        """One entry per engine (its base URL; ``inprocess://0`` for the in-process engine)."""
+        ...
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None

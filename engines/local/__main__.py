@@ -4,6 +4,7 @@
 
     python -m engines.local serve [--model DIR] [--host 127.0.0.1] [--port 8000]
                                   [--api-key KEY] [--seed N] [--exit-on-stdin-eof]
+                                  [--no-weight-transfer]
 
 Once listening it prints one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
 (``--port 0`` picks a free port; launchers read the port from this line). SIGTERM/SIGINT
@@ -77,6 +78,12 @@ def _parser() -> argparse.ArgumentParser:
         "must wait for a core makes each small forward pass many times slower)",
     )
     s.add_argument(
+        "--no-weight-transfer",
+        dest="weight_transfer_routes",
+        action="store_false",
+        help="serve no weight-transfer routes (404), as vllm serve without --weight-transfer-config",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -117,6 +124,7 @@ async def serve(args: argparse.Namespace) -> None:
                 engine,
                 served_model=args.served_model_name or args.model or str(model_dir),
                 api_key=args.api_key,
+                weight_transfer_routes=args.weight_transfer_routes,
             )
             config = Config()
             host = f"[{args.host}]" if ":" in args.host else args.host

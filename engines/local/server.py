@@ -7,8 +7,12 @@ Routes (vLLM's shapes; see ``docs/engines.md`` for the version followed):
   ``GET /is_paused``, ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=...]``,
   ``GET /is_sleeping``, ``POST /reset_prefix_cache``, ``GET /get_world_size``,
   ``POST /weight_checker``, and the weight-transfer routes of :mod:`engines.local.weight_routes`;
-- ours: ``GET /metrics`` (Prometheus text) and ``GET /engine_stats`` (JSON: batch-size
-  histogram, queue lengths, weight version).
+- ours: ``GET /metrics`` (Prometheus text), ``GET /engine_stats`` (JSON: batch-size
+  histogram, queue lengths, weight version) and ``GET /control_log`` (the control-plane
+  calls received, in order: the last :data:`CONTROL_LOG_SIZE`).
+
+``weight_transfer_routes=False`` (``serve --no-weight-transfer``) drops the weight-transfer
+routes (404), as a ``vllm serve`` without ``--weight-transfer-config``.
 
 Every error is a vLLM ``ErrorResponse`` body. Bad input is a 4xx; a 5xx means a bug here
 (or an injected fault). Model compute runs in the engine's worker threads, never on the
@@ -19,9 +23,10 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 import torch
 import trio
@@ -49,25 +54,46 @@ from engines.local.weight_routes import (
 from engines.types import Completion
 from trainer.vocabulary import fire_fault
 
-__all__ = ["CONTROL_PLANE_PATHS", "Request", "Response", "ServerApp", "error_response"]
+__all__ = [
+    "CONTROL_LOG_SIZE",
+    "CONTROL_PLANE_PATHS",
+    "Request",
+    "Response",
+    "ServerApp",
+    "error_response",
+]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[["ServerApp", Request], Awaitable[Response]]
+
+#: Control-plane calls ``GET /control_log`` keeps (the oldest are dropped).
+CONTROL_LOG_SIZE = 1000
 
 
 class ServerApp:
     """ASGI app over one :class:`LocalEngine` (whose scheduler runs elsewhere)."""
 
     def __init__(
-        self, engine: LocalEngine, *, served_model: str, api_key: str | None = None
+        self,
+        engine: LocalEngine,
+        *,
+        served_model: str,
+        api_key: str | None = None,
+        weight_transfer_routes: bool = True,
     ) -> None:
         self.engine = engine
         self.served_model = served_model
         self.api_key = api_key
+        #: False: the weight-transfer routes answer 404 (no ``--weight-transfer-config``).
+        self.weight_transfer_routes = weight_transfer_routes
         self.max_model_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 2048)
         #: State of the weight-transfer protocol (:mod:`engines.local.weight_routes`).
         self.weight_receiver = WeightReceiver()
+        #: The last control-plane POSTs received, in order: ``/pause?mode=keep``, ...
+        self.control_log: deque[str] = deque(maxlen=CONTROL_LOG_SIZE)
+        #: Control-plane calls received since start (the log keeps the last ones).
+        self.control_calls = 0
 
     # -- ASGI -----------------------------------------------------------------------------------
 
@@ -122,7 +148,10 @@ class ServerApp:
         if isinstance(handler, Response):
             return handler
         try:
-            if request.path in CONTROL_PLANE_PATHS:  # TRAINER_FAULTS fire where the work runs
+            if request.path in CONTROL_PLANE_PATHS:
+                if request.method == "POST":  # not a probe's GET
+                    self._record_control_call(request)
+                # TRAINER_FAULTS fire where the work runs
                 await fire_fault(request.path, request.step)
             if request.path == "/v1/completions":
                 return await self._until_disconnect(handler, request, receive)
@@ -139,8 +168,13 @@ class ServerApp:
         auth = request.headers.get("authorization", "")
         return hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
 
+    def _record_control_call(self, request: Request) -> None:
+        query = urlencode(request.query, doseq=True)
+        self.control_log.append(f"{request.path}?{query}" if query else request.path)
+        self.control_calls += 1
+
     def _route(self, request: Request) -> Handler | Response:
-        if request.path in WEIGHT_TRANSFER_PATHS:
+        if request.path in WEIGHT_TRANSFER_PATHS and self.weight_transfer_routes:
             return ServerApp.weight_transfer
         methods = ROUTES.get(request.path)
         if methods is None:
@@ -346,6 +380,11 @@ class ServerApp:
     async def engine_stats(self, request: Request) -> Response:
         return json_response(self._stats())
 
+    async def control_log_route(self, request: Request) -> Response:
+        """``{"calls": [...], "total": N}``: the last control-plane POSTs, oldest first, and
+        how many were received since start (a test diffs two answers by ``total``)."""
+        return json_response({"calls": list(self.control_log), "total": self.control_calls})
+
     async def metrics(self, request: Request) -> Response:
         s = self._stats()
         lines = [
@@ -378,6 +417,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/weight_checker": {"POST": ServerApp.weight_checker},
     "/metrics": {"GET": ServerApp.metrics},
     "/engine_stats": {"GET": ServerApp.engine_stats},
+    "/control_log": {"GET": ServerApp.control_log_route},
 }
 
 #: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.

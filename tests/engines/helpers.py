@@ -1,17 +1,28 @@
-"""Tiny real HTTP servers for client tests: a hand-written ASGI app on hypercorn's trio worker."""
+"""Real HTTP servers for tests, on hypercorn's trio worker: tiny hand-written ASGI apps for
+client tests, the reference ``ServerApp`` in-process (a server of a test's own), and
+:class:`BackgroundEngines` (reference servers in their own processes, shared by a module)."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+
+from engines.launch import launch_local_engines
+from engines.local.engine import open_local_engine
+from engines.local.server import ServerApp
+
+#: Generous: two cores shared with other test runs.
+STARTUP_TIMEOUT_S = 180.0
 
 #: (method, path, headers) -> (status, body); may await forever to model a hung server.
 Handler = Callable[[str, str, dict[str, str]], Awaitable[tuple[int, Any]]]
@@ -40,21 +51,34 @@ def asgi(handler: Handler) -> Callable[..., Awaitable[None]]:
 
 
 @asynccontextmanager
-async def serve_app(handler: Handler) -> AsyncIterator[str]:
-    """Serve ``handler`` on 127.0.0.1 (a free port) for the block; yields its base URL."""
+async def serve_asgi(app: Callable[..., Awaitable[None]]) -> AsyncIterator[str]:
+    """Serve the ASGI ``app`` on 127.0.0.1 (a free port) for the block; yields its base URL."""
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 0.1
     config.accesslog = None
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(
-            partial(serve, asgi(handler), config, shutdown_trigger=shutdown.wait)
-        )
+        binds = await nursery.start(partial(serve, app, config, shutdown_trigger=shutdown.wait))
         try:
             yield binds[0]
         finally:
             shutdown.set()
+
+
+def serve_app(handler: Handler) -> AbstractAsyncContextManager[str]:
+    """Serve ``handler`` (see :func:`asgi`) for the block; yields its base URL."""
+    return serve_asgi(asgi(handler))
+
+
+@asynccontextmanager
+async def serve_reference(model_dir: Path, **server_kwargs: Any) -> AsyncIterator[str]:
+    """The real reference server (``ServerApp(engine, **server_kwargs)``) in this process,
+    for the block: a server of the test's own, far cheaper than a new process."""
+    async with open_local_engine(model_dir) as engine:
+        app = ServerApp(engine, served_model=str(model_dir), **server_kwargs)
+        async with serve_asgi(app) as url:
+            yield url
 
 
 async def stats(url: str) -> dict[str, Any]:
@@ -80,3 +104,54 @@ async def wait_running(url: str, n: int) -> dict[str, Any]:
                     s = await stats(url)
                 return s
             await trio.sleep(0.02)
+
+
+class BackgroundEngines:
+    """``launch_local_engines`` held open in a background thread until :meth:`stop`.
+
+    pytest-trio runs each test in its own ``trio.run``, so a server shared by a module is
+    owned by a thread running its own ``trio.run``; tests talk to it over HTTP.
+    """
+
+    def __init__(
+        self, num_engines: int, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = ()
+    ) -> None:
+        self.urls: list[str] = []
+        self.log_dir = log_dir
+        self.error: BaseException | None = None
+        self._args = (num_engines, model_dir, log_dir)
+        self._extra_args = extra_args
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=trio.run, args=(self._main,), daemon=True)
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        try:
+            async with launch_local_engines(
+                *self._args, startup_timeout_s=STARTUP_TIMEOUT_S, extra_args=self._extra_args
+            ) as urls:
+                self.urls = urls
+                self._ready.set()
+                await self._stop.wait()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    def start(self) -> BackgroundEngines:
+        self._thread.start()
+        self._ready.wait(STARTUP_TIMEOUT_S + 30)
+        if self.error is not None or not self.urls:
+            raise RuntimeError(f"engine servers did not start: {self.error!r}")
+        return self
+
+    def stop(self) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(60)

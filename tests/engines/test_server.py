@@ -1,7 +1,9 @@
 """The reference server over real HTTP, in a real process started by ``engines.launch``.
 
-One server serves the whole module (``engine_urls``); tests leave it resumed and awake.
-The sleep test runs last: sleeping at level 2 discards the weights.
+One server serves the whole module (``engine_urls``); tests leave it resumed and awake with
+the weights it started with, so they pass in any order. A test that needs a server in a
+state of its own (weights discarded, no weight-transfer routes) serves the same
+``ServerApp`` in-process (``serve_reference``).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
+from engines.client import DATA_CONNECTIONS_PER_SERVER, WEIGHT_TRANSFER_ROUTES, InferenceClient
 from engines.models import load_tokenizer
 from engines.types import Completion, SamplingParams
-from tests.engines.helpers import stats, steps, wait_running
+from tests.engines.helpers import serve_reference, stats, steps, wait_running
 from trainer.errors import FaultInjected, InferenceServerError
 from trainer.vocabulary import install_faults, step_deadline
 
@@ -335,10 +337,14 @@ async def test_no_request_body_yields_a_5xx(engine_urls: list[str], body: Any) -
         assert response.json()["error"]["code"] == response.status_code
 
 
-async def test_sleep_and_wake_up_follow_vllms_state_machine(engine_urls: list[str]) -> None:
-    url = engine_urls[0]
+async def test_sleep_and_wake_up_follow_vllms_state_machine(model_dir) -> None:
     params = SamplingParams(max_tokens=4)
-    async with InferenceClient(engine_urls) as client, httpx.AsyncClient() as http:
+    # a server of its own: sleeping at level 2 discards the weights the shared one must keep
+    async with (
+        serve_reference(model_dir) as url,
+        InferenceClient([url]) as client,
+        httpx.AsyncClient() as http,
+    ):
         before = await client.weight_checksums()
         await client.sleep(1)
         assert await client.is_sleeping() == [True]
@@ -364,3 +370,25 @@ async def test_sleep_and_wake_up_follow_vllms_state_machine(engine_urls: list[st
         await client.wake_up()
         assert await client.is_sleeping() == [False]
         assert await client.weight_checksums() != before  # level 2 discarded them
+
+
+async def test_probe_names_the_vllm_flag_when_the_weight_transfer_routes_are_off(
+    model_dir,
+) -> None:
+    async with (
+        serve_reference(model_dir, weight_transfer_routes=False) as url,
+        InferenceClient([url]) as client,
+    ):
+        await client.probe([*client_routes()])  # everything else is served
+        with pytest.raises(InferenceServerError) as info:
+            await client.probe(WEIGHT_TRANSFER_ROUTES)
+        with pytest.raises(InferenceServerError) as posted:  # not only the probe's GET
+            await client.control("POST", "/init_weight_transfer_engine", json={})
+        async with httpx.AsyncClient() as http:
+            log = (await http.get(f"{url}/control_log")).json()
+    assert log == {"calls": [], "total": 0}  # probes' GETs and unserved routes are not calls
+    assert info.value.status == 404
+    assert info.value.url == url
+    assert "--weight-transfer-config" in str(info.value)
+    assert all(route in str(info.value) for route in WEIGHT_TRANSFER_ROUTES)
+    assert posted.value.status == 404

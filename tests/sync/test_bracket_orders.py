@@ -1,0 +1,125 @@
+"""The engine brackets of ``save_weights_for_sampler``, as a real reference server sees them.
+
+One server (a real process, started by ``engines.launch``) serves the module; each test runs
+a real disk sync from a real worker group through a real ``InferenceClient`` and reads the
+control-plane calls the server received, in order, from its ``GET /control_log``. A failed
+transfer is the ``broadcast_to_inference_engines`` fault: it raises where the transfer runs,
+before any weight-transfer call, so the server sees the bracket alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.client import InferenceClient
+from engines.models import build_tiny_model
+from sync.transports import DiskTransport
+from sync.weights import save_weights_for_sampler
+from tests.engines.helpers import BackgroundEngines
+from trainer.errors import FaultInjected
+from trainer.vocabulary import install_faults
+from trainer.workers.local import LocalWorkerGroup
+
+#: What the server sees of one disk transfer (the bucket size keeps it to one bucket).
+TRANSFER = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
+ONE_BUCKET = 1 << 30
+
+#: save_weights_for_sampler's keyword arguments -> the calls around the transfer.
+SHAPES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
+    "non-colocated": ({}, ["/pause?mode=keep"], ["/resume"]),
+    "colocated": ({"colocated": True}, ["/wake_up?tags=weights"], ["/wake_up?tags=kv_cache"]),
+    "offload-kv": (
+        {"offload_kv": True},
+        ["/sleep?level=1", "/wake_up?tags=weights"],
+        ["/wake_up?tags=kv_cache"],
+    ),
+    "offload-kv-fully-async": (
+        {"offload_kv": True, "fully_async": True, "pause_mode": "abort"},
+        ["/pause?mode=abort", "/sleep?level=1", "/wake_up?tags=weights"],
+        ["/wake_up?tags=kv_cache", "/resume"],
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    engines = BackgroundEngines(
+        1, build_tiny_model(), tmp_path_factory.mktemp("engine-logs")
+    ).start()
+    try:
+        yield engines.urls[0]
+    finally:
+        engines.stop()
+
+
+@pytest.fixture
+async def client(server_url: str) -> AsyncIterator[InferenceClient]:
+    async with InferenceClient([server_url]) as client:
+        yield client
+        # whatever a test did (or failed to undo), the next one finds the server serving
+        await client.resume()
+        await client.wake_up()
+
+
+@asynccontextmanager
+async def recorded_calls(client: InferenceClient) -> AsyncIterator[list[str]]:
+    """Yields a list that, once the block exits (even by an error), holds the control-plane
+    calls the server received during the block, in order."""
+    (url,) = client.urls
+    calls: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        before = (await http.get(f"{url}/control_log")).json()["total"]
+        try:
+            yield calls
+        finally:
+            log = (await http.get(f"{url}/control_log")).json()
+            new = log["total"] - before
+            assert 0 < new <= len(log["calls"])
+            calls += log["calls"][-new:]
+
+
+async def disk_sync_setup(
+    client: InferenceClient, tmp_path: Path
+) -> tuple[LocalWorkerGroup, DiskTransport]:
+    """A real worker group and a disk transport, initialised against the server."""
+    workers = await LocalWorkerGroup.create(
+        build_tiny_model(), policy_kwargs={"lr": 1e-3}, with_ref=False
+    )
+    transport = DiskTransport(tmp_path / "sync", bucket_bytes=ONE_BUCKET)
+    await transport.init(client, workers)
+    return workers, transport
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_the_server_sees_each_bracket_around_the_transfer_in_order(
+    client: InferenceClient, tmp_path: Path, shape: str
+) -> None:
+    kwargs, before, after = SHAPES[shape]
+    workers, transport = await disk_sync_setup(client, tmp_path)
+    async with recorded_calls(client) as calls:
+        await save_weights_for_sampler(client, workers, transport, **kwargs)
+    assert calls == [*before, *TRANSFER, *after]
+    assert await client.is_paused() == [False]
+    assert await client.is_sleeping() == [False]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+async def test_a_failed_transfer_still_runs_each_brackets_cleanups_in_order(
+    client: InferenceClient, tmp_path: Path, shape: str
+) -> None:
+    kwargs, before, after = SHAPES[shape]
+    workers, transport = await disk_sync_setup(client, tmp_path)
+    install_faults("broadcast_to_inference_engines:error=boom")
+    with pytest.raises(FaultInjected, match="boom"):
+        async with recorded_calls(client) as calls:
+            await save_weights_for_sampler(client, workers, transport, **kwargs)
+    # fully-async: the KV wake precedes the resume, so generation resumes onto a live cache
+    assert calls == [*before, *after]
+    assert await client.is_paused() == [False]
+    assert await client.is_sleeping() == [False]
