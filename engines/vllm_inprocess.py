@@ -71,7 +71,9 @@ def require_vllm() -> Any:
 def to_vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
     """Keyword arguments of ``vllm.SamplingParams`` for our ``SamplingParams``.
 
-    Always asks for the sampled token's logprob (``logprobs=0``) and only the final output.
+    Always asks for the sampled token's logprob (``logprobs=0``). ``output_kind`` stays vLLM's
+    default (cumulative), so the last ``RequestOutput`` that ``generate`` yields holds the
+    whole completion.
     """
     return {
         "n": 1,
