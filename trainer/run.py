@@ -223,7 +223,6 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             first_step=start + 1,
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
-            last_saved_step=start if resume_from is not None else -1,
         )
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)

@@ -48,7 +48,6 @@ class RunContext:
     last_step: int
     #: Weight syncs so far (restored on resume).
     weight_version: int = 0
-    last_saved_step: int = -1
     stalls: StallInstrument = attrs.field(factory=StallInstrument)
 
     def checkpoint_due(self, step: int) -> bool:
@@ -69,8 +68,6 @@ class RunContext:
         return {"loop/max_stall_ms": stall_ms}
 
     def record_step(self, metrics: dict[str, Any]) -> None:
-        if "checkpoint/step" in metrics:
-            self.last_saved_step = metrics["checkpoint/step"]
         self.metrics.log(metrics)
         self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
         log.info(
