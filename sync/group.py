@@ -21,9 +21,6 @@ are, so the trainer's own process groups (if any) are untouched.
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextvars
-import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -32,33 +29,9 @@ import trio
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation
 
-__all__ = ["init_group", "join_in_thread"]
+__all__ = ["init_group"]
 
 OP = "init_process_group"
-
-
-def join_in_thread(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
-    """Start blocking ``fn`` in a daemon thread now; return an async wait for its result.
-
-    The wait is a bounded wait on the thread's future (abandoned if the controller gives
-    up), never a timeout inside the thread. The thread carries the caller's context
-    (step, stage, operation), so faults fire on the right step.
-    """
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-    ctx = contextvars.copy_context()
-
-    def run() -> None:
-        try:
-            future.set_result(ctx.run(fn))
-        except BaseException as exc:  # handed to the waiter, re-raised there unchanged
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name=f"{OP}:join", daemon=True).start()
-
-    async def wait() -> Any:
-        return await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
-
-    return wait
 
 
 async def init_group(

@@ -5,18 +5,22 @@ The blocked rank runs in a child process so the test can kill it and see it gone
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import functools
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import torch
 import trio
 
 from engines.process_group import free_port, join_group
-from sync.group import init_group, join_in_thread
+from sync.group import init_group
 from trainer.errors import CheckpointEngineInitError, FaultInjected
 from trainer.vocabulary import install_faults
 
@@ -28,6 +32,30 @@ join_group("weights", master_address="127.0.0.1", master_port=int(sys.argv[1]), 
            world_size=2, store_timeout_s=600)
 print("joined", flush=True)
 """
+
+
+def join_in_thread(fn: Callable[[], Any]) -> Callable[[], Awaitable[Any]]:
+    """Start blocking ``fn`` in a daemon thread now; return an async wait for its result.
+
+    The wait is a bounded wait on the thread's future (abandoned if the controller gives
+    up), never a timeout inside the thread. The thread carries the caller's context
+    (step, stage, operation), so faults fire on the right step.
+    """
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    ctx = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(ctx.run(fn))
+        except BaseException as exc:  # handed to the waiter, re-raised there unchanged
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="init_process_group:join", daemon=True).start()
+
+    async def wait() -> Any:
+        return await trio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+
+    return wait
 
 
 def _thread_join(port: int, rank: int, world_size: int = 2, store_timeout_s: float = 30.0):

@@ -12,7 +12,7 @@ import sync
 #: Every public module of ``sync`` and its ``__all__``; private (``_x``) modules are not listed.
 PUBLIC = {
     "sync": [],
-    "sync.group": ["init_group", "join_in_thread"],
+    "sync.group": ["init_group"],
     "sync.transports": [
         "BroadcastTransport",
         "DiskTransport",

@@ -34,7 +34,6 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from sync.transports.inprocess import copy_weights
 from trainer.checkpoint import CheckpointManager
 from trainer.errors import RefFailed, WorkerError
 from trainer.vocabulary import (
@@ -77,6 +76,11 @@ def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
         name = type(cause).__name__ if cause is not None else "RayTaskError"
         return WorkerError(worker, rank, stage, f"{name}: {cause}\n{remote_tb}")
     return WorkerError(worker, rank, stage, f"{type(error).__name__}: {error}")
+
+
+def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Detached copies of ``model``'s parameters (run on each rank by ``rank_weights``)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
 def shards(n: int, world: int) -> list[slice]:
@@ -266,7 +270,7 @@ class RayWorkerGroup:
 
     async def rank_weights(self) -> list[dict[str, torch.Tensor]]:
         """Every rank's weights (for checks that the ranks agree)."""
-        return await self._wait([a.run.remote(copy_weights, (), None) for a in self.policy])
+        return await self._wait([a.run.remote(parameters_of, (), None) for a in self.policy])
 
     async def run_on_rank0(
         self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
