@@ -152,6 +152,26 @@ class InferenceClient(ControlPlane):
         ``error`` fault. On cancellation the HTTP request is dropped (the reference server
         then aborts it).
         """
+        (completion,) = await self.generate_n(prompt_ids, sampling, 1, trajectory_id=trajectory_id)
+        return completion
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        *,
+        trajectory_id: str | None = None,
+    ) -> list[Completion]:
+        """``n`` completions of ``prompt_ids`` in one request (the completions route's ``n``).
+
+        Sample ``i`` is seeded ``seed + i`` by the server (vLLM's parallel sampling), so this
+        equals ``n`` calls of :meth:`generate`; one request, one slot under the concurrency
+        cap and one fault hook. The completions come back in sample order. Errors as
+        :meth:`generate`; ``ValueError`` for ``n < 1``.
+        """
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
         url = self.url_for(trajectory_id)
         body: dict[str, Any] = {
             "prompt": list(prompt_ids),
@@ -163,7 +183,7 @@ class InferenceClient(ControlPlane):
             "ignore_eos": sampling.ignore_eos,
             "logprobs": 0,
             "return_token_ids": True,
-            "n": 1,
+            "n": n,
         }
         if self.model is not None:
             body["model"] = self.model
@@ -180,24 +200,32 @@ class InferenceClient(ControlPlane):
                     retries=self.retry_policy(RETRYABLE_ERRORS),
                     json_body=body,
                 )
-        return _completion(url, path, decode_json(url, path, response), prompt_ids)
+        return _completions(url, path, decode_json(url, path, response), prompt_ids, n)
 
 
-def _completion(url: str, path: str, data: Any, prompt_ids: list[int]) -> Completion:
-    """The ``Completion`` of a ``/v1/completions`` answer; ``InferenceServerError`` if it is none."""
+def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) -> list[Completion]:
+    """The ``n`` completions of a ``/v1/completions`` answer, by choice index;
+    ``InferenceServerError`` if it holds anything else."""
     try:
-        choice = data["choices"][0]
-        token_ids = [int(t) for t in choice["token_ids"]]
-        logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
-        finish_reason = choice["finish_reason"]
-        prompt = choice.get("prompt_token_ids") or list(prompt_ids)
-        if finish_reason not in ("stop", "length", "abort") or len(logprobs) != len(token_ids):
-            raise ValueError(
-                f"finish_reason={finish_reason!r}, {len(logprobs)} logprobs for {len(token_ids)} tokens"
-            )
+        choices = sorted(data["choices"], key=lambda c: int(c["index"]))
+        if [int(c["index"]) for c in choices] != list(range(n)):
+            raise ValueError(f"choice indices {[c['index'] for c in choices]}, expected 0..{n - 1}")
+        return [_completion(choice, prompt_ids) for choice in choices]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         excerpt = json.dumps(data)[:BODY_EXCERPT_CHARS]
         raise InferenceServerError(
             url, path, 200, f"not a completion ({exc!r}): {excerpt}"
         ) from None
+
+
+def _completion(choice: Any, prompt_ids: list[int]) -> Completion:
+    """One choice as a ``Completion``; KeyError, TypeError or ValueError when malformed."""
+    token_ids = [int(t) for t in choice["token_ids"]]
+    logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
+    finish_reason = choice["finish_reason"]
+    prompt = choice.get("prompt_token_ids") or list(prompt_ids)
+    if finish_reason not in ("stop", "length", "abort") or len(logprobs) != len(token_ids):
+        raise ValueError(
+            f"finish_reason={finish_reason!r}, {len(logprobs)} logprobs for {len(token_ids)} tokens"
+        )
     return Completion(token_ids, logprobs, finish_reason, [int(t) for t in prompt])

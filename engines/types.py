@@ -7,7 +7,14 @@ from typing import Literal, Protocol
 
 import attrs
 
-__all__ = ["Completion", "EngineClient", "FinishReason", "PauseMode", "SamplingParams"]
+__all__ = [
+    "Completion",
+    "EngineClient",
+    "FinishReason",
+    "PauseMode",
+    "SamplingParams",
+    "nth_sample_params",
+]
 
 FinishReason = Literal["stop", "length", "abort"]
 #: What ``pause`` does with requests in flight: freeze them, end them, or let them finish.
@@ -30,6 +37,18 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     #: Keep generating past EOS until ``max_tokens``.
     ignore_eos: bool = False
+
+
+def nth_sample_params(sampling: SamplingParams, i: int) -> SamplingParams:
+    """How sample ``i`` of a request with ``n`` samples is drawn: seed ``seed + i``.
+
+    This is vLLM's parallel sampling (``n > 1``: child ``i`` gets ``seed + index``), so ``n``
+    samples in one request equal ``n`` requests seeded ``seed, seed + 1, ...``; without a
+    seed every sample is random.
+    """
+    if sampling.seed is None or i == 0:
+        return sampling
+    return attrs.evolve(sampling, seed=(sampling.seed + i) % 2**64)
 
 
 @attrs.frozen
@@ -64,6 +83,22 @@ class EngineClient(Protocol):
         self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
     ) -> Completion:
         """One completion of ``prompt_ids`` (operation ``generate``)."""
+        ...
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        *,
+        trajectory_id: str | None = None,
+    ) -> list[Completion]:
+        """``n`` completions of one prompt as one request (vLLM's ``n``; operation ``generate``).
+
+        Completion ``i`` is sampled as by :func:`nth_sample_params` (seed ``seed + i``), so the
+        result equals ``n`` separate ``generate`` calls with those seeds; the engine shares the
+        prompt's prefill and pays one request's overhead instead of ``n``.
+        """
         ...
 
     async def pause(self, mode: PauseMode = "keep") -> None: ...

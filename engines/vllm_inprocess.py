@@ -38,6 +38,7 @@ __all__ = [
     "VLLM_AVAILABLE",
     "VLLMInProcessEngine",
     "completion_from_output",
+    "completions_from_output",
     "open_vllm_inprocess",
     "require_vllm",
     "to_vllm_sampling_kwargs",
@@ -68,15 +69,15 @@ def require_vllm() -> Any:
     return _vllm
 
 
-def to_vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.SamplingParams`` for our ``SamplingParams``.
+def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.SamplingParams`` for our ``SamplingParams`` and ``n`` samples.
 
     Always asks for the sampled token's logprob (``logprobs=0``). ``output_kind`` stays vLLM's
     default (cumulative), so the last ``RequestOutput`` that ``generate`` yields holds the
     whole completion.
     """
     return {
-        "n": 1,
+        "n": n,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "max_tokens": sampling.max_tokens,
@@ -88,13 +89,22 @@ def to_vllm_sampling_kwargs(sampling: SamplingParams) -> dict[str, Any]:
 
 
 def completion_from_output(output: Any) -> Completion:
-    """Our ``Completion`` from a final ``vllm.RequestOutput`` (first sample).
+    """Our ``Completion`` from a final ``vllm.RequestOutput`` (its first sample)."""
+    return _sample_completion(output, output.outputs[0])
 
-    ``outputs[0].logprobs`` is one ``{token_id: Logprob}`` dict per sampled token; the
+
+def completions_from_output(output: Any) -> list[Completion]:
+    """Every sample of a final ``vllm.RequestOutput``, ordered by ``CompletionOutput.index``.
+
+    Each sample's ``logprobs`` is one ``{token_id: Logprob}`` dict per sampled token; the
     sampled token's entry is taken. A finish reason other than stop/length (vLLM reports
     ``abort`` for aborted requests; None if unfinished) becomes ``abort``.
     """
-    sample = output.outputs[0]
+    samples = sorted(output.outputs, key=lambda sample: int(sample.index))
+    return [_sample_completion(output, sample) for sample in samples]
+
+
+def _sample_completion(output: Any, sample: Any) -> Completion:
     token_ids = [int(t) for t in sample.token_ids]
     logprobs: list[float] = []
     for tok, entry in zip(token_ids, sample.logprobs or []):
@@ -121,8 +131,23 @@ class VLLMInProcessEngine:
     ) -> Completion:
         """Sample one completion inside ``operation("generate")``, where its fault fires; a trio
         cancellation cancels (and so aborts) the vLLM request."""
+        (completion,) = await self.generate_n(prompt_ids, sampling, 1, trajectory_id=trajectory_id)
+        return completion
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        *,
+        trajectory_id: str | None = None,
+    ) -> list[Completion]:
+        """``n`` completions as one vLLM request with ``n`` (vLLM seeds child ``i`` with
+        ``seed + i``); in sample order. Cancellation as :meth:`generate`."""
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
         vllm = require_vllm()
-        params = vllm.SamplingParams(**to_vllm_sampling_kwargs(sampling))
+        params = vllm.SamplingParams(**to_vllm_sampling_kwargs(sampling, n))
         request_id = f"{trajectory_id or 'gen'}-{uuid.uuid4().hex}"
 
         async def final() -> Any:
@@ -135,7 +160,7 @@ class VLLMInProcessEngine:
 
         with operation("generate"):
             await fire_fault("generate")
-            return completion_from_output(await self.bridge.run(final))
+            return completions_from_output(await self.bridge.run(final))
 
     async def _control(self, path: str, method: str, *args: Any, **kwargs: Any) -> Any:
         with operation(path):

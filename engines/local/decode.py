@@ -1,33 +1,70 @@
-"""One decode step of the reference engine: batched forward passes with a per-request KV cache.
+"""One decode step of the reference engine: batched forward passes over packed KV caches.
 
-Each request keeps its own KV cache (one ``(keys, values)`` pair per layer, shaped
-``[kv_heads, length, head_dim]``) covering every token of ``prompt + output`` except the
-last one, which the next step feeds. A step runs up to two forward passes (pure functions of
-the requests, run in a worker thread by the engine):
+A request's KV cache covers every token of ``prompt + output`` except the last one, which
+the next step feeds. It lives in a :class:`PackedKV`: the keys and values of a batch of
+rows, one ``[rows, kv_heads, width, head_dim]`` pair per layer, each row right-aligned (row
+``i`` holds its ``lengths[i]`` tokens in the last positions; the rest is padding, masked
+out). A request points at its row with a :class:`KVRef`. A step runs up to two forward
+passes (pure functions of the requests, run in a worker thread by the engine):
 
 - *prefill* for requests without a cache (new ones, or ones whose cache was dropped by a
-  sleep or a weight load): their whole sequence, left-padded;
-- *decode* for the others: one token each, over their caches left-padded to a common length.
+  sleep or a weight load): their whole sequences, left-padded. Identical sequences (the
+  samples of one prompt) are computed once and their rows copied;
+- *decode* for the others: one token each. When they are exactly the rows of one packed
+  cache, in order (a batch decoding together, the common case), that cache is used as it
+  is; otherwise their rows are gathered, one ``index_select`` per source cache and layer,
+  and left-padded to a common width. The step's output cache is their new packed cache.
 
-Positions are passed explicitly, so padding never shifts a token's rotary position: batched
-results equal per-request ones up to floating-point noise.
+So a step costs a few tensor operations per layer whatever the batch size, not a few per
+request. Positions are passed explicitly, so padding never shifts a token's rotary
+position: batched results equal per-request ones up to floating-point noise.
+
+Sampling is batched too (:func:`sample_tokens`): temperature and top-p per row, and one
+uniform draw per request from the request's own seeded ``random.Random`` (inverse-CDF
+sampling), so a seed gives the same tokens whatever else shares the batch.
 """
 
 from __future__ import annotations
 
 import inspect
+import random
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
+import attrs
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.types import SamplingParams
 
-__all__ = ["DecodeRequest", "KVCache", "decode_step", "sample_token"]
+__all__ = ["DecodeRequest", "KVRef", "PackedKV", "decode_step", "sample_tokens"]
 
-#: One ``(keys, values)`` pair per layer, each ``[kv_heads, length, head_dim]``.
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+@attrs.frozen(eq=False)
+class PackedKV:
+    """Keys and values of a batch of rows, right-aligned; see the module docstring."""
+
+    #: One ``(keys, values)`` pair per layer, each ``[rows, kv_heads, width, head_dim]``.
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    #: Tokens each row holds (``[rows]``, long), in its last positions.
+    lengths: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.layers[0][0].shape[2])
+
+
+@attrs.frozen(eq=False)
+class KVRef:
+    """A request's KV cache: row ``row`` of ``cache``."""
+
+    cache: PackedKV
+    row: int
 
 
 class DecodeRequest(Protocol):
@@ -36,23 +73,31 @@ class DecodeRequest(Protocol):
     prompt_ids: list[int]
     out_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
-    kv: KVCache | None
+    rng: random.Random
+    kv: KVRef | None
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Sample from one row of logits with temperature and top-p (temperature 0: greedy)."""
-    if params.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+) -> torch.Tensor:
+    """One token per row of ``logits`` (``[rows, vocab]``), with each row's temperature and
+    top-p (temperature 0: greedy), by inverse CDF of the uniform draw ``uniforms[row]`` in
+    ``[0, 1)``. Returns ``[rows]`` token ids."""
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temperature.clamp(min=1e-6)[:, None], dim=-1)
+    order = None
+    if bool((top_p < 1.0).any()):
+        probs, order = torch.sort(probs, dim=-1, descending=True)
         # keep a token if the mass before it is below top_p (the top token is always kept)
-        drop = (cumulative - sorted_probs) >= params.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    target = torch.tensor(uniforms, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
+    if order is not None:
+        picked = order.gather(1, picked)
+    return torch.where(temperature <= 0, logits.argmax(dim=-1), picked.squeeze(1))
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -66,11 +111,13 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Tensor:
-    seqs = [r.prompt_ids + r.out_ids for r in reqs]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
+    seqs = [tuple(r.prompt_ids + r.out_ids) for r in reqs]
+    distinct: dict[tuple[int, ...], int] = {}
+    source = [distinct.setdefault(s, len(distinct)) for s in seqs]
+    width = max(len(s) for s in distinct)
+    ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(distinct), width), dtype=torch.long)
+    for i, s in enumerate(distinct):
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -83,41 +130,77 @@ def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Te
         logits_to_keep=1,
         **{_cache_kwarg(model): cache},
     )
-    for i, (r, s) in enumerate(zip(reqs, seqs)):
-        start = width - len(s)
-        r.kv = [(k[i, :, start:], v[i, :, start:]) for k, v in _layers(cache)]
-    return out.logits[:, -1, :].float()
+    logits = out.logits[:, -1, :].float()
+    layers = _layers(cache)
+    if len(distinct) < len(seqs):  # copy the shared rows out to one row per request
+        rows = torch.tensor(source)
+        layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in layers]
+        logits = logits.index_select(0, rows)
+    packed = PackedKV(layers, torch.tensor([len(s) for s in seqs]))
+    for i, r in enumerate(reqs):
+        r.kv = KVRef(packed, i)
+    return logits
+
+
+def _gather(reqs: Sequence[DecodeRequest]) -> PackedKV:
+    """The packed cache of ``reqs``' rows, in order (see the module docstring)."""
+    refs = [cast(KVRef, r.kv) for r in reqs]
+    first = refs[0].cache
+    if len(refs) == first.rows and all(
+        ref.cache is first and ref.row == i for i, ref in enumerate(refs)
+    ):
+        return first
+    sources: dict[int, tuple[PackedKV, list[int], list[int]]] = {}
+    for position, ref in enumerate(refs):
+        _, rows, positions = sources.setdefault(id(ref.cache), (ref.cache, [], []))
+        rows.append(ref.row)
+        positions.append(position)
+    width = max(cache.width for cache, _, _ in sources.values())
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    lengths: list[torch.Tensor] = []
+    placed: list[int] = []
+    for cache, rows, positions in sources.values():
+        index = torch.tensor(rows)
+        pad = (0, 0, width - cache.width, 0)  # left-pad the token axis
+        parts.append(
+            [
+                (F.pad(k.index_select(0, index), pad), F.pad(v.index_select(0, index), pad))
+                for k, v in cache.layers
+            ]
+        )
+        lengths.append(cache.lengths.index_select(0, index))
+        placed += positions
+    order = torch.empty(len(placed), dtype=torch.long)
+    order[torch.tensor(placed)] = torch.arange(len(placed))  # row of each request in the cat
+    layers = [
+        (
+            torch.cat([p[layer][0] for p in parts]).index_select(0, order),
+            torch.cat([p[layer][1] for p in parts]).index_select(0, order),
+        )
+        for layer in range(len(first.layers))
+    ]
+    return PackedKV(layers, torch.cat(lengths).index_select(0, order))
 
 
 def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
-    lengths = [r.kv[0][0].shape[1] for r in reqs]  # type: ignore[index]
-    past = max(lengths)
-    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for layer in range(len(reqs[0].kv)):  # type: ignore[arg-type]
-        k0, v0 = reqs[0].kv[layer]  # type: ignore[index]
-        keys = k0.new_zeros((len(reqs), k0.shape[0], past, k0.shape[2]))
-        values = v0.new_zeros((len(reqs), v0.shape[0], past, v0.shape[2]))
-        for i, r in enumerate(reqs):
-            k, v = r.kv[layer]  # type: ignore[index]
-            keys[i, :, past - lengths[i] :] = k
-            values[i, :, past - lengths[i] :] = v
-        layers.append((keys, values))
-    mask = torch.zeros((len(reqs), past + 1), dtype=torch.long)
-    for i, n in enumerate(lengths):
-        mask[i, past - n :] = 1
-    ids = torch.tensor([[(r.prompt_ids + r.out_ids)[-1]] for r in reqs], dtype=torch.long)
-    positions = torch.tensor([[n] for n in lengths], dtype=torch.long)
-    cache = DynamicCache(ddp_cache_data=layers, config=model.config)
+    packed = _gather(reqs)
+    width = packed.width
+    lengths = packed.lengths
+    mask = (torch.arange(width + 1)[None, :] >= (width - lengths)[:, None]).long()
+    ids = torch.tensor(
+        [[r.out_ids[-1] if r.out_ids else r.prompt_ids[-1]] for r in reqs], dtype=torch.long
+    )
+    cache = DynamicCache(ddp_cache_data=packed.layers, config=model.config)
     out = model(
         input_ids=ids,
         attention_mask=mask,
-        position_ids=positions,
+        position_ids=lengths[:, None],
         use_cache=True,
         **{_cache_kwarg(model): cache},
     )
+    grown = PackedKV(_layers(cache), lengths + 1)
     for i, r in enumerate(reqs):
-        start = past - lengths[i]
-        r.kv = [(k[i, :, start:], v[i, :, start:]) for k, v in _layers(cache)]
+        r.kv = KVRef(grown, i)
     return out.logits[:, -1, :].float()
 
 
@@ -128,18 +211,21 @@ def decode_step(
     """Advance every request of ``batch`` by one sampled token; returns (tokens, logprobs).
 
     Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them. Each
-    request's ``kv`` is replaced; the caller appends the token to ``out_ids``.
+    request's ``kv`` is replaced and its ``rng`` advanced by one draw; the caller appends the
+    token to ``out_ids``.
     """
-    logits: dict[int, torch.Tensor] = {}
-    fresh = [r for r in batch if r.kv is None]
-    cached = [r for r in batch if r.kv is not None]
+    fresh = [i for i, r in enumerate(batch) if r.kv is None]
+    cached = [i for i, r in enumerate(batch) if r.kv is not None]
+    parts: list[torch.Tensor] = []
     if fresh:
-        for r, row in zip(fresh, _prefill(model, fresh, pad_id)):
-            logits[id(r)] = row
+        parts.append(_prefill(model, [batch[i] for i in fresh], pad_id))
     if cached:
-        for r, row in zip(cached, _decode(model, cached)):
-            logits[id(r)] = row
-    rows = torch.stack([logits[id(r)] for r in batch])
-    tokens = [sample_token(row, r.params, r.generator) for row, r in zip(rows, batch)]
-    picked = torch.log_softmax(rows, dim=-1)[torch.arange(len(batch)), torch.tensor(tokens)]
-    return tokens, picked.tolist()
+        parts.append(_decode(model, [batch[i] for i in cached]))
+    rows = torch.cat(parts)
+    if fresh and cached:  # back to the batch's order
+        order = torch.empty(len(batch), dtype=torch.long)
+        order[torch.tensor(fresh + cached)] = torch.arange(len(batch))
+        rows = rows.index_select(0, order)
+    tokens = sample_tokens(rows, [r.params for r in batch], [r.rng.random() for r in batch])
+    picked = torch.log_softmax(rows, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return tokens.tolist(), picked.tolist()

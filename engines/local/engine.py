@@ -36,20 +36,23 @@ import attrs
 import torch
 import trio
 
-from engines.local.decode import KVCache, decode_step, sample_token
+from engines.local.decode import KVRef, decode_step
 from engines.models import load_tokenizer
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from trainer.vocabulary import open_owner_nursery
 
 __all__ = [
+    "DEFAULT_BATCH_WAIT_S",
     "EngineAsleepError",
     "LocalEngine",
     "open_local_engine",
-    "sample_token",
     "state_checksum",
 ]
 
 log = logging.getLogger(__name__)
+
+#: Longest gap between two arriving requests that still joins them into one first step.
+DEFAULT_BATCH_WAIT_S = 0.002
 
 
 class EngineAsleepError(RuntimeError):
@@ -60,11 +63,12 @@ class EngineAsleepError(RuntimeError):
 class _Request:
     prompt_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator
+    #: The request's own sampler state: one uniform draw per token (seeded by ``params.seed``).
+    rng: random.Random
     out_ids: list[int] = attrs.field(factory=list)
     out_logprobs: list[float] = attrs.field(factory=list)
     #: KV cache of ``prompt_ids + out_ids[:-1]``; None until prefilled (or after a drop).
-    kv: KVCache | None = None
+    kv: KVRef | None = None
     finish_reason: FinishReason | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
 
@@ -76,7 +80,14 @@ class _Request:
 class LocalEngine:
     """A causal LM with a continuous-batching scheduler; create with :func:`open_local_engine`."""
 
-    def __init__(self, model_dir: str | Path, *, seed: int = 0, max_num_seqs: int = 256) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        seed: int = 0,
+        max_num_seqs: int = 256,
+        batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+    ) -> None:
         # heavy (transformers' auto-model registry): loaded with the first engine only
         from transformers import AutoModelForCausalLM
 
@@ -88,6 +99,7 @@ class LocalEngine:
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.max_num_seqs = max_num_seqs
+        self.batch_wait_s = batch_wait_s
         self._rng = random.Random(seed)
         self._pending: list[_Request] = []
         self._active: list[_Request] = []
@@ -124,9 +136,8 @@ class LocalEngine:
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        gen = torch.Generator()
-        gen.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
-        req = _Request(list(prompt_ids), params, gen)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        req = _Request(list(prompt_ids), params, random.Random(seed))
         if params.max_tokens <= 0:
             req.finish("length")
         else:
@@ -342,13 +353,18 @@ class LocalEngine:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scheduler loop; runs until cancelled."""
         task_status.started()
+        idle = True
         while True:
             changed = self._changed
+            if idle and self._pending:
+                await self._gather_arrivals()
             if self._awake:
                 self._admit()
             if not self._runnable():
+                idle = not self._active
                 await changed.wait()
                 continue
+            idle = False
             async with self._step_lock:
                 batch = self._runnable()  # re-read: a pause may have landed meanwhile
                 if not batch:
@@ -368,6 +384,27 @@ class LocalEngine:
                     finished = True
             if finished:
                 self._poke()
+
+    async def _gather_arrivals(self) -> None:
+        """Let a burst of requests arrive before the first step after idling.
+
+        A client sends a batch as many requests at once, and they reach the engine one by
+        one as the server reads them; starting the first step on the first arrival would
+        prefill the burst in many small steps. So, while requests keep arriving less than
+        ``batch_wait_s`` apart (and at most ``4 * batch_wait_s`` in all), the scheduler
+        waits; a full batch (``max_num_seqs``) starts at once. ``batch_wait_s <= 0`` never
+        waits.
+        """
+        if self.batch_wait_s <= 0:
+            return
+        with trio.move_on_after(4 * self.batch_wait_s):
+            while len(self._pending) < self.max_num_seqs:
+                arrived = len(self._pending)
+                with trio.move_on_after(self.batch_wait_s):
+                    while len(self._pending) == arrived:
+                        await self._changed.wait()
+                if len(self._pending) == arrived:  # quiet for batch_wait_s: go
+                    return
 
     def _stop_reason(self, req: _Request, tok: int) -> FinishReason | None:
         p = req.params

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from engines.local.engine import LocalEngine, open_local_engine
-from engines.types import Completion, PauseMode, SamplingParams
-from trainer.vocabulary import fire_fault, operation
+from engines.types import Completion, PauseMode, SamplingParams, nth_sample_params
+from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
 __all__ = ["InProcessClient", "open_inprocess_client"]
 
@@ -35,6 +35,30 @@ class InProcessClient:
         with operation("generate"):
             await fire_fault("generate")
             return await self.engine.generate(prompt_ids, sampling)
+
+    async def generate_n(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        n: int,
+        *,
+        trajectory_id: str | None = None,
+    ) -> list[Completion]:
+        """``n`` completions (sample ``i`` seeded ``seed + i``), all joining the same batch;
+        one ``operation("generate")`` and one fault hook, as one HTTP request would have."""
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        results: list[Completion | None] = [None] * n
+
+        async def one(i: int) -> None:
+            results[i] = await self.engine.generate(prompt_ids, nth_sample_params(sampling, i))
+
+        with operation("generate"):
+            await fire_fault("generate")
+            async with open_owner_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+        return [c for c in results if c is not None]
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         with operation("/pause"):

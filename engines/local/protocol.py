@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from engines.types import Completion, SamplingParams
+from engines.types import Completion, SamplingParams, nth_sample_params
 
 __all__ = [
     "CompletionRequest",
@@ -217,9 +217,7 @@ class CompletionRequest:
 
     def params_for(self, i: int) -> SamplingParams:
         """Sampling params of the ``i``-th completion of a prompt (distinct seeds)."""
-        if self.params.seed is None or i == 0:
-            return self.params
-        return attrs.evolve(self.params, seed=(self.params.seed + i) % 2**64)
+        return nth_sample_params(self.params, i)
 
 
 def parse_completion_request(

@@ -182,3 +182,18 @@ async def test_batched_greedy_decoding_matches_transformers_generate(model_dir: 
 
         for i, prompt in enumerate(prompts):
             assert results[i] == await trio.to_thread.run_sync(reference, prompt)
+
+
+async def test_the_inprocess_client_samples_n_like_n_seeded_requests(model_dir: Path) -> None:
+    params = SamplingParams(max_tokens=5, ignore_eos=True, seed=41)
+    async with open_inprocess_client(model_dir) as client:
+        together = await client.generate_n([7, 8], params, 3)
+        apart = [
+            await client.generate(
+                [7, 8], SamplingParams(max_tokens=5, ignore_eos=True, seed=41 + i)
+            )
+            for i in range(3)
+        ]
+        with pytest.raises(ValueError, match="n must be at least 1"):
+            await client.generate_n([7, 8], params, 0)
+    assert [c.token_ids for c in together] == [c.token_ids for c in apart]

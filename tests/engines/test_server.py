@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -95,6 +96,25 @@ async def test_same_seed_gives_the_same_tokens(engine_urls: list[str]) -> None:
         b = await client.generate([3, 4, 5], params)
     assert a.token_ids == b.token_ids
     assert a.logprobs == pytest.approx(b.logprobs)
+
+
+async def test_n_samples_in_one_request_equal_n_requests_seeded_one_apart(
+    engine_urls: list[str],
+) -> None:
+    params = SamplingParams(max_tokens=6, ignore_eos=True, seed=500)
+    async with InferenceClient(engine_urls) as client:
+        before = steps(await stats(engine_urls[0]))
+        together = await client.generate_n([3, 4, 5], params, 4)
+        shared_steps = steps(await stats(engine_urls[0])) - before
+        apart = [
+            await client.generate([3, 4, 5], attrs.evolve(params, seed=500 + i)) for i in range(4)
+        ]
+    assert [c.token_ids for c in together] == [c.token_ids for c in apart]
+    for a, b in zip(together, apart):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert a.prompt_token_ids == [3, 4, 5]
+    assert len({tuple(c.token_ids) for c in together}) > 1  # four different samples
+    assert shared_steps == 6  # the four decoded together: one step per token
 
 
 async def test_a_generate_fault_fires_in_the_client_before_the_request(

@@ -199,6 +199,26 @@ def test_a_request_output_converts_to_a_completion(classes: OutputClasses) -> No
     )
 
 
+def test_n_samples_convert_in_vllms_index_order(classes: OutputClasses) -> None:
+    assert vllm_inprocess.to_vllm_sampling_kwargs(PARAMS, 4)["n"] == 4
+    output = _final_output(classes, "length")
+    second = classes.completion_output(
+        index=1,
+        text="",
+        token_ids=[4],
+        cumulative_logprob=-0.25,
+        logprobs=[{4: classes.logprob(logprob=-0.25, rank=1)}],
+        finish_reason="stop",
+    )
+    output.outputs = [second, *output.outputs]  # vLLM yields children as they finish
+    completions = vllm_inprocess.completions_from_output(output)
+    assert [(c.token_ids, c.finish_reason) for c in completions] == [
+        ([7, 8], "length"),
+        ([4], "stop"),
+    ]
+    assert completions[1].logprobs == [-0.25]
+
+
 @pytest.mark.parametrize("reason", ["abort", None])
 def test_an_aborted_or_unfinished_output_converts_as_abort(
     classes: OutputClasses, reason: str | None

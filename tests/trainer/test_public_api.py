@@ -132,7 +132,7 @@ PUBLIC = {
         "Trajectory",
         "TrajectoryInput",
     ],
-    "trainer.generators.agent_loop": ["AgentLoopGenerator", "EnvStep"],
+    "trainer.generators.agent_loop": ["AgentLoopGenerator", "EnvStep", "shared_first_turns"],
     "trainer.generators.base": [
         "EngineClient",
         "Generator",

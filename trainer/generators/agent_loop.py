@@ -5,6 +5,11 @@ Each trajectory alternates model turns (``engine.generate``, operation ``generat
 or the response budget runs out. The default environment is single-turn: it scores the
 first response with the reward function. Override :meth:`AgentLoopGenerator.env_step` for
 multi-turn environments (tools, games, HTTP environments).
+
+The first turn of a group is one engine request: the trajectories of one prompt share their
+first prompt, and their seeds follow each other, so ``engine.generate_n`` (vLLM's ``n``,
+sample ``i`` seeded ``seed + i``) samples exactly what one request per trajectory would, for
+one request's overhead and one shared prefill. Later turns are one request per trajectory.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import statistics
 
 import attrs
 
+from engines.types import Completion, SamplingParams
 from trainer.generators.base import (
     Generator,
     GeneratorInput,
@@ -22,7 +28,7 @@ from trainer.generators.base import (
 )
 from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
-__all__ = ["AgentLoopGenerator", "EnvStep"]
+__all__ = ["AgentLoopGenerator", "EnvStep", "shared_first_turns"]
 
 
 @attrs.frozen
@@ -42,12 +48,27 @@ class AgentLoopGenerator(Generator):
     async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
         results: list[Trajectory | None] = [None] * len(batch)
 
-        async def run_one(i: int, item: TrajectoryInput) -> None:
-            results[i] = await self.rollout(item)
+        async def run_group(indices: list[int]) -> None:
+            first = batch[indices[0]]
+            completions = await self.engine.generate_n(
+                first.prompt_ids,
+                self.turn_sampling(first, 0, self.max_response_tokens),
+                len(indices),
+                trajectory_id=first.trajectory_id,
+            )
+            async with open_owner_nursery() as nursery:
+                for i, completion in zip(indices, completions):
+                    nursery.start_soon(run_one, i, completion)
+
+        async def run_one(i: int, first_turn: Completion | None) -> None:
+            results[i] = await self.rollout(batch[i], first_turn)
 
         async with open_owner_nursery() as nursery:
-            for i, item in enumerate(batch):
-                nursery.start_soon(run_one, i, item)
+            for indices in shared_first_turns(batch):
+                if len(indices) > 1:
+                    nursery.start_soon(run_group, indices)
+                else:
+                    nursery.start_soon(run_one, indices[0], None)
         trajectories = [t for t in results if t is not None]
         assert len(trajectories) == len(batch)
         return GeneratorOutput(
@@ -60,8 +81,20 @@ class AgentLoopGenerator(Generator):
             },
         )
 
-    async def rollout(self, item: TrajectoryInput) -> Trajectory:
-        """One trajectory: model turn, environment step, repeat until done."""
+    def turn_sampling(self, item: TrajectoryInput, turn: int, budget: int) -> SamplingParams:
+        """Sampling of a model turn: seed ``item.seed + turn``, at most ``budget`` tokens."""
+        return attrs.evolve(
+            self.sampling, seed=item.seed + turn, max_tokens=min(self.sampling.max_tokens, budget)
+        )
+
+    async def rollout(
+        self, item: TrajectoryInput, first_turn: Completion | None = None
+    ) -> Trajectory:
+        """One trajectory: model turn, environment step, repeat until done.
+
+        ``first_turn``, when given, is the completion of turn 0 already sampled (with
+        :meth:`turn_sampling` of turn 0) as part of its group's request.
+        """
         response: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
@@ -73,15 +106,15 @@ class AgentLoopGenerator(Generator):
             if budget <= 0:
                 finish = "truncated"
                 break
-            sampling = attrs.evolve(
-                self.sampling,
-                seed=item.seed + turn,
-                max_tokens=min(self.sampling.max_tokens, budget),
-            )
-            # the engine client names the operation and fires its fault (where it runs)
-            completion = await self.engine.generate(
-                item.prompt_ids + response, sampling, trajectory_id=item.trajectory_id
-            )
+            if turn == 0 and first_turn is not None:
+                completion = first_turn  # sampled with its group (see shared_first_turns)
+            else:
+                # the engine client names the operation and fires its fault (where it runs)
+                completion = await self.engine.generate(
+                    item.prompt_ids + response,
+                    self.turn_sampling(item, turn, budget),
+                    trajectory_id=item.trajectory_id,
+                )
             turns += 1
             response += completion.token_ids
             mask += [1] * len(completion.token_ids)
@@ -117,3 +150,25 @@ class AgentLoopGenerator(Generator):
         """Single-turn default: score the response with the reward function and stop."""
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer)))
+
+
+def shared_first_turns(batch: GeneratorInput) -> list[list[int]]:
+    """The batch's positions, cut into runs whose first turn can be one ``generate_n`` request.
+
+    A run holds consecutive trajectories of one group with the same prompt ids whose seeds
+    count up by one (``seed, seed + 1, ...``: what the step's inputs hold); anything else is a
+    run of one. Every position appears once, in order.
+    """
+    runs: list[list[int]] = []
+    for i, item in enumerate(batch):
+        if runs:
+            prev = batch[runs[-1][-1]]
+            if (
+                item.group_id == prev.group_id
+                and item.prompt_ids == prev.prompt_ids
+                and item.seed == prev.seed + 1
+            ):
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+    return runs

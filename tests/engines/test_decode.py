@@ -1,0 +1,128 @@
+"""The reference engine's decode step: packed KV caches and batched sampling.
+
+Greedy results are checked against ``transformers``' own ``generate`` of each prompt alone,
+through every path a cache takes: one prefill shared by identical prompts, a batch decoding
+together (its cache used as it is), requests joining mid-flight (rows gathered from several
+caches of different widths) and requests finishing early (a subset of a cache's rows).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from engines.local.decode import sample_tokens
+from engines.local.engine import LocalEngine, open_local_engine
+from engines.types import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def _reference(engine: LocalEngine, prompt: list[int], max_tokens: int) -> list[int]:
+    out = engine.model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=engine.pad_token_id,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _steps(engine: LocalEngine) -> int:
+    return sum(engine.batch_size_counts.values())
+
+
+async def test_requests_joining_and_leaving_mid_flight_decode_as_if_alone(model_dir: Path) -> None:
+    # (prompt, max_tokens, steps to wait before sending it)
+    plan = [
+        ([5, 6, 7], 16, 0),
+        ([9, 10, 11, 12, 13, 14, 15], 16, 0),
+        ([20], 3, 0),  # leaves after 3 steps: the others go on as a subset of their cache
+        ([30, 31], 12, 4),  # joins a running batch: rows gathered from two caches
+        ([30, 31], 12, 4),  # same prompt, same step: one shared prefill
+        ([40, 41, 42, 43], 6, 8),  # a third cache, of another width
+    ]
+    results: dict[int, list[int]] = {}
+    async with open_local_engine(model_dir) as engine:
+
+        async def one(i: int) -> None:
+            prompt, max_tokens, after = plan[i]
+            # the engine counts its steps and has no event per step: poll the count
+            while _steps(engine) < after:  # noqa: ASYNC110
+                await trio.sleep(0.001)
+            greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+            results[i] = (await engine.generate(prompt, greedy)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(plan)):
+                nursery.start_soon(one, i)
+        sizes = set(engine.batch_size_counts)
+        assert len(sizes) >= 3, f"the batch never changed shape: {engine.batch_size_counts}"
+        for i, (prompt, max_tokens, _) in enumerate(plan):
+            expected = await trio.to_thread.run_sync(_reference, engine, prompt, max_tokens)
+            assert results[i] == expected, f"request {i}"
+
+
+async def test_a_seed_samples_the_same_tokens_whatever_shares_the_batch(model_dir: Path) -> None:
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=77)
+    async with open_local_engine(model_dir) as engine:
+        alone = (await engine.generate([5, 6, 7], params)).token_ids
+        crowd: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            p = params if i == 0 else SamplingParams(max_tokens=12, ignore_eos=True, seed=i)
+            crowd[i] = (await engine.generate([5, 6, 7] if i == 0 else [8 + i, 9], p)).token_ids
+
+        async with trio.open_nursery() as nursery:
+            for i in range(6):
+                nursery.start_soon(one, i)
+    assert crowd[0] == alone
+    assert len({tuple(v) for v in crowd.values()}) > 1  # the seeds really sample
+
+
+def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    rng = random.Random(0)
+    rows = logits.expand(draws, -1)
+    tokens = sample_tokens(rows, [params] * draws, [rng.random() for _ in range(draws)])
+    return torch.bincount(tokens, minlength=logits.shape[-1]).float() / draws
+
+
+def test_sampling_follows_the_softmax_at_each_rows_temperature() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
+    for temperature in (1.0, 0.5, 2.0):
+        freq = _frequencies(logits, SamplingParams(temperature=temperature), 20_000)
+        expected = torch.softmax(logits[0] / temperature, dim=-1)
+        assert torch.allclose(freq, expected, atol=0.015), (temperature, freq, expected)
+
+
+def test_top_p_keeps_the_smallest_set_of_tokens_over_p() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    freq = _frequencies(logits, SamplingParams(top_p=0.7), 20_000)
+    # 0.5 + 0.3 reach 0.7: the last two tokens are never sampled, the first two renormalised
+    assert freq[2:].sum() == 0
+    assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.015)
+
+
+def test_each_row_samples_with_its_own_params_and_draw() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0),  # greedy: the argmax whatever the draw
+        SamplingParams(temperature=0),
+        SamplingParams(),  # uniform logits: the draw picks the token (inverse CDF)
+        SamplingParams(),
+    ]
+    tokens = sample_tokens(logits, params, [0.99, 0.99, 0.1, 0.9])
+    assert tokens.tolist() == [1, 0, 0, 2]
