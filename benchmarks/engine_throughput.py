@@ -14,11 +14,18 @@ Runs, in one process and one sitting (so the machine's noise hits both alike):
 Prints tokens/s of each and its ratio to the baseline. Both sides use one torch thread
 (the server's default; see ``python -m engines.local serve --help``). Goal (issue 4): at
 least 3x the baseline at 32 concurrent requests.
+
+Then the short-request case, the default training step's shape (``--groups 16`` prompts x
+``--n 8`` samples, at most 4 new tokens, sampling at temperature 1): the median wall time of
+one batched in-process ``model.generate`` of the whole batch (the ceiling), of the same
+samples as one HTTP request each, and as one request per prompt with ``n`` samples (what the
+default generator sends).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -100,6 +107,66 @@ async def served(
     return results
 
 
+async def short_requests(
+    model_dir: Path, batch: list[list[int]], n: int, repeats: int
+) -> dict[str, float]:
+    """Median seconds of ``len(batch) * n`` 4-token samples sent each way over HTTP."""
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+    medians: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as logs:
+        async with launch_local_engines(1, model_dir, logs) as urls:
+            async with InferenceClient(urls) as client:
+
+                async def single(prompt: list[int]) -> None:
+                    async with trio.open_nursery() as nursery:
+                        for _ in range(n):
+                            nursery.start_soon(client.generate, prompt, params)
+
+                async def grouped(prompt: list[int]) -> None:
+                    await client.generate_n(prompt, params, n)
+
+                for label, send in (
+                    (f"{n} requests of 1", single),
+                    (f"1 request of n={n}", grouped),
+                ):
+                    times = []
+                    for _ in range(repeats + 1):  # the first round warms up
+                        start = time.perf_counter()
+                        async with trio.open_nursery() as nursery:
+                            for prompt in batch:
+                                nursery.start_soon(send, prompt)
+                        times.append(time.perf_counter() - start)
+                    medians[label] = statistics.median(times[1:])
+    return medians
+
+
+def short_ceiling(model_dir: Path, batch: list[list[int]], n: int, repeats: int) -> float:
+    """Median seconds of one batched ``model.generate`` of ``batch``, ``n`` samples each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = load_tokenizer(model_dir).pad_token_id or 0
+    width = max(len(p) for p in batch)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = (
+        torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in batch])[:, None]
+    ).long()
+    times = []
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=4,
+                do_sample=True,
+                num_return_sequences=n,
+                pad_token_id=pad,
+            )
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -107,6 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--model", default=None, help="model directory (default: the built-in tiny model)"
     )
+    parser.add_argument("--groups", type=int, default=16, help="short case: prompts")
+    parser.add_argument("--n", type=int, default=8, help="short case: samples per prompt")
+    parser.add_argument("--repeats", type=int, default=5, help="short case: timed rounds")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -127,6 +197,15 @@ def main(argv: list[str] | None = None) -> None:
         tps = tokens / secs
         label = f"HTTP server, {concurrency} concurrent"
         print(f"{label:<34}{tokens:>8}{secs:>10.2f}{tps:>11.1f}{tps / base_tps:>8.2f}")
+
+    short = prompts(args.groups, vocab)
+    ceiling_s = short_ceiling(model_dir, short, args.n, args.repeats)
+    served_s = trio.run(short_requests, model_dir, short, args.n, args.repeats)
+    print(f"\nshort requests: {args.groups} prompts x {args.n} samples x 4 tokens (median ms)")
+    print(f"{'setup':<34}{'ms':>10}{'x ceiling':>11}")
+    print(f"{'batched model.generate (ceiling)':<34}{1000 * ceiling_s:>10.1f}{1.0:>11.2f}")
+    for label, secs in served_s.items():
+        print(f"{'HTTP, ' + label:<34}{1000 * secs:>10.1f}{secs / ceiling_s:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@
         await client.probe()                          # fails with the vllm flag to set
         completion = await client.generate(prompt_ids, SamplingParams(max_tokens=64),
                                            trajectory_id="prompt-7/sample-2")
+        samples = await client.generate_n(prompt_ids, SamplingParams(seed=5), 8)  # vLLM's n
         await client.pause("keep")                    # every server, concurrently
         ...
         await client.resume()
 
-Data plane (``generate``, here): each request goes to one server (the same one for the same
+Data plane (``generate`` and ``generate_n``, here): each request goes to one server (the same one for the same
 ``trajectory_id``, round-robin without one), at most ``max_concurrency`` in flight. Only
 transport errors are retried (bounded exponential backoff); an HTTP status never is. It is
 bounded by nothing but the caller's cancel scopes (the step deadline).

@@ -29,7 +29,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
-from engines.local.engine import open_local_engine
+from engines.local.engine import DEFAULT_BATCH_WAIT_S, open_local_engine
 from engines.local.server import ServerApp
 from engines.models import resolve_model_path
 
@@ -41,6 +41,9 @@ log = logging.getLogger("engines.local")
 READY_PREFIX = "ENGINE_READY"
 #: Seconds in-flight requests get to finish on shutdown.
 GRACEFUL_TIMEOUT_S = 2.0
+#: Seconds an idle client connection stays open (hypercorn's default is 5 s): long enough
+#: that a trainer's pool stays warm across the training stages between two generate stages.
+KEEP_ALIVE_TIMEOUT_S = 300.0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
         "--seed", type=int, default=0, help="seed of the per-request samplers (default 0)"
     )
     s.add_argument("--max-num-seqs", type=int, default=256, help="most requests decoded together")
+    s.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=1000 * DEFAULT_BATCH_WAIT_S,
+        help="after idling, wait while requests keep arriving less than this apart before "
+        f"the first step (default {1000 * DEFAULT_BATCH_WAIT_S:g}; 0 never waits)",
+    )
     s.add_argument(
         "--num-threads",
         type=int,
@@ -118,7 +128,10 @@ async def serve(args: argparse.Namespace) -> None:
         if args.exit_on_stdin_eof:
             nursery.start_soon(_watch_stdin, shutdown.set)
         async with open_local_engine(
-            model_dir, seed=args.seed, max_num_seqs=args.max_num_seqs
+            model_dir,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+            batch_wait_s=args.batch_wait_ms / 1000,
         ) as engine:
             app = ServerApp(
                 engine,
@@ -130,6 +143,7 @@ async def serve(args: argparse.Namespace) -> None:
             host = f"[{args.host}]" if ":" in args.host else args.host
             config.bind = [f"{host}:{args.port}"]
             config.graceful_timeout = GRACEFUL_TIMEOUT_S
+            config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
             if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -433,11 +433,17 @@ def state_checksum(named: dict[str, torch.Tensor]) -> str:
 
 @asynccontextmanager
 async def open_local_engine(
-    model_dir: str | Path, *, seed: int = 0, max_num_seqs: int = 256
+    model_dir: str | Path,
+    *,
+    seed: int = 0,
+    max_num_seqs: int = 256,
+    batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
 ) -> AsyncIterator[LocalEngine]:
     """Load the model (in a thread) and run the scheduler in a nursery for the block's life."""
     engine = await trio.to_thread.run_sync(
-        lambda: LocalEngine(model_dir, seed=seed, max_num_seqs=max_num_seqs)
+        lambda: LocalEngine(
+            model_dir, seed=seed, max_num_seqs=max_num_seqs, batch_wait_s=batch_wait_s
+        )
     )
     async with open_owner_nursery() as nursery:
         await nursery.start(engine.run)

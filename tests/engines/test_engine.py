@@ -197,3 +197,23 @@ async def test_the_inprocess_client_samples_n_like_n_seeded_requests(model_dir: 
         with pytest.raises(ValueError, match="n must be at least 1"):
             await client.generate_n([7, 8], params, 0)
     assert [c.token_ids for c in together] == [c.token_ids for c in apart]
+
+
+@pytest.mark.parametrize("batch_wait_s", [0.002, 0.0])
+async def test_after_idling_a_burst_of_arrivals_starts_as_one_step(
+    model_dir: Path, mock_clock: trio.testing.MockClock, batch_wait_s: float
+) -> None:
+    # the clock only moves when told to: arrivals 1 ms apart, then 2.5 ms of quiet
+    params = SamplingParams(max_tokens=1, ignore_eos=True, seed=0)
+    async with open_local_engine(model_dir, batch_wait_s=batch_wait_s) as engine:
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(engine.generate, [5 + i, 6], params)
+                await trio.testing.wait_all_tasks_blocked()
+                mock_clock.jump(0.001)
+            mock_clock.jump(0.0025)
+    steps = dict(engine.batch_size_counts)  # one token each: one step per request batch
+    if batch_wait_s:
+        assert steps == {3: 1}
+    else:  # the first arrival starts alone; the others join after it
+        assert steps.get(1, 0) >= 1 and 3 not in steps, steps
