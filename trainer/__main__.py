@@ -1,6 +1,6 @@
 """``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
 
-Subcommands: ``ckpt {list,show,verify,prune} DIR``. On failure the last line on stderr is
+Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``. On failure the last line on stderr is
 ``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration).
 """
 
@@ -13,9 +13,13 @@ import warnings
 
 __all__ = ["main"]
 
+#: Subcommands with their own ``--help``.
+SUBCOMMANDS = ("ckpt", "debug")
+
 USAGE = """\
 usage: python -m trainer [--config FILE.yaml] [key=value ...]
        python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
+       python -m trainer debug dump PID|RUN_DIR [--json]
 
 Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
 (e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8).
@@ -97,13 +101,18 @@ def _print_summary(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv) and not (argv and argv[0] == "ckpt"):
+    command = argv[0] if argv else None
+    if any(a in ("-h", "--help") for a in argv) and command not in SUBCOMMANDS:
         _print_help()
         return 0
-    if argv and argv[0] == "ckpt":
+    if command == "ckpt":
         from trainer.ckpt_cli import ckpt_main
 
         return ckpt_main(argv[1:])
+    if command == "debug":
+        from trainer.debug_cli import debug_main
+
+        return debug_main(argv[1:])
     return _train(argv)
 
 
