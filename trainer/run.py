@@ -34,7 +34,7 @@ from trainer.data import (
     resolve_reward_fn,
     task_examples,
 )
-from trainer.debug import Dumper, open_debug_services
+from trainer.debug import Dumper, Watchdog, open_debug_services
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
 from trainer.loop import run_training
@@ -107,9 +107,18 @@ async def train(cfg: Config) -> dict[str, Any]:
     install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
     _limit_torch_threads(cfg)
     dumper = Dumper(run_dir)
+    w = cfg.trainer.watchdog
+    watchdog = Watchdog(
+        dumper,
+        after_s=w.after_s,
+        min_s=w.min_s,
+        step_timeout_s=cfg.trainer.step_timeout_s,
+        enabled=w.enabled,
+    )
     try:
-        async with open_debug_services(dumper):
-            return await _train(cfg, run_dir, dumper)
+        async with open_debug_services(dumper) as services:
+            await services.start(watchdog.run)
+            return await _train(cfg, run_dir, dumper, watchdog)
     except BaseException as exc:
         # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
         log.info("run failed: %r", exc)
@@ -136,7 +145,7 @@ def _limit_torch_threads(cfg: Config) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
 
 
-async def _train(cfg: Config, run_dir: Path, dumper: Dumper) -> dict[str, Any]:
+async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog) -> dict[str, Any]:
     t = cfg.trainer
     model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
@@ -228,6 +237,7 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper) -> dict[str, Any]:
             first_step=start + 1,
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
+            watchdog=watchdog,
         )
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)

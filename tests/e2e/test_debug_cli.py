@@ -39,6 +39,18 @@ def wait_for_fault(run_dir: Path, fault: str, proc: subprocess.Popen[str]) -> No
         time.sleep(0.5)
 
 
+def wait_for_line(path: Path, text: str, proc: subprocess.Popen[str]) -> str:
+    """The first line of ``path`` holding ``text``, once it is there; fail if the run ends."""
+    deadline = time.monotonic() + 120
+    while True:
+        found = [line for line in path.read_text().splitlines() if text in line]
+        if found:
+            return found[0]
+        assert proc.poll() is None, f"the run ended before {path.name} said {text!r}"
+        assert time.monotonic() < deadline, f"{path.name} never said {text!r}"
+        time.sleep(0.5)
+
+
 def tasks(node: dict[str, Any]) -> list[dict[str, Any]]:
     return [node, *(t for child in node["children"] for t in tasks(child))]
 
@@ -61,6 +73,7 @@ def test_a_dump_of_a_run_hung_in_forward_backward_shows_the_stage_operation_and_
     proc = popen_trainer(
         "trainer.max_steps=3",
         "faults=forward_backward:hang@2",
+        "trainer.watchdog.after_s=15",
         f"trainer.run_dir={tmp_path}",
         marker=marker,
     )
@@ -68,8 +81,16 @@ def test_a_dump_of_a_run_hung_in_forward_backward_shows_the_stage_operation_and_
         wait_for_fault(tmp_path, "forward_backward:hang@2", proc)
         text = debug_dump(str(tmp_path), marker=marker)
         as_json = debug_dump(str(proc.pid), "--json", marker=marker)
+        watchdog = wait_for_line(tmp_path / "train.log", "step 2 has run", proc)
     finally:
         stop(proc, marker)
+    # the watchdog wrote the same dump on its own, and left the step running
+    assert (
+        "Where it is: step 2 (stage='train_critic_and_policy', operation='forward_backward')"
+        in (watchdog)
+    )
+    log = (tmp_path / "train.log").read_text()
+    assert "in fire_fault_sync: _release.wait()" in log.split("step 2 has run", 1)[1]
     assert text.returncode == 0, text.stderr
     out = text.stdout
     assert "step 2 (stage='train_critic_and_policy', operation='forward_backward')" in out

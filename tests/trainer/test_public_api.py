@@ -91,6 +91,7 @@ PUBLIC = {
         "SamplingConfig",
         "SyncConfig",
         "TrainerConfig",
+        "WatchdogConfig",
         "WorkersConfig",
     ],
     "trainer.data": [
@@ -111,6 +112,7 @@ PUBLIC = {
         "Dumper",
         "StallInstrument",
         "WaitClock",
+        "Watchdog",
         "debug_paths",
         "innermost_place",
         "open_debug_services",

@@ -7,6 +7,8 @@
 - :func:`serve_debug_socket` answers ``python -m trainer debug dump PID|RUN_DIR``
   (:func:`request_dump`); :func:`stack_signal` makes ``SIGUSR1`` write every thread's stack
   when the event loop itself is blocked.
+- :class:`Watchdog` writes the dump when a step runs far longer than usual, and just before
+  a step's deadline fails it.
 - :class:`StallInstrument` measures the event loop's longest stall per step
   (``loop/max_stall_ms``); :class:`WaitClock` how long each task has waited.
 """
@@ -26,12 +28,14 @@ from trainer.debug._snapshot import task_tree as task_tree
 from trainer.debug._snapshot import thread_stacks as thread_stacks
 from trainer.debug._stalls import StallInstrument as StallInstrument
 from trainer.debug._waits import WaitClock as WaitClock
+from trainer.debug._watchdog import Watchdog as Watchdog
 
 __all__ = [
     "DEBUG_FILE",
     "Dumper",
     "StallInstrument",
     "WaitClock",
+    "Watchdog",
     "debug_paths",
     "innermost_place",
     "open_debug_services",

@@ -128,8 +128,9 @@ def tree_of(snapshot: dict[str, Any]) -> Tree:
     return root
 
 
-def render(snapshot: dict[str, Any], *, width: int = 160) -> str:
-    """The tree of :func:`tree_of` as plain text (no colour), for logs and pipes."""
+def render(snapshot: dict[str, Any], *, width: int = 1000) -> str:
+    """The tree of :func:`tree_of` as plain text (no colour), for logs and pipes; lines are
+    cut at ``width`` characters."""
     buffer = io.StringIO()
     Console(file=buffer, width=width, color_system=None, soft_wrap=True).print(tree_of(snapshot))
     return buffer.getvalue()
