@@ -73,8 +73,8 @@ def _train(argv: list[str]) -> int:
 
     try:
         summary = trio.run(train, cfg)
-    except KeyboardInterrupt:
-        print("KeyboardInterrupt: training interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # the run says where it was and that it stopped cleanly
+        print(f"KeyboardInterrupt: {exc or 'training interrupted'}", file=sys.stderr)
         return 130
     except (ConfigError, DataError, CheckpointError) as exc:
         return _fail(exc, code=2, show_traceback=False)

@@ -141,6 +141,12 @@ class TrainerConfig:
         check=at_least(0),
     )
     progress: bool = _field(True, "Show the live progress display.")
+    interrupt_grace_s: float = _field(
+        60.0,
+        "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "
+        "consistent); if it has not within this many seconds it is killed, as by a second Ctrl-C.",
+        check=positive,
+    )
     watchdog: WatchdogConfig = _section(
         WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
     )

@@ -34,9 +34,10 @@ from trainer.data import (
     resolve_reward_fn,
     task_examples,
 )
-from trainer.debug import Dumper, Watchdog, open_debug_services
+from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
+from trainer.interrupt import stop_on_interrupt
 from trainer.loop import run_training
 from trainer.metrics import (
     MetricsLogger,
@@ -115,10 +116,15 @@ async def train(cfg: Config) -> dict[str, Any]:
         step_timeout_s=cfg.trainer.step_timeout_s,
         enabled=w.enabled,
     )
+    summary: dict[str, Any] = {}
     try:
-        async with open_debug_services(dumper) as services:
-            await services.start(watchdog.run)
-            return await _train(cfg, run_dir, dumper, watchdog)
+        async with stop_on_interrupt(
+            lambda: where_line(dumper.local()), grace_s=cfg.trainer.interrupt_grace_s
+        ):
+            async with open_debug_services(dumper) as services:
+                await services.start(watchdog.run)
+                summary = await _train(cfg, run_dir, dumper, watchdog)
+        return summary
     except BaseException as exc:
         # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
         log.info("run failed: %r", exc)

@@ -160,6 +160,7 @@ PUBLIC = {
         "Trajectory",
         "TrajectoryInput",
     ],
+    "trainer.interrupt": ["stop_on_interrupt"],
     "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights"],
     "trainer.metrics": [
         "MetricsLogger",
