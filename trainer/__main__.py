@@ -1,6 +1,7 @@
 """``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
 
-Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``. On failure the last line on stderr is
+Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``,
+``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib). On failure the last line on stderr is
 ``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration).
 """
 
@@ -14,12 +15,13 @@ import warnings
 __all__ = ["main"]
 
 #: Subcommands with their own ``--help``.
-SUBCOMMANDS = ("ckpt", "debug")
+SUBCOMMANDS = ("ckpt", "debug", "plot")
 
 USAGE = """\
 usage: python -m trainer [--config FILE.yaml] [key=value ...]
        python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
        python -m trainer debug dump PID|RUN_DIR [--json]
+       python -m trainer plot RUN_DIR [RUN_DIR...] [--out DIR]
 
 Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
 (e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8).
@@ -113,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.debug_cli import debug_main
 
         return debug_main(argv[1:])
+    if command == "plot":
+        try:
+            from trainer.plots import plot_main
+        except ImportError as exc:  # matplotlib is an optional extra
+            print(f"plot needs matplotlib ({exc}): pip install 'trainer[plot]'", file=sys.stderr)
+            return 2
+        return plot_main(argv[1:])
     return _train(argv)
 
 

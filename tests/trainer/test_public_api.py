@@ -177,6 +177,7 @@ PUBLIC = {
         "open_workers",
         "uses_ray",
     ],
+    "trainer.plots": ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"],
     "trainer.run": ["train"],
     "trainer.run_context": ["RunContext", "SLOW_STALL_MS"],
     "trainer.stages": [
