@@ -1,6 +1,7 @@
 """``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
 
-Subcommands: ``ckpt {list,show,verify,prune} DIR``. On failure the last line on stderr is
+Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``,
+``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib). On failure the last line on stderr is
 ``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration).
 """
 
@@ -13,9 +14,14 @@ import warnings
 
 __all__ = ["main"]
 
+#: Subcommands with their own ``--help``.
+SUBCOMMANDS = ("ckpt", "debug", "plot")
+
 USAGE = """\
 usage: python -m trainer [--config FILE.yaml] [key=value ...]
        python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
+       python -m trainer debug dump PID|RUN_DIR [--json]
+       python -m trainer plot RUN_DIR [RUN_DIR...] [--out DIR]
 
 Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
 (e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8).
@@ -69,8 +75,8 @@ def _train(argv: list[str]) -> int:
 
     try:
         summary = trio.run(train, cfg)
-    except KeyboardInterrupt:
-        print("KeyboardInterrupt: training interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # the run says where it was and that it stopped cleanly
+        print(f"KeyboardInterrupt: {exc or 'training interrupted'}", file=sys.stderr)
         return 130
     except (ConfigError, DataError, CheckpointError) as exc:
         return _fail(exc, code=2, show_traceback=False)
@@ -97,13 +103,25 @@ def _print_summary(summary: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv) and not (argv and argv[0] == "ckpt"):
+    command = argv[0] if argv else None
+    if any(a in ("-h", "--help") for a in argv) and command not in SUBCOMMANDS:
         _print_help()
         return 0
-    if argv and argv[0] == "ckpt":
+    if command == "ckpt":
         from trainer.ckpt_cli import ckpt_main
 
         return ckpt_main(argv[1:])
+    if command == "debug":
+        from trainer.debug_cli import debug_main
+
+        return debug_main(argv[1:])
+    if command == "plot":
+        try:
+            from trainer.plots import plot_main
+        except ImportError as exc:  # matplotlib is an optional extra
+            print(f"plot needs matplotlib ({exc}): pip install 'trainer[plot]'", file=sys.stderr)
+            return 2
+        return plot_main(argv[1:])
     return _train(argv)
 
 

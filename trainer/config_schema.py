@@ -27,6 +27,7 @@ __all__ = [
     "SamplingConfig",
     "SyncConfig",
     "TrainerConfig",
+    "WatchdogConfig",
     "WorkersConfig",
 ]
 
@@ -61,6 +62,25 @@ def module_attr(v: Any) -> str | None:
     if v is None or (isinstance(v, str) and v.count(":") == 1 and all(v.split(":"))):
         return None
     return "must be 'package.module:Name'"
+
+
+@attrs.define
+class WatchdogConfig:
+    enabled: bool = _field(
+        True,
+        "Write the run's task-tree dump (as `python -m trainer debug dump`) to train.log and "
+        "stderr when a step runs past after_s, and just before a StepTimeoutError; nothing is "
+        "stopped.",
+    )
+    after_s: float | None = _field(
+        None,
+        "Seconds a step may run before the dump (None: 5x the median step so far, at least "
+        "min_s). Once per step.",
+        check=positive,
+    )
+    min_s: float = _field(
+        60.0, "The least automatic threshold (after_s=None), in seconds.", check=positive
+    )
 
 
 @attrs.define
@@ -121,6 +141,15 @@ class TrainerConfig:
         check=at_least(0),
     )
     progress: bool = _field(True, "Show the live progress display.")
+    interrupt_grace_s: float = _field(
+        60.0,
+        "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "
+        "consistent); if it has not within this many seconds it is killed, as by a second Ctrl-C.",
+        check=positive,
+    )
+    watchdog: WatchdogConfig = _section(
+        WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
+    )
 
 
 @attrs.define

@@ -1,6 +1,7 @@
 """The synchronous run: the first weight sync, then each step's stages (DESIGN 4.3) in order.
 
-Each stage is a ``Timer``; each step runs under ``trainer.step_timeout_s``, each weight sync
+Each stage is a ``Timer``; each step runs under ``trainer.step_timeout_s`` and the hang
+watchdog (``trainer.watchdog``), each weight sync
 under ``trainer.weight_sync_timeout_s``, each eval under its own ``trainer.step_timeout_s``.
 Mechanism (deadlines, brackets, transfers, checkpoint writes) lives elsewhere; this module
 only says what happens and in which order.
@@ -29,7 +30,7 @@ async def run_training(ctx: RunContext) -> None:
     await sync_weights(ctx, ctx.first_step - 1)
     for step in range(ctx.first_step, ctx.last_step + 1):
         t0 = time.perf_counter()
-        with step_deadline(step, ctx.cfg.trainer.step_timeout_s):
+        with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
             metrics = await run_step(ctx, step)
         ctx.record_step(
             {"step": step, **metrics, "timing/step": time.perf_counter() - t0, **ctx.loop_metrics()}

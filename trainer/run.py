@@ -34,8 +34,10 @@ from trainer.data import (
     resolve_reward_fn,
     task_examples,
 )
+from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.generators.base import Generator
+from trainer.interrupt import stop_on_interrupt
 from trainer.loop import run_training
 from trainer.metrics import (
     MetricsLogger,
@@ -105,8 +107,24 @@ async def train(cfg: Config) -> dict[str, Any]:
     handlers = setup_run_logging(run_dir)
     install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
     _limit_torch_threads(cfg)
+    dumper = Dumper(run_dir)
+    w = cfg.trainer.watchdog
+    watchdog = Watchdog(
+        dumper,
+        after_s=w.after_s,
+        min_s=w.min_s,
+        step_timeout_s=cfg.trainer.step_timeout_s,
+        enabled=w.enabled,
+    )
+    summary: dict[str, Any] = {}
     try:
-        return await _train(cfg, run_dir)
+        async with stop_on_interrupt(
+            lambda: where_line(dumper.local()), grace_s=cfg.trainer.interrupt_grace_s
+        ):
+            async with open_debug_services(dumper) as services:
+                await services.start(watchdog.run)
+                summary = await _train(cfg, run_dir, dumper, watchdog)
+        return summary
     except BaseException as exc:
         # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
         log.info("run failed: %r", exc)
@@ -133,7 +151,7 @@ def _limit_torch_threads(cfg: Config) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
 
 
-async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
+async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog) -> dict[str, Any]:
     t = cfg.trainer
     model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
     tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
@@ -174,6 +192,8 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
         if uses_ray(cfg):
             await stack.enter_async_context(open_ray_cluster(cfg))
         engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+        dumper.engine_urls = tuple(getattr(engine, "urls", ()))
+        dumper.engine_api_key = cfg.engine.api_key
         workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
         transport = await stack.enter_async_context(open_transport(cfg, run_dir, engine, workers))
 
@@ -223,6 +243,7 @@ async def _train(cfg: Config, run_dir: Path) -> dict[str, Any]:
             first_step=start + 1,
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
+            watchdog=watchdog,
         )
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)

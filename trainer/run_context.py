@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config_schema import Config
 from trainer.data import Example, PromptLoader
-from trainer.debug import StallInstrument
+from trainer.debug import StallInstrument, Watchdog
 from trainer.generators.base import Generator
 from trainer.metrics import MetricsLogger, StepProgress
 from trainer.workers.group import WorkerGroup
@@ -49,6 +51,14 @@ class RunContext:
     #: Weight syncs so far (restored on resume).
     weight_version: int = 0
     stalls: StallInstrument = attrs.field(factory=StallInstrument)
+    #: Times each step and dumps the run when one runs long (None: no watchdog).
+    watchdog: Watchdog | None = None
+
+    @contextmanager
+    def watching(self, step: int) -> Iterator[None]:
+        """Step ``step`` runs inside, timed by the watchdog (see ``Watchdog.watching``)."""
+        with self.watchdog.watching(step) if self.watchdog else nullcontext():
+            yield
 
     def checkpoint_due(self, step: int) -> bool:
         """Every ``trainer.ckpt_interval`` steps, and the last step (when checkpointing at all)."""

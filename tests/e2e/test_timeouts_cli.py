@@ -30,6 +30,11 @@ def test_hung_forward_backward_exits_with_step_timeout_naming_stage_and_operatio
     assert match, last_stderr_line(proc)
     # at the budget, and far from a second one (the overshoot is measured in benchmarks/)
     assert 20.0 <= float(match["elapsed"]) < 40.0
+    # just before the error: the dump of where the step was, its hung thread included
+    before = proc.stderr.split("is about to fail with StepTimeoutError", 1)
+    assert len(before) == 2, proc.stderr[-2000:]
+    assert "step 2 (stage='train_critic_and_policy', operation='forward_backward')" in before[1]
+    assert "worker:forward_backward" in before[1]
     assert processes_with_marker(marker) == []
 
 

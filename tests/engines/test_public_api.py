@@ -68,6 +68,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "SupportsControlOne",
         "probe",
     ],
+    "engines.server_state": ["LAST_CONTROL_CALLS", "server_states"],
     "engines.types": [
         "Completion",
         "EngineClient",

@@ -10,7 +10,8 @@ Rules it implements (DESIGN 3): deadlines are cancel scopes (:func:`step_deadlin
 and operation are context (:func:`stage`, :func:`operation`, :class:`Timer`); waits on
 remote work use the remaining budget (:func:`remaining`, :func:`wait_result`,
 :func:`wait_refs`); cleanup gets what is left (:func:`cleanup_bracket`); every task has an
-owner nursery (:func:`open_owner_nursery`).
+owner nursery (:func:`open_owner_nursery`). A debugger reads where another task is with
+:func:`place_of`.
 """
 
 from trainer.vocabulary._cleanup import cleanup_bracket as cleanup_bracket
@@ -47,6 +48,8 @@ from trainer.vocabulary._names import Stage as Stage
 from trainer.vocabulary._nursery import leaves as exception_leaves
 from trainer.vocabulary._nursery import open_owner_nursery as open_owner_nursery
 from trainer.vocabulary._nursery import raise_first as raise_first
+from trainer.vocabulary._places import Place as Place
+from trainer.vocabulary._places import place_of as place_of
 from trainer.vocabulary._ray_waits import get_refs_as_completed as get_refs_as_completed
 from trainer.vocabulary._ray_waits import wait_refs as wait_refs
 
@@ -60,6 +63,7 @@ __all__ = [
     "FaultAction",
     "Faults",
     "Operation",
+    "Place",
     "Stage",
     "Timer",
     "active_faults",
@@ -78,6 +82,7 @@ __all__ = [
     "operation",
     "parse_faults",
     "pending_deadline_error",
+    "place_of",
     "raise_first",
     "release_hangs",
     "remaining",

@@ -1,4 +1,4 @@
-"""Trio-aware debugging aids: the event-loop stall instrument.
+"""The event-loop stall instrument.
 
 ``StallInstrument`` measures the longest stretch the trio thread spent inside one task step
 (from the scheduler handing a task control until the task yields back). A blocking call on

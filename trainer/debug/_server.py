@@ -1,0 +1,144 @@
+"""The run's debug socket: a dump for whoever asks, and thread stacks when the loop cannot answer.
+
+A running trainer listens on a unix socket only its user can open,
+``$TMPDIR/trainer-debug-UID/PID.sock``, and writes ``RUN_DIR/debug.json`` (``{"pid", "socket",
+"stacks"}``) so the run can be found from its directory. A client sends ``dump\\n`` and reads
+the snapshot as JSON until the server closes the connection (:func:`request_dump`). The
+listening task sleeps in ``accept`` between requests: a run nobody asks costs nothing.
+
+The socket is served from the trio thread, so a loop blocked by a call that never yields
+(a bug: DESIGN 3.1) cannot answer. For that case ``SIGUSR1`` makes the interpreter itself
+(``faulthandler``, in C, no trio needed) write every thread's stack to ``PID.stacks`` beside
+the socket; ``python -m trainer debug dump`` falls back to it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import json
+import logging
+import os
+import signal
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from trainer.debug._snapshot import Dumper
+
+__all__ = [
+    "DEBUG_FILE",
+    "debug_paths",
+    "request_dump",
+    "serve_debug_socket",
+    "stack_signal",
+]
+
+log = logging.getLogger("trainer.debug")
+
+#: The file in the run directory that says where its debug socket is.
+DEBUG_FILE = "debug.json"
+#: A request must arrive within this many seconds of connecting.
+_REQUEST_TIMEOUT_S = 10.0
+
+
+def debug_paths(pid: int) -> tuple[Path, Path]:
+    """(socket, stacks file) of the trainer with process id ``pid`` (short: a unix socket's
+    path must fit in about 100 bytes, which a run directory under pytest's tmp may not)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    folder = Path(tempfile.gettempdir()) / f"trainer-debug-{uid}"
+    return folder / f"{pid}.sock", folder / f"{pid}.stacks"
+
+
+@contextmanager
+def stack_signal(stacks: Path) -> Iterator[None]:
+    """While inside, ``SIGUSR1`` writes every thread's stack to ``stacks`` (``faulthandler``).
+
+    A no-op where there is no ``SIGUSR1``. The file is truncated on entry and kept on exit
+    (the last stacks asked for stay readable).
+    """
+    if not hasattr(signal, "SIGUSR1"):
+        yield
+        return
+    stacks.parent.mkdir(mode=0o700, exist_ok=True)
+    with stacks.open("w") as f:
+        faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
+        try:
+            yield
+        finally:
+            faulthandler.unregister(signal.SIGUSR1)
+
+
+async def _answer(dumper: Dumper, stream: trio.SocketStream) -> None:
+    """One client: read its request, send the snapshot, close. Never raises but Cancelled."""
+    try:
+        async with stream:
+            with trio.move_on_after(_REQUEST_TIMEOUT_S):
+                request = await stream.receive_some(64)
+                if request.strip() == b"dump":
+                    snapshot = await dumper.snapshot()
+                    await stream.send_all(json.dumps(snapshot, default=str).encode())
+    except Exception:  # a client that went away, a snapshot bug: never the run's problem
+        log.warning("debug socket: a dump request failed", exc_info=True)
+
+
+async def serve_debug_socket(
+    dumper: Dumper, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve dumps of this process on its debug socket until cancelled.
+
+    ``task_status.started(socket_path)`` once it listens and ``RUN_DIR/debug.json`` is
+    written. On cancellation (the run's end) the socket file and ``debug.json`` are removed.
+    Each request is answered in its own task; a failing one is logged, never raised.
+    """
+    sock_path, stacks_path = debug_paths(os.getpid())
+    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+    sock_path.unlink(missing_ok=True)  # a dead process with our pid left it
+    info_path = dumper.run_dir / DEBUG_FILE
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(str(sock_path))
+        os.chmod(sock_path, 0o600)
+        sock.listen()
+        info = {"pid": os.getpid(), "socket": str(sock_path), "stacks": str(stacks_path)}
+        info_path.write_text(json.dumps(info) + "\n")
+        task_status.started(sock_path)
+        await trio.serve_listeners(functools.partial(_answer, dumper), [trio.SocketListener(sock)])
+    finally:
+        sock.close()
+        sock_path.unlink(missing_ok=True)
+        info_path.unlink(missing_ok=True)
+
+
+def request_dump(sock_path: Path, timeout_s: float) -> dict[str, Any]:
+    """Ask the trainer listening on ``sock_path`` for a snapshot (blocking: for the CLI).
+
+    ``FileNotFoundError``/``ConnectionRefusedError`` when nothing listens there,
+    ``TimeoutError`` when no full answer came within ``timeout_s``, ``ValueError`` for an
+    answer that is not a JSON object.
+    """
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+        client.settimeout(timeout_s)
+        client.connect(str(sock_path))
+        client.sendall(b"dump\n")
+        chunks = []
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no dump within {timeout_s:g}s")
+            client.settimeout(left)
+            chunk = client.recv(1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    answer = json.loads(b"".join(chunks) or b"null")
+    if not isinstance(answer, dict):
+        raise ValueError("the trainer's debug socket closed without a dump")
+    return answer
