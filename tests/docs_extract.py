@@ -208,6 +208,17 @@ def env_names(path: Path) -> set[str]:
     return set(re.findall(r"\bTRAINER_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
 
 
+def shown_files() -> set[str]:
+    """Files the docs show in full for the reader to save: blocks whose first line is ``# NAME.EXT``."""
+    out = set()
+    for f in doc_files():
+        for b in blocks(f.read_text()):
+            m = re.match(r"^#\s*([\w./-]+\.\w+)\s*$", b.lines[0]) if b.lines else None
+            if m:
+                out.add(m.group(1))
+    return out
+
+
 def recipes(justfile: Path = ROOT / "justfile") -> set[str]:
     """Recipe names of the justfile (``name ARGS:`` at column 0, not ``:=`` assignments)."""
     out = set()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import re
 import shlex
@@ -38,17 +39,24 @@ from tests.docs_extract import (
     doc_files,
     env_names,
     example_files,
+    join_lines,
     links,
     recipes,
     rel,
+    shown_files,
     transcripts,
 )
+from trainer import vocabulary
 from trainer.__main__ import main
 from trainer.config import load_config
 from trainer.config_schema import ConfigWarning
 from trainer.errors import ConfigError
 
 VENV_BIN = Path(sys.executable).parent
+#: The stages of a synchronous step, in order: what docs/make_figures.py must draw.
+STAGES = tuple(
+    s for s in vocabulary.STAGES if s not in ("eval", "wait_for_generation_buffer", "run_training")
+)
 #: Programs the project does not ship that the docs may name (on the machines they run on).
 EXTERNAL = {"curl", "vllm", "nvidia-smi"}
 CKPT_SUBCOMMANDS = {"list", "show", "verify", "prune"}
@@ -142,7 +150,9 @@ def program_problem(words: list[str]) -> str | None:
     if prog != ".venv/bin/python" or not rest or rest[0] in ("-", "-c"):
         return None
     if rest[0] != "-m":
-        return None if (ROOT / rest[0]).is_file() else f"no script {rest[0]}"
+        if (ROOT / rest[0]).is_file() or rest[0] in shown_files():
+            return None
+        return f"no script {rest[0]} (in the repository or shown as a block opening `# {rest[0]}`)"
     module, sub = rest[1], rest[2:]
     if module == "trainer":
         return trainer_problem(sub)
@@ -325,8 +335,8 @@ def test_quick_commands_run_for_real_without_failure_or_warning(tmp_path, fixtur
         work.mkdir()
         (work / ".venv").symlink_to(Path(sys.prefix))
         for line, script in quick_blocks(f):
-            words = [w for c in script.splitlines() if c.strip() for w in shlex.split(c)[:4]]
-            if "ckpt" in words and "trainer.max_steps" not in script:
+            lines = [c for _n, c in join_lines(script.splitlines(), 1)]
+            if lines and all(" -m trainer ckpt " in c for c in lines):
                 for name in sorted(set(re.findall(r"\bruns/[\w.-]+", script))):
                     if not (work / name).exists():
                         shutil.copytree(fixture_run, work / name)
@@ -345,3 +355,37 @@ def test_quick_commands_run_for_real_without_failure_or_warning(tmp_path, fixtur
             )
             ran += 1
     assert ran >= 3
+
+
+def test_the_figure_script_draws_both_pictures_from_a_run(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [
+        {
+            "step": s,
+            "reward/mean": s / 30,
+            **{f"timing/{st}": 0.1 * (i + 1) for i, st in enumerate(STAGES)},
+        }
+        for s in range(1, 31)
+    ]
+    rows.insert(3, {"step": 3, "eval/reward_mean": 0.5})  # an eval line is skipped
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "docs" / "make_figures.py"),
+            str(run_dir),
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for name in ("reward_curve.svg", "step_timeline.svg"):
+        svg = (tmp_path / name).read_text()
+        assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert "30 steps" in (tmp_path / "reward_curve.svg").read_text()
+    timeline = (tmp_path / "step_timeline.svg").read_text()
+    assert all(stage in timeline for stage in STAGES) and "trainer.step_timeout_s" in timeline
