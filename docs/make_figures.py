@@ -17,13 +17,11 @@ import statistics
 from html import escape
 from pathlib import Path
 
-STAGES = (
-    "generate",
-    "fwd_logprobs_values_reward",
-    "compute_advantages",
-    "train_critic_and_policy",
-    "save_checkpoints",
-    "sync_weights",
+from trainer.vocabulary import STAGES as ALL_STAGES
+
+#: The stages of a synchronous step, in step order (eval and the fully-async stages left out).
+STAGES = tuple(
+    s for s in ALL_STAGES if s not in ("eval", "wait_for_generation_buffer", "run_training")
 )
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2")
 FONT = 'font-family="sans-serif" font-size="12"'

@@ -24,6 +24,7 @@ import shlex
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -193,39 +194,42 @@ def test_every_command_names_a_program_that_exists_in_one_style():
     assert not problems, "\n".join(problems)
 
 
-def test_every_key_value_is_a_real_config_key_with_a_valid_value():
-    problems = []
+def training_commands() -> Iterator[tuple[Command, dict[str, str], list[str]]]:
+    """(command, environment assignments, training arguments) of every training command."""
     for c in all_commands():
         for env, words in simple_commands(c):
             args = trainer_args(words)
-            if args is None:
-                continue
-            with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
-                warnings.simplefilter("ignore", ConfigWarning)
-                for name in [n for n in os.environ if n.startswith("TRAINER_")]:
-                    mp.delenv(name)
-                for name, value in env.items():
-                    mp.setenv(name, value)
-                try:
-                    load_config(None, overrides_of(args))
-                except ConfigError as exc:
-                    problems.append(f"{c.where}: {c.text}\n    ConfigError: {exc}")
+            if args is not None:
+                yield c, env, args
+
+
+def test_every_key_value_is_a_real_config_key_with_a_valid_value():
+    problems = []
+    for c, env, args in training_commands():
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigWarning)
+            for name in [n for n in os.environ if n.startswith("TRAINER_")]:
+                mp.delenv(name)
+            for name, value in env.items():
+                mp.setenv(name, value)
+            try:
+                load_config(None, overrides_of(args))
+            except ConfigError as exc:
+                problems.append(f"{c.where}: {c.text}\n    ConfigError: {exc}")
     assert not problems, "\n".join(problems)
 
 
 def test_rehearsals_and_runs_run_by_this_test_set_max_steps():
     problems = []
-    for c in all_commands():
-        for env, words in simple_commands(c):
-            args = trainer_args(words)
-            if args is None or "--help" in args:
-                continue
-            steps = [a for a in args if a.startswith("trainer.max_steps=")]
-            rehearsal = "TRAINER_FAULTS" in env or any(a.startswith("faults=") for a in args)
-            if (rehearsal or c.quick) and not steps:
-                problems.append(f"{c.where}: {c.text}\n    sets no trainer.max_steps")
-            elif c.quick and int(steps[-1].split("=")[1]) > 5:
-                problems.append(f"{c.where}: a quick run of more than 5 steps")
+    for c, env, args in training_commands():
+        steps = [a for a in args if a.startswith("trainer.max_steps=")]
+        rehearsal = "TRAINER_FAULTS" in env or any(a.startswith("faults=") for a in args)
+        if "--help" in args:
+            continue
+        if (rehearsal or c.quick) and not steps:
+            problems.append(f"{c.where}: {c.text}\n    sets no trainer.max_steps")
+        elif c.quick and int(steps[-1].split("=")[1]) > 5:
+            problems.append(f"{c.where}: a quick run of more than 5 steps")
     assert not problems, "\n".join(problems)
 
 
