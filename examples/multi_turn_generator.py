@@ -2,7 +2,7 @@
 
 Run it from the repository root (``examples`` is importable from there)::
 
-    python -m trainer generator.cls=examples.multi_turn_generator:RetryOnWrongGenerator \
+    .venv/bin/python -m trainer generator.cls=examples.multi_turn_generator:RetryOnWrongGenerator \
         generator.max_turns=2
 
 How it plugs into the agent loop (``trainer.generators.agent_loop``): after every model turn

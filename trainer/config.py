@@ -213,7 +213,12 @@ def _check_reachable(fault: Fault, cfg: Config) -> None:
 
 
 def validate_cfg(cfg: Config) -> None:
-    """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets."""
+    """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
+
+    The budget warning fires only where the run has a torch.distributed group whose watchdog
+    (``workers.collective_timeout_s``) a shorter budget would pre-empt: Ray workers, or the
+    broadcast weight transport to HTTP engines. Local workers with the disk transport have none.
+    """
     t = cfg.trainer
     ws, st = t.weight_sync_timeout_s, t.step_timeout_s
     if ws is not None and st is not None and ws > st:
@@ -254,11 +259,14 @@ def validate_cfg(cfg: Config) -> None:
         for fault in parse_faults(cfg.faults):
             _check_reachable(fault, cfg)
     collective = cfg.workers.collective_timeout_s
+    uses_collectives = cfg.workers.backend == "ray" or (
+        cfg.sync.transport == "broadcast" and cfg.engine.backend != "inprocess"
+    )
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),
         ("trainer.weight_sync_timeout_s", t.weight_sync_timeout_s),
     ):
-        if budget is not None and budget < collective:
+        if uses_collectives and budget is not None and budget < collective:
             warnings.warn(
                 f"{key}={budget:g} is below the collective timeout in use "
                 f"(workers.collective_timeout_s={collective:g}): a stuck collective will surface as "

@@ -137,7 +137,8 @@ class TrainerConfig:
     )
     eval_interval: int = _field(
         0,
-        "Evaluate on data.eval every this many steps (0: never). Not bounded by step_timeout_s.",
+        "Evaluate on data.eval every this many steps (0: never), after the step, under its "
+        "own step_timeout_s.",
         check=at_least(0),
     )
     progress: bool = _field(True, "Show the live progress display.")

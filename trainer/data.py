@@ -209,8 +209,35 @@ class PromptLoader:
         return [self.examples[i] for i in order[start : start + self.batch_size]]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index}
+        """The position, plus what fixes the order (checked by :meth:`load_state_dict`)."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "num_examples": len(self.examples),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at ``state``'s position; ConfigError if this loader's order differs.
+
+        A resume with another ``trainer.seed``, ``trainer.train_batch_size`` or number of
+        prompts would silently train on other batches than the interrupted run; the error names
+        the key and the checkpoint's value. States saved before these fields existed are
+        accepted as they are.
+        """
+        for field, key, mine in (
+            ("seed", "trainer.seed", self.seed),
+            ("batch_size", "trainer.train_batch_size", self.batch_size),
+            ("num_examples", "the number of training prompts", len(self.examples)),
+        ):
+            saved = state.get(field)
+            if saved is not None and int(saved) != mine:
+                raise ConfigError(
+                    f"config: {key} differs from the checkpoint's ({mine} here, {saved} in the "
+                    "checkpoint): resuming would change the data order; resume with the first "
+                    "run's configuration "
+                    "(--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
+                )
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])

@@ -18,6 +18,7 @@ from importlib import import_module
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 import trio
 import yaml
@@ -56,9 +57,15 @@ log = logging.getLogger("trainer.run")
 
 
 def _make_run_dir(cfg: Config) -> Path:
+    """Create the run directory and write ``config.yaml`` with the directory it chose.
+
+    The recorded ``trainer.run_dir`` is never None, so ``--config RUN_DIR/config.yaml
+    trainer.resume_mode=latest`` resumes in the same directory.
+    """
     run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    recorded = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=str(run_dir)))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
     return run_dir
 
 
@@ -219,8 +226,8 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
         state: dict[str, Any] = {}
         if resume_from is not None:
             state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
+            loader.load_state_dict(state["loader"])  # a changed data order fails before loading
             await workers.load_checkpoint(resume_from)
-            loader.load_state_dict(state["loader"])
             start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
         _truncate_metrics(metrics_path, start)

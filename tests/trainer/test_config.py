@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -156,11 +157,18 @@ def test_yaml_file_problems_are_config_errors(tmp_path):
         load_config(typo)
 
 
-def test_budget_below_collective_timeout_warns():
+@pytest.mark.parametrize("collectives", ["workers.backend=ray", "sync.transport=broadcast"])
+def test_budget_below_collective_timeout_warns_where_a_collective_runs(collectives):
     with pytest.warns(
         ConfigWarning, match=r"trainer.step_timeout_s=20 is below the collective timeout"
     ):
-        load_config(None, ["trainer.step_timeout_s=20"])
+        load_config(None, ["trainer.step_timeout_s=20", collectives])
+
+
+def test_budgets_of_a_run_without_collectives_draw_no_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, ["trainer.step_timeout_s=20", "trainer.weight_sync_timeout_s=10"])
 
 
 def test_resolved_config_round_trips_through_yaml():

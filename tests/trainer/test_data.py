@@ -103,3 +103,28 @@ def test_max_digit_task_answers_the_larger_digit():
 def test_batch_larger_than_data_is_a_config_error():
     with pytest.raises(ConfigError, match="only 10 prompts"):
         PromptLoader(modular_sum_examples(10, 0), batch_size=11, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("changed", "named"),
+    [
+        ({"seed": 6}, r"trainer\.seed differs from the checkpoint's \(6 here, 5 in"),
+        ({"batch_size": 2}, r"trainer\.train_batch_size differs .*\(2 here, 3 in"),
+        ({"examples": 12}, r"number of training prompts differs .*\(12 here, 10 in"),
+    ],
+)
+def test_resume_with_another_data_order_is_a_config_error(changed, named):
+    first = PromptLoader(modular_sum_examples(10, 0), batch_size=3, seed=5)
+    first.next_batch()
+    kwargs = {"batch_size": 3, "seed": 5, **changed}
+    examples = modular_sum_examples(kwargs.pop("examples", 10), 0)
+    resumed = PromptLoader(examples, **kwargs)
+    with pytest.raises(ConfigError, match=named):
+        resumed.load_state_dict(first.state_dict())
+    assert (resumed.epoch, resumed.index) == (0, 0)  # nothing half-loaded
+
+
+def test_loader_state_saved_before_the_order_fields_still_loads():
+    loader = PromptLoader(modular_sum_examples(10, 0), batch_size=3, seed=5)
+    loader.load_state_dict({"epoch": 1, "index": 2})
+    assert (loader.epoch, loader.index) == (1, 2)

@@ -1,0 +1,53 @@
+"""Resuming from a run's own ``config.yaml``, and refusing a resume that changes the data order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import trainer.run
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+SMALL = [
+    "engine.backend=inprocess",
+    "generator.cls=tests.trainer.helpers:OneCallGenerator",
+    "trainer.train_batch_size=2",
+    "generator.n_samples_per_prompt=2",
+    "generator.sampling.max_tokens=2",
+    "trainer.ckpt_interval=1",
+    "trainer.progress=false",
+]
+
+
+def _steps(run_dir) -> list[int]:
+    return [
+        json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+async def test_a_run_without_run_dir_resumes_from_its_config_yaml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    await trainer.run.train(load_config(None, [*SMALL, "trainer.max_steps=2"]))
+    (run_dir,) = (tmp_path / "runs").iterdir()  # runs/<timestamp>, chosen by the run
+    recorded = run_dir / "config.yaml"
+    # only the file and the resume switch: every other override comes back from the file
+    cfg = load_config(recorded, ["trainer.resume_mode=latest", "trainer.max_steps=3"])
+    assert cfg.trainer.run_dir == str(run_dir.relative_to(tmp_path))
+    await trainer.run.train(cfg)
+    assert _steps(run_dir) == [1, 2, 3]
+    assert "resumed from" in (run_dir / "train.log").read_text()
+
+
+async def test_a_resume_with_another_seed_stops_before_any_step(tmp_path):
+    common = [*SMALL, f"trainer.run_dir={tmp_path}"]
+    await trainer.run.train(load_config(None, [*common, "trainer.max_steps=1"]))
+    changed = load_config(
+        None, [*common, "trainer.max_steps=2", "trainer.seed=7", "trainer.resume_mode=latest"]
+    )
+    with pytest.raises(
+        ConfigError, match=r"trainer\.seed differs from the checkpoint's \(7 here, 0"
+    ):
+        await trainer.run.train(changed)
+    assert _steps(tmp_path) == [1]
