@@ -164,8 +164,12 @@ def program_problem(words: list[str]) -> str | None:
 
 
 def trainer_problem(args: list[str]) -> str | None:
-    if args and args[0] in ("debug", "plot"):
-        return f"`python -m trainer {args[0]}` does not exist yet"
+    if args and args[0] == "debug":
+        if len(args) < 2 or args[1] != "dump":
+            return "debug takes one subcommand: dump"
+        return flags_problem(["-m", "trainer", "debug", "dump"], args[2:])
+    if args and args[0] == "plot":
+        return flags_problem(["-m", "trainer", "plot"], args[1:])
     if args and args[0] == "ckpt":
         if len(args) < 2 or args[1] not in CKPT_SUBCOMMANDS:
             return f"ckpt takes one of {sorted(CKPT_SUBCOMMANDS)}"
