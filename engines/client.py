@@ -186,6 +186,8 @@ class InferenceClient(ControlPlane):
             "return_token_ids": True,
             "n": n,
         }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
         if self.model is not None:
             body["model"] = self.model
         path = "/v1/completions"
@@ -229,4 +231,10 @@ def _completion(choice: Any, prompt_ids: list[int]) -> Completion:
         raise ValueError(
             f"finish_reason={finish_reason!r}, {len(logprobs)} logprobs for {len(token_ids)} tokens"
         )
-    return Completion(token_ids, logprobs, finish_reason, [int(t) for t in prompt])
+    return Completion(
+        token_ids,
+        logprobs,
+        finish_reason,
+        [int(t) for t in prompt],
+        stop_reason=choice.get("stop_reason"),
+    )

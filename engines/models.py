@@ -31,7 +31,19 @@ __all__ = [
 ]
 
 #: Bump when the builder changes what it writes, so stale caches are not reused.
-BUILDER_VERSION = 2
+BUILDER_VERSION = 3
+
+#: The tiny model's chat template: ``ROLE : CONTENT <eos>`` per message, then ``assistant :``
+#: to prompt a reply. Roles outside the vocabulary (``system``) read as ``<unk>``. A reply's
+#: tokens are what follows ``assistant :`` up to and including ``<eos>``, so a conversation
+#: that carries the model's replies back re-renders to its earlier prompts plus those tokens
+#: (what multi-turn training relies on; see docs/custom_generators.md).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ message['role'] }} : {{ message['content'] }} {{ eos_token }} "
+    "{% endfor -%}"
+    "{%- if add_generation_prompt -%}assistant :{%- endif -%}"
+)
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
 WORDS = [
@@ -93,6 +105,7 @@ def _fingerprint(seed: int) -> str:
             "seed": seed,
             "cfg": TINY_MODEL_CONFIG,
             "vocab": SPECIAL_TOKENS + WORDS,
+            "chat_template": CHAT_TEMPLATE,
         },
         sort_keys=True,
     )
@@ -111,7 +124,7 @@ def _build_tokenizer():
     )
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
     tok.post_processor = processors.TemplateProcessing(single="$A", special_tokens=[])
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         eos_token="<eos>",
@@ -119,6 +132,8 @@ def _build_tokenizer():
         unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:

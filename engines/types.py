@@ -37,6 +37,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     #: Keep generating past EOS until ``max_tokens``.
     ignore_eos: bool = False
+    #: Strings that end the completion once its text contains one (vLLM's ``stop``); the
+    #: tokens up to the one that completed the string are kept, the text is cut before it.
+    stop: tuple[str, ...] = ()
+    #: Most likely alternatives to report per sampled token (0: only the sampled token's
+    #: logprob, the cheap path every training request takes). The reference engine reports
+    #: them in ``Completion.top_logprobs``; ``InferenceClient`` does not ask servers for them.
+    top_logprobs: int = 0
 
 
 def nth_sample_params(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -63,6 +70,12 @@ class Completion:
     finish_reason: FinishReason
     #: The prompt the completion continues.
     prompt_token_ids: list[int] = attrs.field(factory=list)
+    #: What ended a ``stop`` completion when it was not EOS: the stop token id or the stop
+    #: string (vLLM's ``stop_reason``); None otherwise.
+    stop_reason: int | str | None = None
+    #: Per sampled token, the ``SamplingParams.top_logprobs`` most likely ``(token id,
+    #: logprob)``, best first; empty when none were asked for.
+    top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
 
 
 class EngineClient(Protocol):

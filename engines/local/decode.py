@@ -38,7 +38,7 @@ from transformers import DynamicCache
 
 from engines.types import SamplingParams
 
-__all__ = ["DecodeRequest", "KVRef", "PackedKV", "decode_step", "sample_tokens"]
+__all__ = ["DecodeRequest", "KVRef", "PackedKV", "StepResult", "decode_step", "sample_tokens"]
 
 
 @attrs.frozen(eq=False)
@@ -204,15 +204,38 @@ def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
     return out.logits[:, -1, :].float()
 
 
-@torch.no_grad()
-def decode_step(
-    model: Any, batch: Sequence[DecodeRequest], pad_id: int
-) -> tuple[list[int], list[float]]:
-    """Advance every request of ``batch`` by one sampled token; returns (tokens, logprobs).
+@attrs.frozen
+class StepResult:
+    """What one decode step sampled, one entry per request of the batch, in order."""
 
-    Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them. Each
-    request's ``kv`` is replaced and its ``rng`` advanced by one draw; the caller appends the
-    token to ``out_ids``.
+    #: The sampled token ids.
+    tokens: list[int]
+    #: Each sampled token's logprob.
+    logprobs: list[float]
+    #: Each request's ``params.top_logprobs`` most likely ``(token id, logprob)``, best
+    #: first (an empty list for a request that asked for none).
+    top: list[list[tuple[int, float]]]
+
+
+def _top_alternatives(
+    logprobs: torch.Tensor, wanted: Sequence[int]
+) -> list[list[tuple[int, float]]]:
+    """The ``wanted[row]`` best ``(id, logprob)`` of each row: one ``topk`` for the batch."""
+    k = min(max(wanted), logprobs.shape[-1])
+    if k <= 0:
+        return [[] for _ in wanted]
+    values, ids = torch.topk(logprobs, k, dim=-1)
+    return [list(zip(i[:n], v[:n])) for i, v, n in zip(ids.tolist(), values.tolist(), wanted)]
+
+
+@torch.no_grad()
+def decode_step(model: Any, batch: Sequence[DecodeRequest], pad_id: int) -> StepResult:
+    """Advance every request of ``batch`` by one sampled token.
+
+    Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them; the
+    alternatives (``params.top_logprobs``) cost one ``topk`` over the batch, and nothing when
+    no request asks for them. Each request's ``kv`` is replaced and its ``rng`` advanced by
+    one draw; the caller appends the token to ``out_ids``.
     """
     fresh = [i for i, r in enumerate(batch) if r.kv is None]
     cached = [i for i, r in enumerate(batch) if r.kv is not None]
@@ -227,5 +250,10 @@ def decode_step(
         order[torch.tensor(fresh + cached)] = torch.arange(len(batch))
         rows = rows.index_select(0, order)
     tokens = sample_tokens(rows, [r.params for r in batch], [r.rng.random() for r in batch])
-    picked = torch.log_softmax(rows, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return tokens.tolist(), picked.tolist()
+    logprobs = torch.log_softmax(rows, dim=-1)
+    picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    return StepResult(
+        tokens.tolist(),
+        picked.tolist(),
+        _top_alternatives(logprobs, [r.params.top_logprobs for r in batch]),
+    )

@@ -28,7 +28,7 @@ import hashlib
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -36,7 +36,8 @@ import attrs
 import torch
 import trio
 
-from engines.local.decode import KVRef, decode_step
+from engines.local.decode import KVRef, StepResult, decode_step
+from engines.local.text import first_stop
 from engines.models import load_tokenizer
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from trainer.vocabulary import open_owner_nursery
@@ -45,6 +46,7 @@ __all__ = [
     "DEFAULT_BATCH_WAIT_S",
     "EngineAsleepError",
     "LocalEngine",
+    "TokenCallback",
     "open_local_engine",
     "state_checksum",
 ]
@@ -53,6 +55,11 @@ log = logging.getLogger(__name__)
 
 #: Longest gap between two arriving requests that still joins them into one first step.
 DEFAULT_BATCH_WAIT_S = 0.002
+
+
+#: Called on the event loop with each sampled token: ``(token id, logprob, alternatives)``.
+#: It must not block or raise (a streaming server puts it on a channel).
+TokenCallback = Callable[[int, float, list[tuple[int, float]]], None]
 
 
 class EngineAsleepError(RuntimeError):
@@ -67,6 +74,9 @@ class _Request:
     rng: random.Random
     out_ids: list[int] = attrs.field(factory=list)
     out_logprobs: list[float] = attrs.field(factory=list)
+    out_top: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    on_token: TokenCallback | None = None
+    stop_reason: int | str | None = None
     #: KV cache of ``prompt_ids + out_ids[:-1]``; None until prefilled (or after a drop).
     kv: KVRef | None = None
     finish_reason: FinishReason | None = None
@@ -119,8 +129,19 @@ class LocalEngine:
 
     # -- data plane ---------------------------------------------------------------------------
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Completion:
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_token: TokenCallback | None = None,
+    ) -> Completion:
         """Sample one completion; joins the running batch at the next decode step.
+
+        ``on_token``, if given, is called with each token as it is sampled (streaming).
+        ``params.stop`` strings are matched against the decoded output (special tokens
+        skipped) after each token; the first match ends the completion (``stop``, with the
+        string as ``stop_reason``).
 
         Raises ``EngineAsleepError`` while either half of the engine sleeps, and
         ``ValueError`` for an empty prompt or token ids outside the vocabulary. While the
@@ -137,7 +158,7 @@ class LocalEngine:
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = _Request(list(prompt_ids), params, random.Random(seed))
+        req = _Request(list(prompt_ids), params, random.Random(seed), on_token=on_token)
         if params.max_tokens <= 0:
             req.finish("length")
         else:
@@ -153,7 +174,14 @@ class LocalEngine:
                 req.finish("abort")  # wakes a pause(mode="wait") draining it
                 self._poke()
         assert req.finish_reason is not None
-        return Completion(req.out_ids, req.out_logprobs, req.finish_reason, req.prompt_ids)
+        return Completion(
+            req.out_ids,
+            req.out_logprobs,
+            req.finish_reason,
+            req.prompt_ids,
+            stop_reason=req.stop_reason,
+            top_logprobs=req.out_top if params.top_logprobs else [],
+        )
 
     # -- control plane ------------------------------------------------------------------------
 
@@ -370,13 +398,17 @@ class LocalEngine:
                 if not batch:
                     continue
                 self.batch_size_counts[len(batch)] += 1
-                tokens, logprobs = await trio.to_thread.run_sync(self._decode_step, batch)
+                result = await trio.to_thread.run_sync(self._decode_step, batch)
             finished = False
-            for req, tok, lp in zip(batch, tokens, logprobs):
+            for req, tok, lp, top in zip(batch, result.tokens, result.logprobs, result.top):
                 if req.finish_reason is not None or req not in self._active:
                     continue  # aborted or cancelled while the step ran
                 req.out_ids.append(tok)
                 req.out_logprobs.append(lp)
+                if req.params.top_logprobs:
+                    req.out_top.append(top)
+                if req.on_token is not None:
+                    req.on_token(tok, lp, top)
                 reason = self._stop_reason(req, tok)
                 if reason is not None:
                     self._active.remove(req)
@@ -408,13 +440,23 @@ class LocalEngine:
 
     def _stop_reason(self, req: _Request, tok: int) -> FinishReason | None:
         p = req.params
-        if (not p.ignore_eos and tok == self.eos_token_id) or tok in p.stop_token_ids:
+        if not p.ignore_eos and tok == self.eos_token_id:
             return "stop"
+        if tok in p.stop_token_ids:
+            req.stop_reason = tok
+            return "stop"
+        if p.stop:
+            # short outputs of a small vocabulary: decoding them whole costs microseconds
+            text = self.tokenizer.decode(req.out_ids, skip_special_tokens=True)
+            hit = first_stop(text, p.stop)
+            if hit is not None:
+                req.stop_reason = hit[1]
+                return "stop"
         if len(req.out_ids) >= p.max_tokens:
             return "length"
         return None
 
-    def _decode_step(self, batch: list[_Request]) -> tuple[list[int], list[float]]:
+    def _decode_step(self, batch: list[_Request]) -> StepResult:
         return decode_step(self.model, batch, self.pad_token_id)
 
     def _drop_kv(self) -> None:

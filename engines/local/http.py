@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 
 from engines.http_requests import STEP_HEADER
-from engines.local.protocol import error_body
+from engines.local.validation import error_body
 
 __all__ = [
     "MAX_BODY_BYTES",
     "Request",
     "Response",
+    "StreamBody",
     "error_response",
     "json_response",
 ]
@@ -47,13 +49,19 @@ class Request:
             return None
 
 
+#: Writes a streamed body: awaited with a ``write(chunk)`` that sends one chunk.
+StreamBody = Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]]
+
+
 @attrs.frozen
 class Response:
-    """One HTTP response."""
+    """One HTTP response: ``body``, or with ``stream`` a body written as it is produced."""
 
     status: int = 200
     body: bytes = b""
     content_type: str = "application/json"
+    #: Streamed responses (server-sent events): the server awaits it after the headers.
+    stream: StreamBody | None = None
 
 
 def json_response(payload: Any, status: int = 200) -> Response:

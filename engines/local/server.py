@@ -2,7 +2,9 @@
 
 Routes (vLLM's shapes; see ``docs/engines.md`` for the version followed):
 
-- data plane: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``;
+- data plane: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
+  ``POST /v1/chat/completions`` (both also streamed with ``stream=true``: server-sent
+  events, :mod:`engines.local.streaming`);
 - control plane (vLLM dev mode): ``POST /pause?mode=keep|abort|wait``, ``POST /resume``,
   ``GET /is_paused``, ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=...]``,
   ``GET /is_sleeping``, ``POST /reset_prefix_cache``, ``GET /get_world_size``,
@@ -31,6 +33,7 @@ from urllib.parse import parse_qs, urlencode
 import torch
 import trio
 
+from engines.local.chat_protocol import chat_response, parse_chat_request
 from engines.local.engine import EngineAsleepError, LocalEngine
 from engines.local.http import (
     MAX_BODY_BYTES,
@@ -46,12 +49,14 @@ from engines.local.protocol import (
     parse_completion_request,
     parse_json_object,
 )
+from engines.local.streaming import ChatChunks, ChunkFormat, CompletionChunks, stream_events
+from engines.local.validation import GenerationOptions
 from engines.local.weight_routes import (
     WEIGHT_TRANSFER_PATHS,
     WeightReceiver,
     handle_weight_transfer,
 )
-from engines.types import Completion
+from engines.types import Completion, SamplingParams
 from trainer.vocabulary import fire_fault
 
 __all__ = [
@@ -111,17 +116,24 @@ class ServerApp:
         response = await self._handle(scope, receive)
         if response is None:  # the client went away mid-request
             return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": [
-                    (b"content-type", response.content_type.encode()),
-                    (b"content-length", str(len(response.body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": response.body})
+        headers = [(b"content-type", response.content_type.encode())]
+        if response.stream is None:
+            headers.append((b"content-length", str(len(response.body)).encode()))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        if response.stream is None:
+            await send({"type": "http.response.body", "body": response.body})
+            return
+
+        async def write(chunk: bytes) -> None:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+        async def stream() -> Response:
+            assert response.stream is not None
+            await response.stream(write)
+            return response
+
+        if await self._until_disconnect(stream, receive) is not None:
+            await send({"type": "http.response.body", "body": b""})
 
     async def _handle(self, scope: dict[str, Any], receive: Any) -> Response | None:
         body = bytearray()
@@ -153,8 +165,8 @@ class ServerApp:
                     self._record_control_call(request)
                 # TRAINER_FAULTS fire where the work runs
                 await fire_fault(request.path, request.step)
-            if request.path == "/v1/completions":
-                return await self._until_disconnect(handler, request, receive)
+            if request.path in GENERATION_PATHS:
+                return await self._until_disconnect(lambda: handler(self, request), receive)
             return await handler(self, request)
         except ProtocolError as exc:
             return json_response(exc.body(), exc.status)
@@ -188,9 +200,9 @@ class ServerApp:
         return handler
 
     async def _until_disconnect(
-        self, handler: Handler, request: Request, receive: Any
+        self, handler: Callable[[], Awaitable[Response]], receive: Any
     ) -> Response | None:
-        """Run ``handler``; if the client disconnects first, cancel it (its requests leave
+        """Run ``handler()``; if the client disconnects first, cancel it (its requests leave
         the batch) and return None. The handler's own errors propagate unwrapped."""
         result: Response | None = None
         error: Exception | None = None
@@ -203,7 +215,7 @@ class ServerApp:
 
             nursery.start_soon(watch)
             try:
-                result = await handler(self, request)
+                result = await handler()
             except Exception as exc:
                 error = exc
             nursery.cancel_scope.cancel()
@@ -237,30 +249,118 @@ class ServerApp:
             vocab_size=self.engine.vocab_size,
             max_model_len=self.max_model_len,
         )
-        results: list[list[Completion | None]] = [[None] * req.n for _ in req.prompts]
+        jobs = [(p, req.params_for(j)) for p in req.prompts for j in range(req.n)]
+        if req.options.stream:
+            fmt = CompletionChunks(
+                req.model,
+                [p for p, _ in jobs],
+                req.logprobs,
+                req.return_token_ids,
+                tok.convert_ids_to_tokens,
+            )
+            return self._event_stream(jobs, fmt, req.options)
+        done = await self._generate_all(jobs)
+        payload = completion_response(
+            req,
+            [done[i * req.n : (i + 1) * req.n] for i in range(len(req.prompts))],
+            decode=self._decode,
+            convert_ids_to_tokens=tok.convert_ids_to_tokens,
+        )
+        return json_response(payload)
 
+    async def chat_completions(self, request: Request) -> Response:
+        req = parse_chat_request(
+            parse_json_object(request.body),
+            served_model=self.served_model,
+            render=self._render_chat,
+            max_model_len=self.max_model_len,
+        )
+        jobs = [(req.prompt_ids, req.params_for(j)) for j in range(req.n)]
+        if req.options.stream:
+            fmt = ChatChunks(
+                req.model,
+                req.prompt_ids,
+                req.logprobs,
+                req.options.return_token_ids,
+                self._token_text,
+            )
+            return self._event_stream(jobs, fmt, req.options)
+        done = await self._generate_all(jobs)
+        return json_response(
+            chat_response(req, done, decode=self._decode, token_text=self._token_text)
+        )
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id])
+
+    def _render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+    ) -> list[int]:
+        """The prompt ids of a conversation: the chat template's text, tokenized without
+        special tokens (the template writes them), as vLLM renders chat."""
+        tok = self.engine.tokenizer
+        if not getattr(tok, "chat_template", None):
+            raise ProtocolError(
+                400,
+                "the model has no chat template (tokenizer_config.json chat_template): "
+                "use /v1/completions, or give the model a template",
+                "messages",
+            )
+        try:
+            text = tok.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+        except Exception as exc:  # jinja errors of a template: the request's fault
+            raise ProtocolError(400, f"the chat template failed: {exc}", "messages") from None
+        ids = list(tok.encode(str(text), add_special_tokens=False))
+        if any(not 0 <= t < self.engine.vocab_size for t in ids):
+            raise ProtocolError(400, "the rendered prompt has ids outside the vocabulary")
+        return ids
+
+    async def _generate_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
+        """One completion per ``(prompt ids, params)``, concurrently (they batch); 409 while
+        the engine sleeps."""
+        results: list[Completion | None] = [None] * len(jobs)
         asleep: list[str] = []
 
-        async def one(i: int, j: int) -> None:
+        async def one(i: int) -> None:
             try:
-                results[i][j] = await self.engine.generate(req.prompts[i], req.params_for(j))
+                results[i] = await self.engine.generate(*jobs[i])
             except EngineAsleepError as exc:
                 asleep.append(str(exc))
 
         async with trio.open_nursery() as nursery:
-            for i in range(len(req.prompts)):
-                for j in range(req.n):
-                    nursery.start_soon(one, i, j)
+            for i in range(len(jobs)):
+                nursery.start_soon(one, i)
         if asleep:
             raise ProtocolError(409, asleep[0])
-        done = [[c for c in row if c is not None] for row in results]
-        payload = completion_response(
-            req,
-            done,
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-            convert_ids_to_tokens=tok.convert_ids_to_tokens,
-        )
-        return json_response(payload)
+        return [c for c in results if c is not None]
+
+    def _event_stream(
+        self,
+        jobs: list[tuple[list[int], SamplingParams]],
+        fmt: ChunkFormat,
+        options: GenerationOptions,
+    ) -> Response:
+        """A server-sent-events response generating ``jobs`` (:mod:`engines.local.streaming`)."""
+        if self.engine.is_sleeping:  # refused before the 200 goes out, as a whole answer is
+            raise ProtocolError(409, "the engine is sleeping; call /wake_up first")
+
+        async def body(write: Callable[[bytes], Awaitable[None]]) -> None:
+            await stream_events(
+                write,
+                self.engine.generate,
+                jobs,
+                fmt,
+                decode=self._decode,
+                include_stop_str=options.include_stop_str,
+                include_usage=options.include_usage,
+            )
+
+        return Response(200, content_type="text/event-stream", stream=body)
 
     # -- control plane ----------------------------------------------------------------------------
 
@@ -406,6 +506,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": ServerApp.health},
     "/v1/models": {"GET": ServerApp.models},
     "/v1/completions": {"POST": ServerApp.completions},
+    "/v1/chat/completions": {"POST": ServerApp.chat_completions},
     "/pause": {"POST": ServerApp.pause},
     "/resume": {"POST": ServerApp.resume},
     "/is_paused": {"GET": ServerApp.is_paused},
@@ -419,6 +520,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/engine_stats": {"GET": ServerApp.engine_stats},
     "/control_log": {"GET": ServerApp.control_log_route},
 }
+
+#: Routes that generate: cancelled when their client disconnects.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 #: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.
 CONTROL_PLANE_PATHS = frozenset({"/pause", "/resume", "/sleep", "/wake_up", *WEIGHT_TRANSFER_PATHS})
