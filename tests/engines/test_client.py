@@ -29,6 +29,7 @@ from trainer.vocabulary import step_deadline
 COMPLETION = {
     "choices": [
         {
+            "index": 0,
             "token_ids": [4, 5],
             "logprobs": {"token_logprobs": [-0.5, -1.0]},
             "finish_reason": "length",

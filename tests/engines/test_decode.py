@@ -12,6 +12,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import trio
@@ -126,3 +127,40 @@ def test_each_row_samples_with_its_own_params_and_draw() -> None:
     ]
     tokens = sample_tokens(logits, params, [0.99, 0.99, 0.1, 0.9])
     assert tokens.tolist() == [1, 0, 0, 2]
+
+
+async def test_top_alternatives_are_the_best_logprobs_and_change_nothing_sampled(
+    model_dir: Path,
+) -> None:
+    prompt = [5, 6, 7]
+    plain_params = SamplingParams(max_tokens=6, seed=4, ignore_eos=True)
+    async with open_local_engine(model_dir) as engine:
+        plain = await engine.generate(prompt, plain_params)
+        rich = await engine.generate(
+            prompt, SamplingParams(max_tokens=6, seed=4, ignore_eos=True, top_logprobs=3)
+        )
+        seq = prompt + rich.token_ids
+        logits = engine.model(torch.tensor([seq])).logits[0, len(prompt) - 1 : -1].float()
+    assert plain.top_logprobs == []
+    assert rich.token_ids == plain.token_ids
+    assert rich.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+    expected = torch.log_softmax(logits, dim=-1).topk(3, dim=-1)
+    assert len(rich.top_logprobs) == len(rich.token_ids)
+    for top, ids, values in zip(
+        rich.top_logprobs, expected.indices.tolist(), expected.values.tolist()
+    ):
+        assert [t for t, _ in top] == ids
+        assert [v for _, v in top] == pytest.approx(values, abs=1e-4)
+
+
+async def test_a_stop_string_ends_the_completion_at_the_token_that_completes_it(
+    model_dir: Path,
+) -> None:
+    params = SamplingParams(max_tokens=10, seed=1, ignore_eos=True)
+    async with open_local_engine(model_dir) as engine:
+        free = await engine.generate([5, 6, 7], params)
+        words = engine.tokenizer.convert_ids_to_tokens(free.token_ids)
+        stopped = await engine.generate([5, 6, 7], attrs.evolve(params, stop=(words[3],)))
+    first = words.index(words[3])
+    assert stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == words[3]

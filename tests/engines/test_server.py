@@ -289,8 +289,33 @@ BAD_REQUESTS = [
         "POST", "/v1/completions", {"prompt": [1] * 250, "max_tokens": 100}, id="too-long"
     ),
     pytest.param("POST", "/v1/completions", {"prompt": [1], "top_p": 0}, id="top-p-zero"),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "echo": True}, id="echo-unsupported"),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "logprobs": 21}, id="logprobs-over-20"),
+    pytest.param("POST", "/v1/completions", {"prompt": [1], "stop": [3]}, id="stop-not-strings"),
+    pytest.param("POST", "/v1/chat/completions", {"max_tokens": 4}, id="chat-no-messages"),
     pytest.param(
-        "POST", "/v1/completions", {"prompt": [1], "stream": True}, id="stream-unsupported"
+        "POST", "/v1/chat/completions", {"messages": [{"content": "a"}]}, id="chat-no-role"
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        id="chat-image-part",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2},
+        id="chat-top-logprobs-without-logprobs",
+    ),
+    pytest.param(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a"}],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+        id="chat-auto-tool-choice",
     ),
     pytest.param("POST", "/v1/completions", {"prompt": [1], "model": "nope"}, id="unknown-model"),
     pytest.param("POST", "/pause?mode=later", None, id="unknown-pause-mode"),
