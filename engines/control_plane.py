@@ -109,6 +109,11 @@ class ControlPlane:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=4 * len(self.urls)),
         )
 
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers every request to the servers carries (the API key, if any)."""
+        return dict(self._headers)
+
     async def __aenter__(self) -> Self:
         return self
 

@@ -1,0 +1,76 @@
+"""A two-turn tool-calling agent written only against the ``openai`` SDK, trained as it is.
+
+Run it from the repository root (``examples`` is importable from there)::
+
+    .venv/bin/python -m trainer generator.cls=examples.openai_agent:CalculatorAgent
+
+The agent (:func:`calculator_agent`) is plain OpenAI-client code with no import of this
+project: it asks the question, reads the model's first reply as a tool call (the name of a
+calculator operation: ``max``, ``min``, ``sum``, ...), runs the tool on the question's
+numbers, sends the result back as a ``tool`` message, and scores the model's second reply
+against the answer. The built-in tiny model has no tool-call parser (``vllm serve`` would
+need ``--enable-auto-tool-choice``), so the call is parsed from the reply's text, as agents
+for small models do. Words the model reads must be in its vocabulary
+(``engines.models.WORDS``).
+
+:class:`CalculatorAgent` is the only project code: it plugs the agent into
+:class:`~trainer.generators.openai_agent.OpenAIAgentGenerator`, which hands it an
+``openai.AsyncOpenAI`` pointed at the run's engines and trains on the tokens the engine
+returned for both turns (the tool message's tokens are loss-masked).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from trainer.generators.openai_agent import OpenAIAgentGenerator
+
+__all__ = ["TOOLS", "CalculatorAgent", "calculator_agent", "score"]
+
+#: The calculator's operations, by the word that calls them.
+TOOLS = {
+    "max": max,
+    "min": min,
+    "sum": lambda a, b: (a + b) % 10,
+    "add": lambda a, b: (a + b) % 10,
+    "sub": lambda a, b: abs(a - b),
+    "mul": lambda a, b: (a * b) % 10,
+}
+
+
+def score(reply: str, answer: str) -> float:
+    """1.0 for exactly the answer, 0.5 when it comes first, 0.1 for another lone digit."""
+    words = reply.split()
+    if words == [answer]:
+        return 1.0
+    if words and words[0] == answer:
+        return 0.5
+    return 0.1 if len(words) == 1 and words[0].isdigit() else 0.0
+
+
+async def calculator_agent(client: AsyncOpenAI, item: Any) -> float:
+    """Ask, run the tool the model called, return its result, score the final answer."""
+    messages: list[Any] = [{"role": "user", "content": item.prompt}]
+    first = await client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=4, stop=["="]
+    )
+    call = first.choices[0].message.content or ""
+    numbers = [int(d) for d in re.findall(r"\d", item.prompt)][:2]
+    tool = next((TOOLS[w] for w in call.split() if w in TOOLS), None)
+    result = f"result {tool(*numbers)}" if tool and len(numbers) == 2 else "error"
+    messages += [
+        {"role": "assistant", "content": call},
+        {"role": "tool", "tool_call_id": "call-0", "content": result},
+    ]
+    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    return score(second.choices[0].message.content or "", item.answer)
+
+
+class CalculatorAgent(OpenAIAgentGenerator):
+    """Trains :func:`calculator_agent` (an asyncio agent: the ``openai`` SDK)."""
+
+    async def agent(self, client: Any, item: Any) -> float:
+        return await calculator_agent(client, item)
