@@ -45,7 +45,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, cast
 
 import httpx
 import openai
@@ -82,7 +82,10 @@ async def run_asyncio_agent(
     spend blocking the event loop.
     """
     client = openai.AsyncOpenAI(
-        base_url=base_url, api_key="trainer", max_retries=0, http_client=http_client
+        base_url=base_url,
+        api_key="trainer",
+        max_retries=0,
+        http_client=cast(Any, http_client),  # openai 3.x types it as httpx2's client
     )
     return float(await agent(client, item))
 

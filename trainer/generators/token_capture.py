@@ -304,7 +304,7 @@ async def open_capture_proxy(
     try:
         async with open_owner_nursery() as nursery:
             binds = await nursery.start(
-                partial(serve, proxy, config, shutdown_trigger=shutdown.wait)
+                partial(serve, cast(Any, proxy), config, shutdown_trigger=shutdown.wait)
             )
             proxy.url = str(binds[0])
             try:
