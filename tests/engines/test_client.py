@@ -17,7 +17,7 @@ from engines.client import (
     resolve_control_plane_timeout,
 )
 from engines.types import SamplingParams
-from tests.engines.helpers import serve_app
+from tests.engines.helpers import serve_app, serve_http11_only
 from trainer.errors import (
     ConfigError,
     InferenceServerError,
@@ -252,3 +252,23 @@ async def test_concurrency_cap_bounds_requests_in_flight() -> None:
         for _ in range(10):
             nursery.start_soon(client.generate, [1, 2], SamplingParams())
     assert peak == 3
+
+
+async def test_a_server_speaking_only_http11_keeps_generation_on_http11() -> None:
+    async with serve_http11_only() as url, InferenceClient([url]) as client:
+        assert await client.negotiate_http2() == []
+        assert client.http2_urls == frozenset()
+        assert (await client.control_one(url, "GET", "/health")).status_code == 200
+
+
+async def test_a_server_that_never_answers_the_http2_check_stays_on_http11(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def hang(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async with serve_app(hang) as url, InferenceClient([url]) as client:
+        start = trio.current_time()
+        assert await client.negotiate_http2(timeout_s=5.0) == []
+        assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
