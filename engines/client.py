@@ -11,8 +11,7 @@
         ...
         await client.resume()
 
-Data plane (``generate`` and ``generate_n``, here; over HTTP/2 to the servers
-``negotiate_http2`` found speaking it, HTTP/1.1 elsewhere): each request goes to one server (the same one for the same
+Data plane (``generate`` and ``generate_n``, here): each request goes to one server (the same one for the same
 ``trajectory_id``, round-robin without one), at most ``max_concurrency`` in flight. Only
 transport errors are retried (bounded exponential backoff); an HTTP status never is. It is
 bounded by nothing but the caller's cancel scopes (the step deadline).
@@ -63,14 +62,13 @@ from engines.routes import (
 )
 from engines.types import Completion, SamplingParams
 from trainer.errors import InferenceServerError
-from trainer.vocabulary import fire_fault, open_owner_nursery, operation
+from trainer.vocabulary import fire_fault, operation
 
 __all__ = [
     "CONTROL_PLANE_TIMEOUT_ENV",
     "DATA_CONNECTIONS_PER_SERVER",
     "DATA_PLANE_ROUTES",
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
-    "HTTP2_PROBE_TIMEOUT_S",
     "PAUSE_ROUTES",
     "ROUTE_FLAGS",
     "SLEEP_ROUTES",
@@ -81,8 +79,6 @@ __all__ = [
 
 #: Data-plane HTTP/1.1 connections per server (requests beyond it queue in the client).
 DATA_CONNECTIONS_PER_SERVER = 32
-#: Seconds a server gets to answer ``negotiate_http2``'s HTTP/2 ``GET /health``.
-HTTP2_PROBE_TIMEOUT_S = 5.0
 
 
 class InferenceClient(ControlPlane):
@@ -130,51 +126,11 @@ class InferenceClient(ControlPlane):
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=per_server, max_keepalive_connections=per_server),
         )
-        # HTTP/2 with prior knowledge (h2c): one multiplexed connection per server, for the
-        # servers that negotiate_http2 found speaking it
-        self._http2 = httpx.AsyncClient(
-            http1=False, http2=True, timeout=httpx.Timeout(None, connect=connect_timeout_s)
-        )
-        self._http2_urls: frozenset[str] = frozenset()
 
     async def aclose(self) -> None:
         """Close the connection pools (idempotent)."""
         await self._http.aclose()
-        await self._http2.aclose()
         await super().aclose()
-
-    @property
-    def http2_urls(self) -> frozenset[str]:
-        """The servers generation talks HTTP/2 to (see :meth:`negotiate_http2`)."""
-        return self._http2_urls
-
-    async def negotiate_http2(self, timeout_s: float = HTTP2_PROBE_TIMEOUT_S) -> list[str]:
-        """Send generation over HTTP/2 to every server that speaks it; returns their URLs.
-
-        The reference server (hypercorn) accepts HTTP/2 without TLS (prior knowledge, h2c);
-        ``vllm serve`` (uvicorn) speaks HTTP/1.1 only. Over HTTP/2 a server's requests share
-        one multiplexed connection, where a pool of HTTP/1.1 connections costs the client
-        more per request (httpcore scans its pool on every request). Each server gets one
-        ``GET /health`` over HTTP/2, bounded by ``timeout_s``; a server that fails it in any
-        way (refused, closed, an error status, no answer) stays on HTTP/1.1. Never raises
-        for a server's answer; call it again to re-check.
-        """
-        speaks: list[str] = []
-
-        async def check(url: str) -> None:
-            with trio.move_on_after(timeout_s):
-                try:
-                    response = await self._http2.get(url + "/health", headers=self._headers)
-                except httpx.HTTPError:
-                    return
-                if response.is_success and response.http_version == "HTTP/2":
-                    speaks.append(url)
-
-        async with open_owner_nursery() as nursery:
-            for url in self.urls:
-                nursery.start_soon(check, url)
-        self._http2_urls = frozenset(speaks)
-        return [url for url in self.urls if url in self._http2_urls]
 
     # -- data plane -------------------------------------------------------------------------------
 
@@ -237,7 +193,7 @@ class InferenceClient(ControlPlane):
             await fire_fault("generate")
             async with self._limiter:
                 response = await send(
-                    self._http2 if url in self._http2_urls else self._http,
+                    self._http,
                     url,
                     "POST",
                     path,

@@ -91,8 +91,6 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             )
         )
         await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
-        http2 = await client.negotiate_http2()
-        log.info("generation over HTTP/2 (h2c) to %d of %d engine servers", len(http2), len(urls))
         yield client
 
 

@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import h11
 import httpx
 import trio
 from hypercorn.config import Config
@@ -156,40 +155,3 @@ class BackgroundEngines:
             except trio.RunFinishedError:
                 pass
         self._thread.join(60)
-
-
-@asynccontextmanager
-async def serve_http11_only(status: int = 200) -> AsyncIterator[str]:
-    """A server that speaks HTTP/1.1 only, like ``vllm serve`` (uvicorn on h11): every request
-    it can parse gets ``status`` and an empty JSON object; anything else (an HTTP/2 preface)
-    gets a 400 and the connection closed, as h11-based servers answer. Yields its base URL."""
-
-    async def handle(stream: trio.SocketStream) -> None:
-        conn = h11.Connection(h11.SERVER)
-        try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        return
-                    conn.receive_data(data)
-                elif isinstance(event, h11.EndOfMessage):
-                    body = b"{}"
-                    headers = [("content-type", "application/json"), ("content-length", "2")]
-                    out = conn.send(h11.Response(status_code=status, headers=headers))
-                    await stream.send_all((out or b"") + (conn.send(h11.Data(data=body)) or b""))
-                    await stream.send_all(conn.send(h11.EndOfMessage()) or b"")
-                    conn.start_next_cycle()
-        except h11.RemoteProtocolError:
-            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
-        finally:
-            await stream.aclose()
-
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
-        port = listeners[0].socket.getsockname()[1]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            nursery.cancel_scope.cancel()

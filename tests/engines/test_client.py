@@ -17,7 +17,7 @@ from engines.client import (
     resolve_control_plane_timeout,
 )
 from engines.types import SamplingParams
-from tests.engines.helpers import serve_app, serve_http11_only
+from tests.engines.helpers import serve_app
 from trainer.errors import (
     ConfigError,
     InferenceServerError,
@@ -254,21 +254,16 @@ async def test_concurrency_cap_bounds_requests_in_flight() -> None:
     assert peak == 3
 
 
-async def test_a_server_speaking_only_http11_keeps_generation_on_http11() -> None:
-    async with serve_http11_only() as url, InferenceClient([url]) as client:
-        assert await client.negotiate_http2() == []
-        assert client.http2_urls == frozenset()
-        assert (await client.control_one(url, "GET", "/health")).status_code == 200
+async def test_n_completions_come_back_by_index_and_a_missing_one_is_an_error() -> None:
+    first, second = (dict(COMPLETION["choices"][0], index=i, token_ids=[4 + i, 5]) for i in (0, 1))
 
+    async def answer(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        return 200, {"choices": [second, first]}  # children as they finished
 
-async def test_a_server_that_never_answers_the_http2_check_stays_on_http11(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    async def hang(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
-        await trio.sleep_forever()
-        raise AssertionError
-
-    async with serve_app(hang) as url, InferenceClient([url]) as client:
-        start = trio.current_time()
-        assert await client.negotiate_http2(timeout_s=5.0) == []
-        assert trio.current_time() - start == pytest.approx(5.0, abs=0.5)
+    async with serve_app(answer) as url, InferenceClient([url]) as client:
+        both = await client.generate_n([1, 2], SamplingParams(seed=3), 2)
+        assert [c.token_ids for c in both] == [[4, 5], [5, 5]]
+        with pytest.raises(InferenceServerError, match="choice indices"):
+            await client.generate_n([1, 2], SamplingParams(seed=3), 3)
+        with pytest.raises(ValueError, match="n must be at least 1"):
+            await client.generate_n([1, 2], SamplingParams(), 0)

@@ -17,7 +17,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "DATA_CONNECTIONS_PER_SERVER",
         "DATA_PLANE_ROUTES",
         "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
-        "HTTP2_PROBE_TIMEOUT_S",
         "PAUSE_ROUTES",
         "ROUTE_FLAGS",
         "SLEEP_ROUTES",

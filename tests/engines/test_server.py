@@ -117,18 +117,6 @@ async def test_n_samples_in_one_request_equal_n_requests_seeded_one_apart(
     assert shared_steps == 6  # the four decoded together: one step per token
 
 
-async def test_generation_goes_over_http2_to_the_reference_server_with_the_same_results(
-    engine_urls: list[str],
-) -> None:
-    params = SamplingParams(max_tokens=5, ignore_eos=True, seed=901)
-    async with InferenceClient(engine_urls) as client:
-        over_http11 = await client.generate_n([6, 7], params, 3)
-        assert await client.negotiate_http2() == engine_urls  # hypercorn speaks h2c
-        assert client.http2_urls == frozenset(engine_urls)
-        over_http2 = await client.generate_n([6, 7], params, 3)
-    assert [c.token_ids for c in over_http2] == [c.token_ids for c in over_http11]
-
-
 async def test_a_generate_fault_fires_in_the_client_before_the_request(
     engine_urls: list[str],
 ) -> None:
@@ -266,15 +254,12 @@ async def _collect(
     out.append(await client.generate(prompt, params))
 
 
-@pytest.mark.parametrize("http2", [False, True], ids=["http1.1", "http2"])
 async def test_a_client_that_goes_away_takes_its_request_out_of_the_batch(
-    engine_urls: list[str], http2: bool
+    engine_urls: list[str],
 ) -> None:
     url = engine_urls[0]
     before = steps(await stats(url))
     async with InferenceClient(engine_urls) as client, trio.open_nursery() as nursery:
-        if http2:  # a cancelled HTTP/2 stream is reset, not its connection closed
-            assert await client.negotiate_http2() == engine_urls
         nursery.start_soon(client.generate, [4, 4], LONG)
         await wait_running(url, 1)
         nursery.cancel_scope.cancel()  # e.g. a step deadline
