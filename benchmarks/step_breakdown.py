@@ -14,7 +14,9 @@ Runs, in one sitting (so the machine's noise hits both alike):
 2. the ceiling: one batched in-process ``model.generate`` of the same shape (the first
    ``train_batch_size`` prompts of the task, ``n_samples_per_prompt`` samples each, at most
    ``max_tokens`` new tokens, sampling at the configured temperature) on the same model, with
-   one torch thread, as the engine server has; the median of ``--repeats`` calls.
+   one torch thread, as the engine server has; ``--repeats`` calls just before the run and
+   as many just after it, and the median of them all (so a machine whose load changes during
+   the run is measured on both sides of it).
 
 Prints a table of stage medians and the ratio of the ``generate`` stage to the ceiling
 (issue 13's goal: at most 2x, and a step of at most 0.2 s on the two-core dev machine).
@@ -60,8 +62,8 @@ def run_default(steps: int, overrides: list[str], run_dir: Path) -> tuple[float,
     return wall, [m for m in lines if "timing/generate" in m]
 
 
-def ceiling(overrides: list[str], repeats: int) -> float:
-    """Median seconds of one batched ``model.generate`` of the default batch's shape."""
+def ceiling(overrides: list[str], repeats: int) -> list[float]:
+    """Seconds of ``repeats`` batched ``model.generate`` calls of the default batch's shape."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config(None, overrides)
@@ -95,7 +97,7 @@ def ceiling(overrides: list[str], repeats: int) -> float:
                 pad_token_id=pad,
             )
             times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+    return times[1:]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,10 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value for the run (after --)")
     args = parser.parse_args(argv)
 
+    torch.set_num_threads(1)
+    before = ceiling(args.overrides, args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
         wall, steps = run_default(args.steps, args.overrides, Path(tmp) / "run")
-    torch.set_num_threads(1)
-    ceiling_s = ceiling(args.overrides, args.repeats)
+    ceiling_s = statistics.median(before + ceiling(args.overrides, args.repeats))
 
     timed = steps[1:] if len(steps) > 1 else steps
     stages = sorted({k for m in timed for k in m if k.startswith("timing/")})

@@ -77,7 +77,7 @@ __all__ = [
     "resolve_control_plane_timeout",
 ]
 
-#: Data-plane HTTP connections per server (requests beyond it queue in the client).
+#: Data-plane HTTP/1.1 connections per server (requests beyond it queue in the client).
 DATA_CONNECTIONS_PER_SERVER = 32
 
 
@@ -210,10 +210,11 @@ def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) 
     """The ``n`` completions of a ``/v1/completions`` answer, by choice index;
     ``InferenceServerError`` if it holds anything else."""
     try:
-        choices = sorted(data["choices"], key=lambda c: int(c["index"]))
-        if [int(c["index"]) for c in choices] != list(range(n)):
-            raise ValueError(f"choice indices {[c['index'] for c in choices]}, expected 0..{n - 1}")
-        return [_completion(choice, prompt_ids) for choice in choices]
+        # by "index" (vLLM always sends it; a choice without one keeps its place)
+        indexed = sorted((int(c.get("index", i)), i, c) for i, c in enumerate(data["choices"]))
+        if [index for index, _, _ in indexed] != list(range(n)):
+            raise ValueError(f"choice indices {[i for i, _, _ in indexed]}, expected 0..{n - 1}")
+        return [_completion(choice, prompt_ids) for _, _, choice in indexed]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         excerpt = json.dumps(data)[:BODY_EXCERPT_CHARS]
         raise InferenceServerError(

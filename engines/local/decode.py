@@ -19,15 +19,16 @@ So a step costs a few tensor operations per layer whatever the batch size, not a
 request. Positions are passed explicitly, so padding never shifts a token's rotary
 position: batched results equal per-request ones up to floating-point noise.
 
-Sampling is batched too (:func:`sample_tokens`): temperature and top-p per row, and one
-uniform draw per request from the request's own seeded ``random.Random`` (inverse-CDF
-sampling), so a seed gives the same tokens whatever else shares the batch.
+Sampling is batched too (:func:`sample_tokens`): temperature and top-p per row, then
+``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn from each request's own seeded
+``torch.Generator`` (one draw per vocabulary entry), which is how ``torch.multinomial`` draws
+one sample. So a seed gives the same tokens whatever else shares the batch, and the same as
+``torch.multinomial(probs, 1, generator=...)`` would.
 """
 
 from __future__ import annotations
 
 import inspect
-import random
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
@@ -38,7 +39,15 @@ from transformers import DynamicCache
 
 from engines.types import SamplingParams
 
-__all__ = ["DecodeRequest", "KVRef", "PackedKV", "StepResult", "decode_step", "sample_tokens"]
+__all__ = [
+    "DecodeRequest",
+    "KVRef",
+    "PackedKV",
+    "StepResult",
+    "decode_step",
+    "exponential_noise",
+    "sample_tokens",
+]
 
 
 @attrs.frozen(eq=False)
@@ -73,31 +82,37 @@ class DecodeRequest(Protocol):
     prompt_ids: list[int]
     out_ids: list[int]
     params: SamplingParams
-    rng: random.Random
+    generator: torch.Generator
     kv: KVRef | None
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: Sequence[SamplingParams], uniforms: Sequence[float]
+    logits: torch.Tensor, params: Sequence[SamplingParams], noise: torch.Tensor
 ) -> torch.Tensor:
     """One token per row of ``logits`` (``[rows, vocab]``), with each row's temperature and
-    top-p (temperature 0: greedy), by inverse CDF of the uniform draw ``uniforms[row]`` in
-    ``[0, 1)``. Returns ``[rows]`` token ids."""
+    top-p (temperature 0: greedy): ``argmax(probs / noise)``, where ``noise`` (``[rows,
+    vocab]``) holds independent ``Exp(1)`` draws (the exponential race: token ``i`` wins with
+    probability ``probs[i]``). Returns ``[rows]`` token ids."""
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype)
     probs = torch.softmax(logits / temperature.clamp(min=1e-6)[:, None], dim=-1)
-    order = None
     if bool((top_p < 1.0).any()):
-        probs, order = torch.sort(probs, dim=-1, descending=True)
+        ordered, order = torch.sort(probs, dim=-1, descending=True)
         # keep a token if the mass before it is below top_p (the top token is always kept)
-        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-        probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.cumsum(dim=-1)
-    target = torch.tensor(uniforms, dtype=cdf.dtype)[:, None] * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, target, right=True).clamp(max=logits.shape[-1] - 1)
-    if order is not None:
-        picked = order.gather(1, picked)
-    return torch.where(temperature <= 0, logits.argmax(dim=-1), picked.squeeze(1))
+        drop = (ordered.cumsum(dim=-1) - ordered) >= top_p[:, None]
+        probs = probs.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), 0.0)
+    picked = (probs / noise).argmax(dim=-1)
+    return torch.where(temperature <= 0, logits.argmax(dim=-1), picked)
+
+
+def exponential_noise(generators: Sequence[torch.Generator | None], vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` ``Exp(1)`` draws, row ``i`` from ``generators[i]`` (ones for None:
+    greedy rows draw nothing)."""
+    noise = torch.ones((len(generators), vocab))
+    for i, generator in enumerate(generators):
+        if generator is not None:
+            noise[i].exponential_(1.0, generator=generator)
+    return noise
 
 
 def _cache_kwarg(model: Any) -> str:
@@ -234,8 +249,8 @@ def decode_step(model: Any, batch: Sequence[DecodeRequest], pad_id: int) -> Step
 
     Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them; the
     alternatives (``params.top_logprobs``) cost one ``topk`` over the batch, and nothing when
-    no request asks for them. Each request's ``kv`` is replaced and its ``rng`` advanced by
-    one draw; the caller appends the token to ``out_ids``.
+    no request asks for them. Each request's ``kv`` is replaced and its generator advanced
+    (unless it samples greedily); the caller appends the token to ``out_ids``.
     """
     fresh = [i for i, r in enumerate(batch) if r.kv is None]
     cached = [i for i, r in enumerate(batch) if r.kv is not None]
@@ -249,7 +264,9 @@ def decode_step(model: Any, batch: Sequence[DecodeRequest], pad_id: int) -> Step
         order = torch.empty(len(batch), dtype=torch.long)
         order[torch.tensor(fresh + cached)] = torch.arange(len(batch))
         rows = rows.index_select(0, order)
-    tokens = sample_tokens(rows, [r.params for r in batch], [r.rng.random() for r in batch])
+    generators = [r.generator if r.params.temperature > 0 else None for r in batch]
+    noise = exponential_noise(generators, rows.shape[-1])
+    tokens = sample_tokens(rows, [r.params for r in batch], noise)
     logprobs = torch.log_softmax(rows, dim=-1)
     picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return StepResult(

@@ -70,8 +70,8 @@ class EngineAsleepError(RuntimeError):
 class _Request:
     prompt_ids: list[int]
     params: SamplingParams
-    #: The request's own sampler state: one uniform draw per token (seeded by ``params.seed``).
-    rng: random.Random
+    #: The request's own sampler state (seeded by ``params.seed``).
+    generator: torch.Generator
     out_ids: list[int] = attrs.field(factory=list)
     out_logprobs: list[float] = attrs.field(factory=list)
     out_top: list[list[tuple[int, float]]] = attrs.field(factory=list)
@@ -157,8 +157,9 @@ class LocalEngine:
             raise ValueError(
                 f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
             )
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = _Request(list(prompt_ids), params, random.Random(seed), on_token=on_token)
+        generator = torch.Generator()
+        generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
+        req = _Request(list(prompt_ids), params, generator, on_token=on_token)
         if params.max_tokens <= 0:
             req.finish("length")
         else:

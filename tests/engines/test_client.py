@@ -253,3 +253,18 @@ async def test_concurrency_cap_bounds_requests_in_flight() -> None:
         for _ in range(10):
             nursery.start_soon(client.generate, [1, 2], SamplingParams())
     assert peak == 3
+
+
+async def test_n_completions_come_back_by_index_and_a_missing_one_is_an_error() -> None:
+    first, second = (dict(COMPLETION["choices"][0], index=i, token_ids=[4 + i, 5]) for i in (0, 1))
+
+    async def answer(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        return 200, {"choices": [second, first]}  # children as they finished
+
+    async with serve_app(answer) as url, InferenceClient([url]) as client:
+        both = await client.generate_n([1, 2], SamplingParams(seed=3), 2)
+        assert [c.token_ids for c in both] == [[4, 5], [5, 5]]
+        with pytest.raises(InferenceServerError, match="choice indices"):
+            await client.generate_n([1, 2], SamplingParams(seed=3), 3)
+        with pytest.raises(ValueError, match="n must be at least 1"):
+            await client.generate_n([1, 2], SamplingParams(), 0)

@@ -8,7 +8,6 @@ caches of different widths) and requests finishing early (a subset of a cache's 
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import trio
 
-from engines.local.decode import sample_tokens
+from engines.local.decode import exponential_noise, sample_tokens
 from engines.local.engine import LocalEngine, open_local_engine
 from engines.types import SamplingParams
 
@@ -95,9 +94,9 @@ async def test_a_seed_samples_the_same_tokens_whatever_shares_the_batch(model_di
 
 
 def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
-    rng = random.Random(0)
-    rows = logits.expand(draws, -1)
-    tokens = sample_tokens(rows, [params] * draws, [rng.random() for _ in range(draws)])
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.empty((draws, logits.shape[-1])).exponential_(1.0, generator=generator)
+    tokens = sample_tokens(logits.expand(draws, -1), [params] * draws, noise)
     return torch.bincount(tokens, minlength=logits.shape[-1]).float() / draws
 
 
@@ -110,23 +109,36 @@ def test_sampling_follows_the_softmax_at_each_rows_temperature() -> None:
 
 
 def test_top_p_keeps_the_smallest_set_of_tokens_over_p() -> None:
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    logits = torch.log(torch.tensor([[0.15, 0.5, 0.05, 0.3]]))
     freq = _frequencies(logits, SamplingParams(top_p=0.7), 20_000)
-    # 0.5 + 0.3 reach 0.7: the last two tokens are never sampled, the first two renormalised
-    assert freq[2:].sum() == 0
-    assert torch.allclose(freq[:2], torch.tensor([0.625, 0.375]), atol=0.015)
+    # 0.5 + 0.3 reach 0.7: the other two are never sampled, the first two renormalised
+    assert freq[0] == 0 and freq[2] == 0
+    assert torch.allclose(freq[[1, 3]], torch.tensor([0.625, 0.375]), atol=0.015)
 
 
-def test_each_row_samples_with_its_own_params_and_draw() -> None:
+def test_each_row_samples_with_its_own_params_and_noise() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     params = [
-        SamplingParams(temperature=0),  # greedy: the argmax whatever the draw
+        SamplingParams(temperature=0),  # greedy: the argmax whatever the noise
         SamplingParams(temperature=0),
-        SamplingParams(),  # uniform logits: the draw picks the token (inverse CDF)
+        SamplingParams(),  # uniform probabilities: the smallest noise wins the race
         SamplingParams(),
     ]
-    tokens = sample_tokens(logits, params, [0.99, 0.99, 0.1, 0.9])
-    assert tokens.tolist() == [1, 0, 0, 2]
+    noise = torch.tensor([[0.01, 9.0, 9.0], [9.0, 0.01, 9.0], [0.5, 2.0, 3.0], [3.0, 2.0, 0.5]])
+    assert sample_tokens(logits, params, noise).tolist() == [1, 0, 0, 2]
+
+
+def test_a_seeded_request_samples_what_torch_multinomial_samples() -> None:
+    # the same draws as torch.multinomial(probs, 1, generator): seeded runs keep their tokens
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.8)] * 64
+    noise = exponential_noise([torch.Generator().manual_seed(s) for s in range(64)], 50)
+    probs = torch.softmax(logits / 0.8, dim=-1)
+    expected = [
+        int(torch.multinomial(probs[s], 1, generator=torch.Generator().manual_seed(s)))
+        for s in range(64)
+    ]
+    assert sample_tokens(logits, params, noise).tolist() == expected
 
 
 async def test_top_alternatives_are_the_best_logprobs_and_change_nothing_sampled(
