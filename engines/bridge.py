@@ -18,10 +18,19 @@ a request, close a connection) runs before the deadline's error propagates.
 
 A bridge may be used from any trio task while its block is open; using it after the block
 exits raises ``RuntimeError``.
+
+Import order does not matter: trio-asyncio makes ``asyncio.get_running_loop`` find its loop
+by patching it when it is imported, and a module that bound the function before that (anyio's
+asyncio backend does, ``from asyncio import get_running_loop``, and pytest's anyio plugin
+imports it at start-up) is pointed at the patched one when this module is imported. Without
+that, httpx (through httpcore's anyio backend) fails inside the bridge with
+``RuntimeError: no running event loop``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, cast
@@ -37,6 +46,21 @@ P = ParamSpec("P")
 #: Seconds an abandoned asyncio iterator gets to close (``aclose``) after its consumer leaves.
 ITERATOR_CLOSE_TIMEOUT_S = 5.0
 _DONE = object()
+#: Modules known to bind ``asyncio.get_running_loop`` at import (``from asyncio import ...``).
+_EARLY_BINDERS = ("anyio._backends._asyncio",)
+
+
+def _rebind_get_running_loop() -> None:
+    """Point modules that imported ``asyncio.get_running_loop`` before trio-asyncio patched it
+    at the patched function (see the module docstring); modules imported later bind it
+    themselves."""
+    for name in _EARLY_BINDERS:
+        module = sys.modules.get(name)
+        if module is not None and module.get_running_loop is not asyncio.get_running_loop:
+            module.get_running_loop = asyncio.get_running_loop
+
+
+_rebind_get_running_loop()
 
 
 class Bridge:

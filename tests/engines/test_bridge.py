@@ -1,11 +1,15 @@
-"""engines.bridge against a real asyncio-only library: an aiohttp client and server."""
+"""engines.bridge against real asyncio libraries: aiohttp (client and server), httpx on anyio."""
 
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
+import httpx
 import pytest
 import trio
 from aiohttp import web
@@ -128,3 +132,41 @@ async def test_the_bridge_refuses_calls_after_its_block() -> None:
         await bridge.run(nothing)
     with pytest.raises(RuntimeError, match="closed"):
         await bridge.run(nothing)
+
+
+async def test_httpx_runs_on_anyio_inside_the_bridge() -> None:
+    # httpx under asyncio connects with anyio's asyncio backend, which pytest's anyio plugin
+    # imported before trio-asyncio patched asyncio.get_running_loop
+    handler_cancelled: list[bool] = []
+    async with open_bridge() as bridge:
+        url, runner = await bridge.run(start_server, handler_cancelled)
+        try:
+
+            async def fetch() -> str:
+                async with httpx.AsyncClient() as client:
+                    return (await client.get(f"{url}/fast")).text
+
+            assert await bridge.run(fetch) == "ok"
+        finally:
+            await bridge.run(runner.cleanup)
+
+
+def test_anyio_imported_before_the_bridge_still_finds_the_loop() -> None:
+    script = """
+import anyio._backends._asyncio  # binds asyncio.get_running_loop before trio-asyncio patches it
+import anyio, trio
+from engines.bridge import open_bridge
+
+async def main():
+    async def now():
+        return anyio.current_time()  # asyncio.get_running_loop().time() in anyio
+    async with open_bridge() as bridge:
+        print(await bridge.run(now) > 0)
+
+trio.run(main)
+"""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
