@@ -27,6 +27,7 @@ import hmac
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
@@ -263,7 +264,7 @@ class ServerApp:
         payload = completion_response(
             req,
             [done[i * req.n : (i + 1) * req.n] for i in range(len(req.prompts))],
-            decode=self._decode,
+            decode=self._decoder(req.options),
             convert_ids_to_tokens=tok.convert_ids_to_tokens,
         )
         return json_response(payload)
@@ -287,11 +288,14 @@ class ServerApp:
             return self._event_stream(jobs, fmt, req.options)
         done = await self._generate_all(jobs)
         return json_response(
-            chat_response(req, done, decode=self._decode, token_text=self._token_text)
+            chat_response(req, done, decode=self._decoder(req.options), token_text=self._token_text)
         )
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+    def _decoder(self, options: GenerationOptions) -> Callable[[list[int]], str]:
+        """Token ids to text as the request asked (``skip_special_tokens``)."""
+        return partial(
+            self.engine.tokenizer.decode, skip_special_tokens=options.skip_special_tokens
+        )
 
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
@@ -355,7 +359,7 @@ class ServerApp:
                 self.engine.generate,
                 jobs,
                 fmt,
-                decode=self._decode,
+                decode=self._decoder(options),
                 include_stop_str=options.include_stop_str,
                 include_usage=options.include_usage,
             )

@@ -192,6 +192,9 @@ class GenerationOptions:
     include_stop_str: bool
     #: Whether choices carry ``token_ids`` (and the response ``prompt_token_ids``).
     return_token_ids: bool
+    #: Leave special tokens (``<pad>``, ``<eos>``, ...) out of the text (vLLM's default); the
+    #: token ids keep them either way.
+    skip_special_tokens: bool = True
 
 
 def parse_options(
@@ -244,4 +247,5 @@ def parse_options(
         include_usage=bool_field(stream_options or {}, "include_usage", False),
         include_stop_str=bool_field(body, "include_stop_str_in_output", False),
         return_token_ids=bool_field(body, "return_token_ids", False),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
     )

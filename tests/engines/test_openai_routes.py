@@ -83,6 +83,27 @@ def test_chat_completion_returns_text_token_ids_and_top_logprobs(
         assert entry.logprob <= alternatives[0] + 1e-6  # nothing beats the best alternative
 
 
+def test_skip_special_tokens_false_keeps_every_sampled_token_in_the_text(
+    client: openai.OpenAI, model: str
+) -> None:
+    def ask(skip: bool) -> tuple[list[str], list[int]]:
+        answer = client.chat.completions.create(
+            model=model,
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=20,
+            seed=5,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "skip_special_tokens": skip},
+        )
+        (choice,) = answer.choices
+        return (choice.message.content or "").split(), choice.model_extra["token_ids"]  # type: ignore[index]
+
+    kept, ids = ask(False)
+    skipped, same_ids = ask(True)
+    assert same_ids == ids
+    assert len(kept) == len(ids)  # one word per token: nothing vanished
+    assert [w for w in kept if w not in ("<pad>", "<eos>", "<bos>", "<unk>")] == skipped
+
+
 def test_chat_stream_sends_vllms_events_and_adds_up_to_the_whole_answer(
     client: openai.OpenAI, model: str, engine_urls: list[str]
 ) -> None:
