@@ -28,7 +28,14 @@ from openai import AsyncOpenAI
 
 from trainer.generators.openai_agent import OpenAIAgentGenerator
 
-__all__ = ["TOOLS", "CalculatorAgent", "calculator_agent", "score"]
+__all__ = ["KEEP_EVERY_TOKEN", "TOOLS", "CalculatorAgent", "calculator_agent", "score"]
+
+#: vLLM's ``skip_special_tokens=False``: the reply's text keeps every token the model sampled
+#: (the untrained tiny model samples ``<pad>`` and ``<unk>``, which would otherwise vanish),
+#: so the reply sent back as the assistant message renders to exactly the sampled tokens and
+#: the second call's prompt extends the first call's (one training sample per trajectory).
+#: No stop strings either: vLLM cuts a stop string out of the text but not out of the tokens.
+KEEP_EVERY_TOKEN = {"skip_special_tokens": False}
 
 #: The calculator's operations, by the word that calls them.
 TOOLS = {
@@ -55,7 +62,7 @@ async def calculator_agent(client: AsyncOpenAI, item: Any) -> float:
     """Ask, run the tool the model called, return its result, score the final answer."""
     messages: list[Any] = [{"role": "user", "content": item.prompt}]
     first = await client.chat.completions.create(
-        model="policy", messages=messages, max_tokens=4, stop=["="]
+        model="policy", messages=messages, max_tokens=4, extra_body=KEEP_EVERY_TOKEN
     )
     call = first.choices[0].message.content or ""
     numbers = [int(d) for d in re.findall(r"\d", item.prompt)][:2]
@@ -65,7 +72,9 @@ async def calculator_agent(client: AsyncOpenAI, item: Any) -> float:
         {"role": "assistant", "content": call},
         {"role": "tool", "tool_call_id": "call-0", "content": result},
     ]
-    second = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    second = await client.chat.completions.create(
+        model="policy", messages=messages, max_tokens=4, extra_body=KEEP_EVERY_TOKEN
+    )
     return score(second.choices[0].message.content or "", item.answer)
 
 

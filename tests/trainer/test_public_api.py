@@ -160,6 +160,13 @@ PUBLIC = {
         "Trajectory",
         "TrajectoryInput",
     ],
+    "trainer.generators.openai_agent": [
+        "AgentRuntime",
+        "OpenAIAgentGenerator",
+        "run_asyncio_agent",
+    ],
+    "trainer.generators.token_capture": ["CaptureProxy", "open_capture_proxy"],
+    "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
     "trainer.interrupt": ["stop_on_interrupt"],
     "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights"],
     "trainer.metrics": [

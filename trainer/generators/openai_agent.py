@@ -42,6 +42,7 @@ Needs engines reachable over HTTP (``engine.backend=local`` or ``remote``), and 
 
 from __future__ import annotations
 
+import ssl
 import statistics
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -73,21 +74,24 @@ Agent = Callable[[Any, TrajectoryInput], Awaitable[float]]
 
 
 async def run_asyncio_agent(
-    agent: Agent, base_url: str, item: TrajectoryInput, http_client: httpx.AsyncClient
+    agent: Agent, base_url: str, item: TrajectoryInput, ssl_context: ssl.SSLContext
 ) -> float:
-    """Asyncio side: ``agent(AsyncOpenAI(base_url, http_client=http_client), item)``.
+    """Asyncio side: ``agent(AsyncOpenAI(base_url), item)``; closes the client's connections.
 
-    The step's agents share ``http_client`` (one connection pool): building a client of
-    its own costs each ``AsyncOpenAI`` ~30 ms of CPU (an SSL context), which 128 agents would
-    spend blocking the event loop.
+    Each agent has a connection pool of its own, as an agent built by hand would: one pool
+    shared by a step's agents grows to one connection per agent, and httpcore scans every
+    connection of a pool on each request, which made a step of 128 agents stall the event
+    loop for ~100 ms at a time. The step's clients share ``ssl_context``: building one costs
+    ~30 ms of CPU, which each ``AsyncOpenAI`` would otherwise spend blocking the loop.
     """
-    client = openai.AsyncOpenAI(
-        base_url=base_url,
-        api_key="trainer",
-        max_retries=0,
-        http_client=cast(Any, http_client),  # openai 3.x types it as httpx2's client
-    )
-    return float(await agent(client, item))
+    async with httpx.AsyncClient(timeout=None, verify=ssl_context) as http:
+        client = openai.AsyncOpenAI(
+            base_url=base_url,
+            api_key="trainer",
+            max_retries=0,
+            http_client=cast(Any, http),  # openai 3.x types it as httpx2's client
+        )
+        return float(await agent(client, item))
 
 
 @asynccontextmanager
@@ -104,6 +108,7 @@ class OpenAIAgentGenerator(Generator):
 
     #: ``"asyncio"``: :meth:`agent` gets ``openai.AsyncOpenAI``; ``"trio"``: ``httpx.AsyncClient``.
     agent_runtime: ClassVar[AgentRuntime] = "asyncio"
+    _ssl_context: ssl.SSLContext | None = None
 
     async def agent(self, client: Any, item: TrajectoryInput) -> float:
         """The agent: talk to the model through ``client`` and return the trajectory's reward.
@@ -123,37 +128,32 @@ class OpenAIAgentGenerator(Generator):
                 f"{type(engine).__name__}"
             )
         rewards: list[float | None] = [None] * len(batch)
+        if self._ssl_context is None:  # once per run (see run_asyncio_agent)
+            self._ssl_context = ssl.create_default_context()
+        ssl_context = self._ssl_context
         async with (
             open_capture_proxy(engine, self.sampling) as proxy,
             _maybe_bridge(self.agent_runtime == "asyncio") as bridge,
         ):
             urls = [proxy.register(item.trajectory_id, item.seed) for item in batch]
-            # one connection pool for the step's agents (see run_asyncio_agent), closed on
-            # the loop that used it
-            http = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=None))
 
             async def run_one(i: int) -> None:
-                rewards[i] = await self._run_agent(bridge, http, urls[i], batch[i])
+                rewards[i] = await self._run_agent(bridge, ssl_context, urls[i], batch[i])
 
             async with open_owner_nursery() as nursery:
                 for i in range(len(batch)):
                     nursery.start_soon(run_one, i)
-            if bridge is not None:
-                await bridge.run(http.aclose)
-            else:
-                await http.aclose()
             return self._output(batch, proxy, [r for r in rewards if r is not None])
 
     async def _run_agent(
-        self, bridge: Bridge | None, http: httpx.AsyncHTTPTransport, url: str, item: TrajectoryInput
+        self, bridge: Bridge | None, ssl_context: ssl.SSLContext, url: str, item: TrajectoryInput
     ) -> float:
         agent: Agent = self.agent
         if bridge is not None:
             with operation("env_step"):  # the asyncio agent's own awaits (tools, environments)
-                client = httpx.AsyncClient(transport=http, timeout=None)
-                return await bridge.run(run_asyncio_agent, agent, url, item, client)
-        client = httpx.AsyncClient(base_url=url, timeout=None, transport=http)
-        return float(await agent(client, item))
+                return await bridge.run(run_asyncio_agent, agent, url, item, ssl_context)
+        async with httpx.AsyncClient(base_url=url, timeout=None, verify=ssl_context) as client:
+            return float(await agent(client, item))
 
     def _output(
         self, batch: GeneratorInput, proxy: CaptureProxy, rewards: list[float]

@@ -34,6 +34,7 @@ flight (their engine requests are dropped, and the reference engine aborts them)
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
@@ -46,7 +47,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from engines.client import InferenceClient
+from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.types import SamplingParams
 from trainer.generators.turns import CapturedTurn
 from trainer.vocabulary import fire_fault, open_owner_nursery, operation
@@ -55,6 +56,9 @@ __all__ = ["CaptureProxy", "open_capture_proxy"]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _CHAT, _COMPLETIONS, _MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+#: hypercorn's error log for the proxy: warnings and errors (not its "Running on" per step).
+_SERVER_LOG = logging.getLogger(f"{__name__}.server")
+_SERVER_LOG.setLevel(logging.WARNING)
 
 
 @attrs.define
@@ -87,7 +91,12 @@ class CaptureProxy:
         self._turns: dict[str, list[CapturedTurn]] = {}
         self._seeds: dict[str, int] = {}
         self._calls: dict[str, int] = {}
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0))
+        # bounded as the engine client's pool is (httpcore scans every connection per request)
+        connections = DATA_CONNECTIONS_PER_SERVER * len(engine.urls)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(None, connect=10.0),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        )
 
     def register(self, trajectory_id: str, seed: int) -> str:
         """Accept calls for ``trajectory_id`` (seeded from ``seed``); its base URL."""
@@ -299,7 +308,7 @@ async def open_capture_proxy(
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 0.1
     config.accesslog = None
-    config.errorlog = None
+    config.errorlog = _SERVER_LOG  # a failing call lands in the run's log
     shutdown = trio.Event()
     try:
         async with open_owner_nursery() as nursery:
