@@ -57,7 +57,7 @@ def _rebind_get_running_loop() -> None:
     for name in _EARLY_BINDERS:
         module = sys.modules.get(name)
         if module is not None and module.get_running_loop is not asyncio.get_running_loop:
-            module.get_running_loop = asyncio.get_running_loop
+            setattr(module, "get_running_loop", asyncio.get_running_loop)  # noqa: B010
 
 
 _rebind_get_running_loop()

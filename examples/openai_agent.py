@@ -28,7 +28,14 @@ from openai import AsyncOpenAI
 
 from trainer.generators.openai_agent import OpenAIAgentGenerator
 
-__all__ = ["KEEP_EVERY_TOKEN", "TOOLS", "CalculatorAgent", "calculator_agent", "score"]
+__all__ = [
+    "KEEP_EVERY_TOKEN",
+    "TOOLS",
+    "TOOL_CALL_CREDIT",
+    "CalculatorAgent",
+    "calculator_agent",
+    "score",
+]
 
 #: vLLM's ``skip_special_tokens=False``: the reply's text keeps every token the model sampled
 #: (the untrained tiny model samples ``<pad>`` and ``<unk>``, which would otherwise vanish),
@@ -36,6 +43,9 @@ __all__ = ["KEEP_EVERY_TOKEN", "TOOLS", "CalculatorAgent", "calculator_agent", "
 #: the second call's prompt extends the first call's (one training sample per trajectory).
 #: No stop strings either: vLLM cuts a stop string out of the text but not out of the tokens.
 KEEP_EVERY_TOKEN = {"skip_special_tokens": False}
+
+#: The reward for calling a tool, and again for calling the right one (see calculator_agent).
+TOOL_CALL_CREDIT = 0.25
 
 #: The calculator's operations, by the word that calls them.
 TOOLS = {
@@ -59,7 +69,13 @@ def score(reply: str, answer: str) -> float:
 
 
 async def calculator_agent(client: AsyncOpenAI, item: Any) -> float:
-    """Ask, run the tool the model called, return its result, score the final answer."""
+    """Ask, run the tool the model called, return its result, score both turns.
+
+    The reward is shaped so that an untrained model learns within a few dozen steps:
+    ``TOOL_CALL_CREDIT`` for calling a calculator tool at all, as much again when the tool's
+    result is the answer (the right tool), plus the rest times :func:`score` of the final
+    reply.
+    """
     messages: list[Any] = [{"role": "user", "content": item.prompt}]
     first = await client.chat.completions.create(
         model="policy", messages=messages, max_tokens=4, extra_body=KEEP_EVERY_TOKEN
@@ -67,15 +83,23 @@ async def calculator_agent(client: AsyncOpenAI, item: Any) -> float:
     call = first.choices[0].message.content or ""
     numbers = [int(d) for d in re.findall(r"\d", item.prompt)][:2]
     tool = next((TOOLS[w] for w in call.split() if w in TOOLS), None)
-    result = f"result {tool(*numbers)}" if tool and len(numbers) == 2 else "error"
+    value = tool(*numbers) if tool and len(numbers) == 2 else None
     messages += [
         {"role": "assistant", "content": call},
-        {"role": "tool", "tool_call_id": "call-0", "content": result},
+        {
+            "role": "tool",
+            "tool_call_id": "call-0",
+            "content": "error" if value is None else f"result {value}",
+        },
     ]
     second = await client.chat.completions.create(
         model="policy", messages=messages, max_tokens=4, extra_body=KEEP_EVERY_TOKEN
     )
-    return score(second.choices[0].message.content or "", item.answer)
+    reward = 0.0
+    if value is not None:
+        reward += TOOL_CALL_CREDIT * (1 + (str(value) == item.answer))
+    final = score(second.choices[0].message.content or "", item.answer)
+    return reward + (1 - 2 * TOOL_CALL_CREDIT) * final
 
 
 class CalculatorAgent(OpenAIAgentGenerator):

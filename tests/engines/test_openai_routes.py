@@ -17,11 +17,12 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 SCHEMAS = json.loads(
     (Path(__file__).parent / "reference" / "vllm_openai_schemas.json").read_text()
 )["schemas"]
-MESSAGES = [{"role": "user", "content": "max 7 5 ="}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "max 7 5 ="}]
 
 
 def conforms(name: str, payload: Any) -> None:
@@ -58,7 +59,7 @@ def test_chat_completion_returns_text_token_ids_and_top_logprobs(
 ) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model=model,
-        messages=MESSAGES,  # type: ignore[arg-type]
+        messages=MESSAGES,
         max_tokens=6,
         seed=3,
         logprobs=True,
@@ -89,7 +90,7 @@ def test_skip_special_tokens_false_keeps_every_sampled_token_in_the_text(
     def ask(skip: bool) -> tuple[list[str], list[int]]:
         answer = client.chat.completions.create(
             model=model,
-            messages=MESSAGES,  # type: ignore[arg-type]
+            messages=MESSAGES,
             max_tokens=20,
             seed=5,
             extra_body={"return_token_ids": True, "ignore_eos": True, "skip_special_tokens": skip},

@@ -165,7 +165,12 @@ PUBLIC = {
         "OpenAIAgentGenerator",
         "run_asyncio_agent",
     ],
-    "trainer.generators.token_capture": ["CaptureProxy", "open_capture_proxy"],
+    "trainer.generators.token_capture": [
+        "CaptureProxy",
+        "ENGINE_KEEPALIVE_S",
+        "PROXY_KEEPALIVE_S",
+        "open_capture_proxy",
+    ],
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
     "trainer.interrupt": ["stop_on_interrupt"],
     "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights"],

@@ -52,10 +52,18 @@ from engines.types import SamplingParams
 from trainer.generators.turns import CapturedTurn
 from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
-__all__ = ["CaptureProxy", "open_capture_proxy"]
+__all__ = ["ENGINE_KEEPALIVE_S", "PROXY_KEEPALIVE_S", "CaptureProxy", "open_capture_proxy"]
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 _CHAT, _COMPLETIONS, _MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
+#: Seconds the proxy keeps an agent's idle connection open: far longer than the clients'
+#: own keep-alive (httpx: 5 s), so a client never sends a request on a connection the proxy
+#: is closing (hypercorn's default is also 5 s: under load, agents' second calls failed with
+#: ``ReadError`` on connections closed as they were reused).
+PROXY_KEEPALIVE_S = 60.0
+#: Seconds the proxy keeps an idle connection to an engine: under the servers' own 5 s
+#: (hypercorn, uvicorn), for the same reason.
+ENGINE_KEEPALIVE_S = 2.0
 #: hypercorn's error log for the proxy: warnings and errors (not its "Running on" per step).
 _SERVER_LOG = logging.getLogger(f"{__name__}.server")
 _SERVER_LOG.setLevel(logging.WARNING)
@@ -95,7 +103,11 @@ class CaptureProxy:
         connections = DATA_CONNECTIONS_PER_SERVER * len(engine.urls)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=10.0),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            limits=httpx.Limits(
+                max_connections=connections,
+                max_keepalive_connections=connections,
+                keepalive_expiry=ENGINE_KEEPALIVE_S,
+            ),
         )
 
     def register(self, trajectory_id: str, seed: int) -> str:
@@ -307,6 +319,7 @@ async def open_capture_proxy(
     config = Config()
     config.bind = ["127.0.0.1:0"]
     config.graceful_timeout = 0.1
+    config.keep_alive_timeout = PROXY_KEEPALIVE_S
     config.accesslog = None
     config.errorlog = _SERVER_LOG  # a failing call lands in the run's log
     shutdown = trio.Event()
