@@ -247,7 +247,7 @@ async def test_the_example_agent_trains_end_to_end_and_a_deadline_ends_the_run(
 
     hung = [
         "generator.cls=tests.trainer.test_openai_agent:HungToolAgent",
-        "trainer.step_timeout_s=20",
+        "trainer.step_timeout_s=10",
         f"trainer.run_dir={tmp_path / 'hung'}",
     ]
     with pytest.raises(StepTimeoutError) as info:
