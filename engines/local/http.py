@@ -16,9 +16,22 @@ __all__ = [
     "Request",
     "Response",
     "StreamBody",
+    "answer_lifespan",
     "error_response",
     "json_response",
 ]
+
+
+async def answer_lifespan(receive: Any, send: Any) -> None:
+    """An ASGI app's ``lifespan`` scope for an app with nothing to start or stop: completes
+    the startup and the shutdown messages, and returns after the shutdown."""
+    while True:
+        message = await receive()
+        kind = message["type"].split(".")[-1]
+        await send({"type": f"lifespan.{kind}.complete"})
+        if kind == "shutdown":
+            return
+
 
 #: Largest request body accepted (413 beyond).
 MAX_BODY_BYTES = 8 * 1024 * 1024

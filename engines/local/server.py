@@ -40,6 +40,7 @@ from engines.local.http import (
     MAX_BODY_BYTES,
     Request,
     Response,
+    answer_lifespan,
     error_response,
     json_response,
 )
@@ -105,13 +106,8 @@ class ServerApp:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         response = await self._handle(scope, receive)

@@ -19,6 +19,7 @@ from hypercorn.trio import serve
 
 from engines.launch import launch_local_engines
 from engines.local.engine import open_local_engine
+from engines.local.http import answer_lifespan
 from engines.local.server import ServerApp
 
 #: Generous: two cores shared with other test runs.
@@ -33,12 +34,8 @@ def asgi(handler: Handler) -> Callable[..., Awaitable[None]]:
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].split(".")[-1]
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await answer_lifespan(receive, send)
+            return
         while (await receive()).get("more_body"):
             pass
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}

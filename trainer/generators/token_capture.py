@@ -48,6 +48,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
+from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
 from trainer.generators.turns import CapturedTurn
 from trainer.vocabulary import fire_fault, open_owner_nursery, operation
@@ -132,12 +133,8 @@ class CaptureProxy:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
         if scope["type"] == "lifespan":
-            while True:
-                message = await receive()
-                kind = message["type"].split(".")[-1]
-                await send({"type": f"lifespan.{kind}.complete"})
-                if kind == "shutdown":
-                    return
+            await answer_lifespan(receive, send)
+            return
         if scope["type"] != "http":
             return
         body = bytearray()
