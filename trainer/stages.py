@@ -105,14 +105,24 @@ async def train_policy(
 
 
 async def save_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
-    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer."""
+    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer.
+
+    ``checkpoint/max_stall_ms`` is the event loop's longest stall while the save ran: the
+    writes happen off the trio thread, so it stays in the milliseconds however long the
+    save takes.
+    """
     # the checkpoint manager records the step itself (trainer_state.json's "step")
     state = {
         "loader": ctx.loader.state_dict(),
         "weight_version": ctx.weight_version,
     }
-    path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
-    return {"checkpoint/step": step, "checkpoint/path": str(path)}
+    with ctx.stalls.window() as stalls:
+        path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
+    return {
+        "checkpoint/step": step,
+        "checkpoint/path": str(path),
+        "checkpoint/max_stall_ms": stalls.max_ms,
+    }
 
 
 async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:

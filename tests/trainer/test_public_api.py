@@ -111,6 +111,7 @@ PUBLIC = {
         "DEBUG_FILE",
         "Dumper",
         "StallInstrument",
+        "StallWindow",
         "WaitClock",
         "Watchdog",
         "debug_paths",
