@@ -58,7 +58,7 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
         )
     if ctx.checkpoint_due(step):
         with Timer("save_checkpoints", timings):
-            metrics |= await stages.save_checkpoint(ctx, step)
+            metrics |= await stages.save_checkpoint(ctx, step, metrics)
     with Timer("sync_weights", timings):
         metrics |= await sync_weights(ctx, step)
     return metrics | {f"timing/{k}": v for k, v in timings.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -17,6 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 __all__ = [
     "MetricsLogger",
     "StepProgress",
+    "jsonable_row",
+    "restore_metrics",
     "reward_summary",
     "setup_run_logging",
     "teardown_run_logging",
@@ -52,10 +55,45 @@ def teardown_run_logging(handlers: list[logging.Handler]) -> None:
     logging.captureWarnings(False)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def jsonable_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` as strict JSON takes it: a non-finite float (``nan``, ``inf``) becomes None."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()
+    }
+
+
+def restore_metrics(path: Path, step: int, checkpoint_row: dict[str, Any] | None = None) -> None:
+    """Make ``metrics.jsonl`` hold steps up to ``step`` only, as a resume from ``step`` needs.
+
+    Lines of later steps are dropped (they run again); so is a line that is not JSON (the
+    torn last line of a run killed while writing it), with a warning. If no line of ``step``
+    itself is left and ``checkpoint_row`` (the step's metrics as its checkpoint saved them)
+    is given, it is appended: a run killed between its checkpoint save and the end of the
+    step leaves no gap. The file is replaced atomically, so a run killed here leaves it as
+    it was. Blocking (a small file).
+    """
+    if not path.exists() and checkpoint_row is None:
+        return
+    kept: list[str] = []
+    logged: set[int] = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row_step = int(json.loads(line).get("step", 0))
+        except ValueError:
+            log.warning("dropping a torn line of %s: %r", path, line[:80])
+            continue
+        if row_step <= step:
+            kept.append(line)
+            logged.add(row_step)
+    if checkpoint_row is not None and step not in logged:
+        log.info(
+            "step %d's metrics restored from its checkpoint (the run stopped before it logged them)",
+            step,
+        )
+        kept.append(json.dumps({**checkpoint_row, "step": step}))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -66,7 +104,7 @@ class MetricsLogger:
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        self._file.write(json.dumps(jsonable_row(metrics)) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -44,10 +44,13 @@ LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
     """The per-step rows of ``run_dir/metrics.jsonl`` (eval rows left out), by step.
 
+    A step row restored from its checkpoint on resume (no timings) is kept; its stages
+    draw as 0 s.
+
     ``FileNotFoundError`` when the run has no metrics.
     """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return sorted((r for r in rows if "timing/step" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if "reward/mean" in r), key=lambda r: r["step"])
 
 
 def _label(run_dir: Path, runs: Sequence[Path]) -> str:

@@ -43,6 +43,7 @@ from trainer.loop import run_training
 from trainer.metrics import (
     MetricsLogger,
     StepProgress,
+    restore_metrics,
     reward_summary,
     setup_run_logging,
     teardown_run_logging,
@@ -94,18 +95,6 @@ class _TeardownClock:
     def report(self, *exc_info: object) -> None:
         if self._started is not None:
             log.info("teardown after failure took %.2fs", time.monotonic() - self._started)
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines of steps after the resumed checkpoint (they will be run again)."""
-    if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if json.loads(line).get("step", 0) <= last_step
-    ]
-    path.write_text("".join(line + "\n" for line in kept))
 
 
 async def train(cfg: Config) -> dict[str, Any]:
@@ -230,7 +219,7 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
             await workers.load_checkpoint(resume_from)
             start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
-        _truncate_metrics(metrics_path, start)
+        restore_metrics(metrics_path, start, state.get("metrics"))
         ctx = RunContext(
             cfg=cfg,
             run_dir=run_dir,
@@ -274,7 +263,9 @@ def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:
         **reward_summary([r["reward/mean"] for r in steps]),
     }
     if steps:
-        summary["step_time_mean_s"] = statistics.fmean(r["timing/step"] for r in steps)
+        # a row restored from a checkpoint (see restore_metrics) has no timings
+        times = [r["timing/step"] for r in steps if "timing/step" in r]
+        summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

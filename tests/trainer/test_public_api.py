@@ -166,6 +166,8 @@ PUBLIC = {
     "trainer.metrics": [
         "MetricsLogger",
         "StepProgress",
+        "jsonable_row",
+        "restore_metrics",
         "reward_summary",
         "setup_run_logging",
         "teardown_run_logging",
