@@ -141,7 +141,11 @@ class TrainerConfig:
         "own step_timeout_s.",
         check=at_least(0),
     )
-    progress: bool = _field(True, "Show the live progress display.")
+    progress: bool = _field(
+        True,
+        "Show start-up phases with their times and the step bar (ETA, reward, loss, KL) on "
+        "stderr: live in a terminal, plain lines elsewhere.",
+    )
     interrupt_grace_s: float = _field(
         60.0,
         "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "

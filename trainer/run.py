@@ -119,7 +119,8 @@ async def train(cfg: Config) -> dict[str, Any]:
         ):
             async with open_debug_services(dumper) as services:
                 await services.start(watchdog.run)
-                summary = await _train(cfg, run_dir, dumper, watchdog)
+                with StepProgress(enabled=cfg.trainer.progress) as progress:
+                    summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
     except BaseException as exc:
         # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
@@ -147,10 +148,14 @@ def _limit_torch_threads(cfg: Config) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
 
 
-async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog) -> dict[str, Any]:
+async def _train(
+    cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog, progress: StepProgress
+) -> dict[str, Any]:
+    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary."""
     t = cfg.trainer
-    model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
+    with progress.phase("model"):
+        model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
     examples, default_reward = load_examples(
         cfg.data.train, cfg.data.task, cfg.data.num_examples, t.seed
     )
@@ -186,12 +191,18 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
         if uses_ray(cfg):
-            await stack.enter_async_context(open_ray_cluster(cfg))
-        engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+            with progress.phase("ray"):
+                await stack.enter_async_context(open_ray_cluster(cfg))
+        with progress.phase("engines"):
+            engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         dumper.engine_urls = tuple(getattr(engine, "urls", ()))
         dumper.engine_api_key = cfg.engine.api_key
-        workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
-        transport = await stack.enter_async_context(open_transport(cfg, run_dir, engine, workers))
+        with progress.phase("workers"):
+            workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
+        with progress.phase("weight transport"):
+            transport = await stack.enter_async_context(
+                open_transport(cfg, run_dir, engine, workers)
+            )
 
         def make_generator(sp: SamplingParams) -> Generator:
             return generator_cls(
@@ -214,10 +225,11 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
         metrics_path = run_dir / "metrics.jsonl"
         state: dict[str, Any] = {}
         if resume_from is not None:
-            state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
-            loader.load_state_dict(state["loader"])  # a changed data order fails before loading
-            await workers.load_checkpoint(resume_from)
-            start = int(state["step"])
+            with progress.phase("resume"):
+                state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
+                loader.load_state_dict(state["loader"])  # a changed order fails before loading
+                await workers.load_checkpoint(resume_from)
+                start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
         restore_metrics(metrics_path, start, state.get("metrics"))
         ctx = RunContext(
@@ -235,12 +247,13 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
             workers=workers,
             ckpt=ckpt,
             metrics=stack.enter_context(MetricsLogger(metrics_path)),
-            progress=stack.enter_context(StepProgress(last_step, start=start, enabled=t.progress)),
+            progress=progress,
             first_step=start + 1,
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
         )
+        progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
         try:

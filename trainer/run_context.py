@@ -79,7 +79,7 @@ class RunContext:
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         self.metrics.log(metrics)
-        self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
+        self.progress.update(metrics["step"], metrics)
         log.info(
             "step %d reward %.3f step_s %.2f",
             metrics["step"],

@@ -164,6 +164,8 @@ PUBLIC = {
     "trainer.interrupt": ["stop_on_interrupt"],
     "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights"],
     "trainer.metrics": [
+        "ETA_WINDOW",
+        "KL_METRICS",
         "MetricsLogger",
         "StepProgress",
         "jsonable_row",
