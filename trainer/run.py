@@ -50,6 +50,7 @@ from trainer.metrics import (
 )
 from trainer.parts import open_engine, open_ray_cluster, open_transport, open_workers, uses_ray
 from trainer.run_context import RunContext
+from trainer.trackers import TrackerSink, open_trackers
 from trainer.vocabulary import install_faults, unfired_faults
 
 __all__ = ["train"]
@@ -190,6 +191,20 @@ async def _train(
     async with AsyncExitStack() as stack:
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
+        trackers = TrackerSink()
+        if set(t.loggers) - {"jsonl"}:
+            with progress.phase("trackers"):
+                trackers = await stack.enter_async_context(
+                    open_trackers(
+                        t.loggers,
+                        run_dir,
+                        project=t.project_name,
+                        run_name=t.run_name or run_dir.name,
+                        wandb_mode=t.wandb_mode,
+                        mlflow_tracking_uri=t.mlflow_tracking_uri,
+                        config=to_dict(cfg),
+                    )
+                )
         if uses_ray(cfg):
             with progress.phase("ray"):
                 await stack.enter_async_context(open_ray_cluster(cfg))
@@ -252,6 +267,7 @@ async def _train(
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
+            trackers=trackers,
         )
         progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)

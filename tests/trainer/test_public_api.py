@@ -194,6 +194,17 @@ PUBLIC = {
         "save_checkpoint",
         "train_policy",
     ],
+    "trainer.trackers": [
+        "CLOSE_TIMEOUT_S",
+        "LOGGERS",
+        "MlflowTracker",
+        "TensorBoardTracker",
+        "Tracker",
+        "TrackerSink",
+        "WandbTracker",
+        "open_trackers",
+        "scalars",
+    ],
     "trainer.vocabulary": [
         "AWAIT",
         "FAULTS_ENV",
