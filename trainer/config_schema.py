@@ -76,7 +76,7 @@ def _loggers(v: Any) -> str | None:
 class WatchdogConfig:
     enabled: bool = _field(
         True,
-        "Write the run's task-tree dump (as `python -m trainer debug dump`) to train.log and "
+        "Write the run's task-tree dump (as `.venv/bin/python -m trainer debug dump`) to train.log and "
         "stderr when a step runs past after_s, and just before a StepTimeoutError; nothing is "
         "stopped.",
     )
