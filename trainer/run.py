@@ -62,12 +62,15 @@ def _make_run_dir(cfg: Config) -> Path:
     """Create the run directory and write ``config.yaml`` with the directory it chose.
 
     The recorded ``trainer.run_dir`` is never None, so ``--config RUN_DIR/config.yaml
-    trainer.resume_mode=latest`` resumes in the same directory.
+    trainer.resume_mode=latest`` resumes in the same directory. The file is replaced
+    atomically: a run killed while writing it (a resume rewrites it) leaves the old one.
     """
     run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     run_dir.mkdir(parents=True, exist_ok=True)
     recorded = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=str(run_dir)))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
+    os.replace(tmp, run_dir / "config.yaml")
     return run_dir
 
 

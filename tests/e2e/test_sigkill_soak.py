@@ -77,7 +77,9 @@ def _kill_after(proc: subprocess.Popen[str], log: Path, offset: int, steps: int,
             break
         time.sleep(0.05)
     time.sleep(delay)
-    assert proc.poll() is None, "the run ended before it was killed"
+    if proc.poll() is not None:
+        output = proc.stdout.read() if proc.stdout else ""
+        pytest.fail(f"the run ended (exit {proc.returncode}) before it was killed:\n{output}")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
 
