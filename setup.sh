@@ -27,5 +27,5 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
         pip install "torch==2.13.0"  # torch's deps; torch itself too after a fallback
     fi
 fi
-pip install -e ".[dev,plot]"
+pip install -e ".[dev,plot,tensorboard,wandb,mlflow]"
 echo "$want" > "$stamp"

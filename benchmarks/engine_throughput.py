@@ -126,8 +126,8 @@ async def short_requests(
                     await client.generate_n(prompt, params, n)
 
                 for label, send in (
-                    (f"{n} requests of 1", single),
-                    (f"1 request of n={n}", grouped),
+                    (f"{len(batch) * n} requests of 1 sample", single),
+                    (f"{len(batch)} requests of n={n}", grouped),
                 ):
                     times = []
                     for _ in range(repeats + 1):  # the first round warms up

@@ -1,12 +1,12 @@
-"""The README's pictures of a run, drawn from its ``metrics.jsonl`` as plain SVG (no plotting library).
+"""The README's step timeline, drawn from a run's ``metrics.jsonl`` as plain SVG (no plotting library).
 
     .venv/bin/python docs/make_figures.py RUN_DIR [--out docs/images]
 
-writes ``reward_curve.svg`` (``reward/mean`` per step and its 10-step moving average) and
-``step_timeline.svg`` (one step's stages in order, each as long as its mean ``timing/<stage>``
-over the run, under the deadlines that bound them). The README's pictures come from the default
-run (``.venv/bin/python -m trainer trainer.run_dir=runs/default``); redraw them when its
-numbers change.
+writes ``step_timeline.svg``: one step's stages in order, each as long as its mean
+``timing/<stage>`` over the run, under the deadlines that bound them. The README's reward
+curve is ``python -m trainer plot``'s ``reward.png``. Both come from the default run
+(``.venv/bin/python -m trainer trainer.run_dir=runs/default``); redraw them when its numbers
+change.
 """
 
 from __future__ import annotations
@@ -48,41 +48,6 @@ def _svg(width: int, height: int, body: list[str]) -> str:
 
 def _text(x: float, y: float, s: str, anchor: str = "start", extra: str = "") -> str:
     return f'<text x="{x:.1f}" y="{y:.1f}" text-anchor="{anchor}" {FONT} {extra}>{escape(s)}</text>'
-
-
-def reward_curve(rows: list[dict], title: str) -> str:
-    """``reward/mean`` per step (dots) and its trailing 10-step mean (line), reward axis 0..1."""
-    w, h, left, right, top, bottom = 640, 360, 56, 16, 36, 44
-    pw, ph = w - left - right, h - top - bottom
-    steps = [r["step"] for r in rows]
-    rewards = [r["reward/mean"] for r in rows]
-    last = max(steps[-1], 2)
-
-    def xy(step: float, reward: float) -> tuple[float, float]:
-        return left + pw * (step - 1) / (last - 1), top + ph * (1 - reward)
-
-    body = [_text(w / 2, 22, title, "middle", 'font-weight="bold"')]
-    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
-        _, y = xy(1, tick)
-        body.append(f'<line x1="{left}" y1="{y:.1f}" x2="{w - right}" y2="{y:.1f}" stroke="#ddd"/>')
-        body.append(_text(left - 6, y + 4, f"{tick:.2f}", "end"))
-    for tick in range(0, last + 1, max(1, last // 5)):
-        x, _ = xy(max(tick, 1), 0)
-        body.append(_text(x, h - bottom + 16, str(max(tick, 1)), "middle"))
-    body.append(_text(left + pw / 2, h - 8, "step", "middle"))
-    body.append(
-        _text(
-            14, top + ph / 2, "reward/mean", "middle", f'transform="rotate(-90 14 {top + ph / 2})"'
-        )
-    )
-    for s, r in zip(steps, rewards):
-        x, y = xy(s, r)
-        body.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="2" fill="#9ecae9"/>')
-    smooth = [statistics.fmean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
-    points = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, r) for s, r in zip(steps, smooth)))
-    body.append(f'<polyline points="{points}" fill="none" stroke="#4c78a8" stroke-width="2"/>')
-    body.append(_text(w - right - 4, top + 14, "dots: each step; line: mean of the last 10", "end"))
-    return _svg(w, h, body)
 
 
 def stage_means(rows: list[dict]) -> dict[str, float]:
@@ -181,14 +146,10 @@ def main(argv: list[str] | None = None) -> None:
     if not rows:
         parser.error(f"{args.run_dir}/metrics.jsonl has no step rows")
     args.out.mkdir(parents=True, exist_ok=True)
-    n = len(rows)
-    (args.out / "reward_curve.svg").write_text(
-        reward_curve(rows, f"reward/mean over the default run ({n} steps, max_digit, CPU)")
-    )
     (args.out / "step_timeline.svg").write_text(
         step_timeline(rows, "One step of the default run, stage by stage, and its deadlines")
     )
-    print(f"wrote {args.out / 'reward_curve.svg'} and {args.out / 'step_timeline.svg'}")
+    print(f"wrote {args.out / 'step_timeline.svg'}")
 
 
 if __name__ == "__main__":

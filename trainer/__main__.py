@@ -97,7 +97,7 @@ def _print_summary(summary: dict) -> None:
         console.print(
             f"mean reward: first 20% of steps {summary['reward/first_20pct']:.3f} -> "
             f"last 20% {summary['reward/last_20pct']:.3f}; "
-            f"mean step time {summary['step_time_mean_s']:.2f}s"
+            f"mean step time {summary['step_time_mean_s'] or 0.0:.2f}s"
         )
 
 

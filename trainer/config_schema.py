@@ -64,11 +64,19 @@ def module_attr(v: Any) -> str | None:
     return "must be 'package.module:Name'"
 
 
+def _loggers(v: Any) -> str | None:
+    if "jsonl" not in v:
+        return "must include 'jsonl' (metrics.jsonl is the run's record: resume and plot read it)"
+    if len(set(v)) != len(v):
+        return "names a logger twice"
+    return None
+
+
 @attrs.define
 class WatchdogConfig:
     enabled: bool = _field(
         True,
-        "Write the run's task-tree dump (as `python -m trainer debug dump`) to train.log and "
+        "Write the run's task-tree dump (what `debug dump` prints) to train.log and "
         "stderr when a step runs past after_s, and just before a StepTimeoutError; nothing is "
         "stopped.",
     )
@@ -141,7 +149,34 @@ class TrainerConfig:
         "own step_timeout_s.",
         check=at_least(0),
     )
-    progress: bool = _field(True, "Show the live progress display.")
+    progress: bool = _field(
+        True,
+        "Show start-up phases with their times and the step bar (ETA, reward, loss, KL) on "
+        "stderr: live in a terminal, plain lines elsewhere.",
+    )
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = _field(
+        ("jsonl",),
+        "Where each step's metrics go: 'jsonl' (RUN_DIR/metrics.jsonl, the run's record; always "
+        "on, so always listed) plus any of 'tensorboard', 'wandb', 'mlflow', each an optional "
+        "extra (pip install 'trainer[wandb]'); see docs/quickstart.md#trackers.",
+        check=_loggers,
+    )
+    project_name: str = _field(
+        "trainer", "The wandb project and the MLflow experiment the trackers log to."
+    )
+    run_name: str | None = _field(
+        None, "The run's name in the trackers (None: the run directory's name)."
+    )
+    wandb_mode: Literal["offline", "online"] = _field(
+        "offline",
+        "'offline' writes RUN_DIR/wandb/ only (no network, no account; upload later with "
+        "`wandb sync`); 'online' streams to the wandb server (needs `wandb login`).",
+    )
+    mlflow_tracking_uri: str | None = _field(
+        None,
+        "Where the mlflow logger writes (None: $MLFLOW_TRACKING_URI if set, else "
+        "sqlite:///RUN_DIR/mlflow.db); e.g. http://host:5000 for an MLflow server.",
+    )
     interrupt_grace_s: float = _field(
         60.0,
         "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "

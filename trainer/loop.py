@@ -24,10 +24,12 @@ __all__ = ["run_eval", "run_step", "run_training", "sync_weights"]
 async def run_training(ctx: RunContext) -> None:
     """Sync the policy to the engines, then run steps ``first_step..last_step`` (eval where due).
 
-    The first sync matters on resume: the checkpoint's policy differs from ``model.path``.
+    The first sync matters on resume: the checkpoint's policy differs from ``model.path``;
+    it is the last start-up phase ``ctx.progress`` shows.
     The last step saves a checkpoint when ``trainer.ckpt_interval`` is set.
     """
-    await sync_weights(ctx, ctx.first_step - 1)
+    with ctx.progress.phase("first weight sync"):
+        await sync_weights(ctx, ctx.first_step - 1)
     for step in range(ctx.first_step, ctx.last_step + 1):
         t0 = time.perf_counter()
         with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
@@ -58,7 +60,7 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
         )
     if ctx.checkpoint_due(step):
         with Timer("save_checkpoints", timings):
-            metrics |= await stages.save_checkpoint(ctx, step)
+            metrics |= await stages.save_checkpoint(ctx, step, metrics)
     with Timer("sync_weights", timings):
         metrics |= await sync_weights(ctx, step)
     return metrics | {f"timing/{k}": v for k, v in timings.items()}

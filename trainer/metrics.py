@@ -5,18 +5,35 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import statistics
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 __all__ = [
+    "ETA_WINDOW",
+    "KL_METRICS",
     "MetricsLogger",
     "StepProgress",
+    "jsonable_row",
+    "restore_metrics",
     "reward_summary",
     "setup_run_logging",
     "teardown_run_logging",
@@ -52,10 +69,45 @@ def teardown_run_logging(handlers: list[logging.Handler]) -> None:
     logging.captureWarnings(False)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
+def jsonable_row(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` as strict JSON takes it: a non-finite float (``nan``, ``inf``) becomes None."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()
+    }
+
+
+def restore_metrics(path: Path, step: int, checkpoint_row: dict[str, Any] | None = None) -> None:
+    """Make ``metrics.jsonl`` hold steps up to ``step`` only, as a resume from ``step`` needs.
+
+    Lines of later steps are dropped (they run again); so is a line that is not JSON (the
+    torn last line of a run killed while writing it), with a warning. If no line of ``step``
+    itself is left and ``checkpoint_row`` (the step's metrics as its checkpoint saved them)
+    is given, it is appended: a run killed between its checkpoint save and the end of the
+    step leaves no gap. The file is replaced atomically, so a run killed here leaves it as
+    it was. Blocking (a small file).
+    """
+    if not path.exists() and checkpoint_row is None:
+        return
+    kept: list[str] = []
+    logged: set[int] = set()
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            row_step = int(json.loads(line).get("step", 0))
+        except ValueError:
+            log.warning("dropping a torn line of %s: %r", path, line[:80])
+            continue
+        if row_step <= step:
+            kept.append(line)
+            logged.add(row_step)
+    if checkpoint_row is not None and step not in logged:
+        log.info(
+            "step %d's metrics restored from its checkpoint (the run stopped before it logged them)",
+            step,
+        )
+        kept.append(json.dumps({**checkpoint_row, "step": step}))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 class MetricsLogger:
@@ -66,7 +118,7 @@ class MetricsLogger:
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        self._file.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        self._file.write(json.dumps(jsonable_row(metrics)) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -79,45 +131,163 @@ class MetricsLogger:
         self.close()
 
 
-class StepProgress:
-    """A rich progress bar with step, reward and step time; quiet when disabled."""
+#: The KL the step bar shows and ``plot`` draws, the first a step has: the KL penalty to the
+#: reference model (``algorithm.use_kl_loss=true``), else the approximate KL to the policy
+#: that generated the rollouts.
+KL_METRICS: tuple[str, ...] = ("policy/kl", "policy/approx_kl")
+#: How many of the latest step times the ETA averages.
+ETA_WINDOW = 10
 
-    def __init__(self, total: int, *, start: int = 0, enabled: bool = True) -> None:
-        self.console = Console(stderr=True)
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _kl(metrics: dict[str, Any]) -> tuple[str, float | None]:
+    for key in KL_METRICS:
+        if metrics.get(key) is not None:
+            return key.removeprefix("policy/"), metrics[key]
+    return "kl", None
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+class StepProgress:
+    """The live display on stderr: each start-up phase with its time, then the step bar.
+
+    On a terminal (rich): a line per start-up phase with a spinner and the time it has taken
+    so far, kept with its final time when the phase ends; then a bar with the step, the ETA,
+    reward, loss, KL and step time. Elsewhere (CI, a pipe): plain lines, ``startup: engines
+    ...`` when a phase begins, ``startup: engines ready in 3.1s`` when it ends, and one line
+    per step. Disabled (``trainer.progress=false``): nothing on stderr. ``train.log`` gets
+    each phase's time either way. ``console`` (default: stderr) decides which it is.
+
+    Usage::
+
+        with StepProgress(enabled=cfg.trainer.progress) as progress:
+            with progress.phase("engines"):
+                ...  # start them
+            progress.start_steps(total=200, start=0)
+            progress.update(1, {"reward/mean": 0.1, "policy/loss": 0.3, "timing/step": 1.2})
+
+    The ETA is the mean of the latest :data:`ETA_WINDOW` step times of this process, times
+    the steps left.
+    """
+
+    def __init__(self, *, enabled: bool = True, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
         self.enabled = enabled and self.console.is_terminal
         self.plain = enabled and not self.console.is_terminal
-        self._progress = Progress(
+        self._phases = Progress(
+            SpinnerColumn(finished_text="[green]✓"),
+            TextColumn("startup: {task.description}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._steps = Progress(
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
             BarColumn(),
-            TextColumn("reward {task.fields[reward]:.3f}"),
-            TextColumn("{task.fields[step_s]:.2f}s/step"),
+            TextColumn("ETA {task.fields[eta]}"),
+            TextColumn("reward {task.fields[reward]}"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[kl]}"),
+            TextColumn("{task.fields[step_s]}s/step"),
             TimeElapsedColumn(),
             console=self.console,
-            disable=not self.enabled,
         )
-        self._task = self._progress.add_task(
-            "train", total=total, completed=start, reward=0.0, step_s=0.0
+        self._live = Live(
+            Group(self._phases, self._steps),
+            console=self.console,
+            refresh_per_second=4,
+            transient=False,
         )
-        self.total = total
+        self._step_task: TaskID | None = None
+        self._times: list[float] = []
+        self.total = 0
 
-    def update(self, step: int, reward: float, step_s: float) -> None:
-        self._progress.update(self._task, completed=step, reward=reward, step_s=step_s)
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A start-up phase runs inside: shown while it runs, its time logged when it ends.
+
+        On an error or a cancellation the phase is shown and logged as failed after its
+        time, and the exception propagates.
+        """
+        started = time.monotonic()
+        task = self._phases.add_task(name, total=1)
+        if self.plain:
+            print(f"startup: {name} ...", file=self.console.file, flush=True)
+        try:
+            yield
+        except BaseException:
+            elapsed = time.monotonic() - started
+            self._phases.update(task, description=f"{name} [red]failed", completed=1)
+            log.info("startup: %s failed after %.2fs", name, elapsed)
+            if self.plain:
+                print(
+                    f"startup: {name} failed after {elapsed:.1f}s",
+                    file=self.console.file,
+                    flush=True,
+                )
+            raise
+        elapsed = time.monotonic() - started
+        self._phases.update(task, completed=1)
+        log.info("startup: %s ready in %.2fs", name, elapsed)
+        if self.plain:
+            print(f"startup: {name} ready in {elapsed:.1f}s", file=self.console.file, flush=True)
+
+    def start_steps(self, total: int, *, start: int = 0) -> None:
+        """Show the step bar: steps ``start + 1 .. total`` are to come."""
+        self.total = total
+        self._step_task = self._steps.add_task(
+            "train",
+            total=total,
+            completed=start,
+            eta="-",
+            reward="-",
+            loss="-",
+            kl="kl -",
+            step_s="-",
+        )
+
+    def update(self, step: int, metrics: dict[str, Any]) -> None:
+        """Step ``step`` ended with ``metrics`` (its ``metrics.jsonl`` row)."""
+        step_s = metrics.get("timing/step")
+        if step_s is not None:
+            self._times = [*self._times, step_s][-ETA_WINDOW:]
+        eta = statistics.fmean(self._times) * (self.total - step) if self._times else None
+        kl_name, kl = _kl(metrics)
+        fields: dict[str, Any] = {
+            "eta": "-" if eta is None else _clock(eta),
+            "reward": _num(metrics.get("reward/mean"), ".3f"),
+            "loss": _num(metrics.get("policy/loss"), ".4f"),
+            "kl": f"{kl_name} {_num(kl, '.4f')}",
+            "step_s": _num(step_s, ".2f"),
+        }
+        if self._step_task is not None:
+            self._steps.update(self._step_task, completed=step, **fields)
         if self.plain:  # not a terminal (CI, a pipe): one line per step
             print(
-                f"step {step}/{self.total} reward {reward:.3f} {step_s:.2f}s/step",
-                file=sys.stderr,
+                f"step {step}/{self.total} reward {fields['reward']} loss {fields['loss']} "
+                f"{fields['kl']} {fields['step_s']}s/step ETA {fields['eta']}",
+                file=self.console.file,
                 flush=True,
             )
 
     def __enter__(self) -> StepProgress:
-        self._progress.__enter__()
+        if self.enabled:
+            self._live.__enter__()
         return self
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._progress.__exit__(et, e, tb)
+        if self.enabled:
+            self._live.__exit__(et, e, tb)
 
 
 def reward_summary(rewards: list[float]) -> dict[str, float]:

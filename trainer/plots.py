@@ -4,7 +4,7 @@ Reads each run's ``metrics.jsonl`` (the source of truth) and writes, into ``--ou
 ``FIRST_RUN_DIR/plots``):
 
 - ``reward.png``, ``loss.png``, ``kl.png``, ``loop_stall.png``, ``weight_sync.png``: one line
-  per run against the step (``reward/mean``, ``policy/loss``, ``policy/kl_loss`` or else
+  per run against the step (``reward/mean``, ``policy/loss``, ``policy/kl`` or else
   ``policy/approx_kl``, ``loop/max_stall_ms``, ``sync/last_weight_sync_seconds``);
 - ``step_time.png``: each run's step time stacked by stage (``timing/<stage>`` in the
   order of DESIGN 4.3), one panel per run;
@@ -27,6 +27,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from trainer.metrics import KL_METRICS
 from trainer.vocabulary import STAGES
 
 __all__ = ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"]
@@ -35,7 +36,7 @@ __all__ = ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"]
 LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "reward": ("Reward (mean per step)", "reward", ("reward/mean",)),
     "loss": ("Policy loss", "loss", ("policy/loss",)),
-    "kl": ("KL to the reference / old policy", "KL", ("policy/kl_loss", "policy/approx_kl")),
+    "kl": ("KL to the reference / old policy", "KL", KL_METRICS),
     "loop_stall": ("Longest event-loop stall", "ms", ("loop/max_stall_ms",)),
     "weight_sync": ("Weight sync time", "seconds", ("sync/last_weight_sync_seconds",)),
 }
@@ -44,10 +45,13 @@ LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
     """The per-step rows of ``run_dir/metrics.jsonl`` (eval rows left out), by step.
 
+    A step row restored from its checkpoint on resume (no timings) is kept; its stages
+    draw as 0 s.
+
     ``FileNotFoundError`` when the run has no metrics.
     """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return sorted((r for r in rows if "timing/step" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if "reward/mean" in r), key=lambda r: r["step"])
 
 
 def _label(run_dir: Path, runs: Sequence[Path]) -> str:

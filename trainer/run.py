@@ -43,12 +43,14 @@ from trainer.loop import run_training
 from trainer.metrics import (
     MetricsLogger,
     StepProgress,
+    restore_metrics,
     reward_summary,
     setup_run_logging,
     teardown_run_logging,
 )
 from trainer.parts import open_engine, open_ray_cluster, open_transport, open_workers, uses_ray
 from trainer.run_context import RunContext
+from trainer.trackers import TrackerSink, open_trackers
 from trainer.vocabulary import install_faults, unfired_faults
 
 __all__ = ["train"]
@@ -60,12 +62,15 @@ def _make_run_dir(cfg: Config) -> Path:
     """Create the run directory and write ``config.yaml`` with the directory it chose.
 
     The recorded ``trainer.run_dir`` is never None, so ``--config RUN_DIR/config.yaml
-    trainer.resume_mode=latest`` resumes in the same directory.
+    trainer.resume_mode=latest`` resumes in the same directory. The file is replaced
+    atomically: a run killed while writing it (a resume rewrites it) leaves the old one.
     """
     run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     run_dir.mkdir(parents=True, exist_ok=True)
     recorded = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=str(run_dir)))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
+    tmp = run_dir / "config.yaml.tmp"
+    tmp.write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
+    os.replace(tmp, run_dir / "config.yaml")
     return run_dir
 
 
@@ -96,18 +101,6 @@ class _TeardownClock:
             log.info("teardown after failure took %.2fs", time.monotonic() - self._started)
 
 
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop lines of steps after the resumed checkpoint (they will be run again)."""
-    if not path.exists():
-        return
-    kept = [
-        line
-        for line in path.read_text().splitlines()
-        if json.loads(line).get("step", 0) <= last_step
-    ]
-    path.write_text("".join(line + "\n" for line in kept))
-
-
 async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
     run_dir = _make_run_dir(cfg)
@@ -130,7 +123,8 @@ async def train(cfg: Config) -> dict[str, Any]:
         ):
             async with open_debug_services(dumper) as services:
                 await services.start(watchdog.run)
-                summary = await _train(cfg, run_dir, dumper, watchdog)
+                with StepProgress(enabled=cfg.trainer.progress) as progress:
+                    summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
     except BaseException as exc:
         # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
@@ -158,10 +152,14 @@ def _limit_torch_threads(cfg: Config) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
 
 
-async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog) -> dict[str, Any]:
+async def _train(
+    cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog, progress: StepProgress
+) -> dict[str, Any]:
+    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary."""
     t = cfg.trainer
-    model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
-    tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
+    with progress.phase("model"):
+        model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
+        tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
     examples, default_reward = load_examples(
         cfg.data.train, cfg.data.task, cfg.data.num_examples, t.seed
     )
@@ -196,13 +194,33 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
     async with AsyncExitStack() as stack:
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
+        trackers = TrackerSink()
+        if set(t.loggers) - {"jsonl"}:
+            with progress.phase("trackers"):
+                trackers = await stack.enter_async_context(
+                    open_trackers(
+                        t.loggers,
+                        run_dir,
+                        project=t.project_name,
+                        run_name=t.run_name or run_dir.name,
+                        wandb_mode=t.wandb_mode,
+                        mlflow_tracking_uri=t.mlflow_tracking_uri,
+                        config=to_dict(cfg),
+                    )
+                )
         if uses_ray(cfg):
-            await stack.enter_async_context(open_ray_cluster(cfg))
-        engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+            with progress.phase("ray"):
+                await stack.enter_async_context(open_ray_cluster(cfg))
+        with progress.phase("engines"):
+            engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
         dumper.engine_urls = tuple(getattr(engine, "urls", ()))
         dumper.engine_api_key = cfg.engine.api_key
-        workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
-        transport = await stack.enter_async_context(open_transport(cfg, run_dir, engine, workers))
+        with progress.phase("workers"):
+            workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
+        with progress.phase("weight transport"):
+            transport = await stack.enter_async_context(
+                open_transport(cfg, run_dir, engine, workers)
+            )
 
         def make_generator(sp: SamplingParams) -> Generator:
             return generator_cls(
@@ -225,12 +243,13 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
         metrics_path = run_dir / "metrics.jsonl"
         state: dict[str, Any] = {}
         if resume_from is not None:
-            state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
-            loader.load_state_dict(state["loader"])  # a changed data order fails before loading
-            await workers.load_checkpoint(resume_from)
-            start = int(state["step"])
+            with progress.phase("resume"):
+                state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
+                loader.load_state_dict(state["loader"])  # a changed order fails before loading
+                await workers.load_checkpoint(resume_from)
+                start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
-        _truncate_metrics(metrics_path, start)
+        restore_metrics(metrics_path, start, state.get("metrics"))
         ctx = RunContext(
             cfg=cfg,
             run_dir=run_dir,
@@ -246,12 +265,14 @@ async def _train(cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog)
             workers=workers,
             ckpt=ckpt,
             metrics=stack.enter_context(MetricsLogger(metrics_path)),
-            progress=stack.enter_context(StepProgress(last_step, start=start, enabled=t.progress)),
+            progress=progress,
             first_step=start + 1,
             last_step=last_step,
             weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
+            trackers=trackers,
         )
+        progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
         try:
@@ -274,7 +295,9 @@ def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:
         **reward_summary([r["reward/mean"] for r in steps]),
     }
     if steps:
-        summary["step_time_mean_s"] = statistics.fmean(r["timing/step"] for r in steps)
+        # a row restored from a checkpoint (see restore_metrics) has no timings
+        times = [r["timing/step"] for r in steps if "timing/step" in r]
+        summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

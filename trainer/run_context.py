@@ -17,6 +17,7 @@ from trainer.data import Example, PromptLoader
 from trainer.debug import StallInstrument, Watchdog
 from trainer.generators.base import Generator
 from trainer.metrics import MetricsLogger, StepProgress
+from trainer.trackers import TrackerSink
 from trainer.workers.group import WorkerGroup
 
 __all__ = ["SLOW_STALL_MS", "RunContext"]
@@ -53,6 +54,8 @@ class RunContext:
     stalls: StallInstrument = attrs.field(factory=StallInstrument)
     #: Times each step and dumps the run when one runs long (None: no watchdog).
     watchdog: Watchdog | None = None
+    #: The trackers of ``trainer.loggers`` besides ``metrics.jsonl`` (none by default).
+    trackers: TrackerSink = attrs.field(factory=TrackerSink)
 
     @contextmanager
     def watching(self, step: int) -> Iterator[None]:
@@ -79,7 +82,8 @@ class RunContext:
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         self.metrics.log(metrics)
-        self.progress.update(metrics["step"], metrics["reward/mean"], metrics["timing/step"])
+        self.trackers.log(metrics)
+        self.progress.update(metrics["step"], metrics)
         log.info(
             "step %d reward %.3f step_s %.2f",
             metrics["step"],
@@ -89,4 +93,5 @@ class RunContext:
 
     def record_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.log({"step": step, **metrics})
+        self.trackers.log({"step": step, **metrics})
         log.info("eval at step %d: %s", step, metrics)

@@ -11,6 +11,7 @@ import torch
 from trainer.algorithms import compute_advantages
 from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
+from trainer.metrics import jsonable_row
 from trainer.run_context import RunContext
 from trainer.workers.batch import TrainBatch
 
@@ -104,15 +105,30 @@ async def train_policy(
     return {k: statistics.fmean(v) for k, v in metrics.items()}
 
 
-async def save_checkpoint(ctx: RunContext, step: int) -> dict[str, Any]:
-    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer."""
+async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer.
+
+    The trainer state holds the data position, the weight version and ``metrics``, the
+    step's metrics so far: a run killed after the save but before the step's line reached
+    ``metrics.jsonl`` gets the line back on resume (``restore_metrics``).
+
+    ``checkpoint/max_stall_ms`` is the event loop's longest stall while the save ran: the
+    writes happen off the trio thread, so it stays in the milliseconds however long the
+    save takes.
+    """
     # the checkpoint manager records the step itself (trainer_state.json's "step")
     state = {
         "loader": ctx.loader.state_dict(),
         "weight_version": ctx.weight_version,
+        "metrics": jsonable_row({"step": step, **metrics}),
     }
-    path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
-    return {"checkpoint/step": step, "checkpoint/path": str(path)}
+    with ctx.stalls.window() as stalls:
+        path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
+    return {
+        "checkpoint/step": step,
+        "checkpoint/path": str(path),
+        "checkpoint/max_stall_ms": stalls.max_ms,
+    }
 
 
 async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:

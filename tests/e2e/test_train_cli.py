@@ -67,7 +67,13 @@ def test_four_steps_write_metrics_checkpoints_and_latest(tmp_path):
 
 def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order(tmp_path):
     killed_dir, straight_dir = tmp_path / "killed", tmp_path / "straight"
-    common = (*SMALL, "trainer.max_steps=6", "trainer.ckpt_interval=2")
+    # a reward that varies between responses, so that every step has a loss to compare
+    common = (
+        *SMALL,
+        "trainer.max_steps=6",
+        "trainer.ckpt_interval=2",
+        "data.reward_fn=tests.trainer.helpers:varied_reward",
+    )
     marker = new_marker()
     # step 4's generation waits (non-blocking) long enough for us to kill the run there,
     # after step 3 was logged and global_step_2 saved
@@ -105,6 +111,10 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
     assert [r["data/example_index"] for r in resumed_rows] == [
         r["data/example_index"] for r in straight_rows
     ]
+    # through the HTTP engine server too, the resumed steps compute what the straight run does
+    for key in ("reward/mean", "policy/loss", "policy/grad_norm", "policy/lr"):
+        assert [r[key] for r in resumed_rows] == [r[key] for r in straight_rows], key
+    assert len({r["policy/loss"] for r in straight_rows}) > 1
     assert "resumed from" in (killed_dir / "train.log").read_text()
 
 

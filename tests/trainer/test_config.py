@@ -32,6 +32,16 @@ from trainer.errors import ConfigError
         ),
         (["trainer.progress=7"], "config: trainer.progress=7 has the wrong type: expected bool"),
         (
+            ["trainer.loggers=[wandb]"],
+            "config: trainer.loggers=('wandb',) is out of range: must include 'jsonl' "
+            "(metrics.jsonl is the run's record: resume and plot read it)",
+        ),
+        (
+            ["trainer.loggers=[jsonl,neptune]"],
+            "config: trainer.loggers='neptune' is not allowed: choose one of 'jsonl', "
+            "'tensorboard', 'wandb', 'mlflow'",
+        ),
+        (
             ["optim.betas=[0.9]"],
             "config: optim.betas=[0.9] has the wrong type: expected tuple[float, float]",
         ),

@@ -135,5 +135,13 @@ async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(
     assert [r["step"] for r in rows] == [1, 2]
     assert all("policy/kl" in r and r["policy/kl"] >= 0 for r in rows)
     assert not (tmp_path / "run/engines").exists()  # no server of its own
-    err = capsys.readouterr().err  # not a terminal: one plain line per step
-    assert "step 1/2 reward" in err and "step 2/2 reward" in err
+    err = capsys.readouterr().err  # not a terminal: plain lines
+    for phase in ("model", "engines", "workers", "weight transport", "first weight sync"):
+        assert f"startup: {phase} ...\n" in err and f"startup: {phase} ready in " in err, phase
+    assert err.index("startup: engines ready") < err.index("startup: first weight sync ...")
+    step_lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in step_lines] == ["1/2", "2/2"]
+    for line in step_lines:
+        assert re.search(r"reward \S+ loss -?\d\.\d{4} kl \d\.\d{4} \S+s/step ETA \d+:\d\d", line)
+    assert step_lines[-1].endswith("ETA 0:00")
+    assert "startup: engines ready in " in (tmp_path / "run/train.log").read_text()

@@ -32,7 +32,7 @@ def _write_run(run_dir: Path, steps: int, *, slope: float, with_kl: bool) -> Pat
             "sync/last_weight_sync_seconds": 0.05,
         }
         if with_kl:
-            row["policy/kl_loss"] = 0.02 * step
+            row["policy/kl"] = 0.02 * step
         rows.append(row)
         if step % 2 == 0:
             rows.append({"step": step, "eval/reward_mean": 0.5, "timing/eval": 0.3})

@@ -51,3 +51,21 @@ async def test_a_resume_with_another_seed_stops_before_any_step(tmp_path):
     ):
         await trainer.run.train(changed)
     assert _steps(tmp_path) == [1]
+
+
+async def test_a_resume_restores_the_checkpointed_steps_line_and_drops_a_torn_one(tmp_path):
+    common = [*SMALL, f"trainer.run_dir={tmp_path}"]
+    await trainer.run.train(load_config(None, [*common, "trainer.max_steps=1"]))
+    metrics = tmp_path / "metrics.jsonl"
+    (logged,) = [json.loads(line) for line in metrics.read_text().splitlines()]
+    # as a run SIGKILLed after step 1's checkpoint, while writing step 1's line, leaves it
+    metrics.write_text('{"step": 1, "reward/me')
+    await trainer.run.train(
+        load_config(None, [*common, "trainer.max_steps=2", "trainer.resume_mode=latest"])
+    )
+    assert _steps(tmp_path) == [1, 2]
+    restored = json.loads(metrics.read_text().splitlines()[0])
+    assert restored["reward/mean"] == logged["reward/mean"]
+    assert restored["policy/loss"] == logged["policy/loss"]
+    log = (tmp_path / "train.log").read_text()
+    assert "dropping a torn line" in log and "restored from its checkpoint" in log

@@ -10,7 +10,8 @@
 - :class:`Watchdog` writes the dump when a step runs far longer than usual, and just before
   a step's deadline fails it.
 - :class:`StallInstrument` measures the event loop's longest stall per step
-  (``loop/max_stall_ms``); :class:`WaitClock` how long each task has waited.
+  (``loop/max_stall_ms``) or over one block (:class:`StallWindow`); :class:`WaitClock` how
+  long each task has waited.
 """
 
 from trainer.debug._render import innermost_place as innermost_place
@@ -27,6 +28,7 @@ from trainer.debug._snapshot import Dumper as Dumper
 from trainer.debug._snapshot import task_tree as task_tree
 from trainer.debug._snapshot import thread_stacks as thread_stacks
 from trainer.debug._stalls import StallInstrument as StallInstrument
+from trainer.debug._stalls import StallWindow as StallWindow
 from trainer.debug._waits import WaitClock as WaitClock
 from trainer.debug._watchdog import Watchdog as Watchdog
 
@@ -34,6 +36,7 @@ __all__ = [
     "DEBUG_FILE",
     "Dumper",
     "StallInstrument",
+    "StallWindow",
     "WaitClock",
     "Watchdog",
     "debug_paths",
