@@ -76,6 +76,9 @@ class Completion:
     #: Per sampled token, the ``SamplingParams.top_logprobs`` most likely ``(token id,
     #: logprob)``, best first; empty when none were asked for.
     top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    #: Per sampled token, the trainer's weight version that produced it, where the trainer
+    #: tracks it (``trainer.strategy=fully_async``); empty otherwise. Engines leave it empty.
+    weight_versions: list[int] = attrs.field(factory=list)
 
 
 class EngineClient(Protocol):

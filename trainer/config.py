@@ -188,7 +188,13 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             "weight syncs pause the engines instead of sleeping them; set "
             "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
         )
-    if op in ("/pause", "/resume") and sleeps:
+    if op == "wait_for_batch" and t.strategy != "fully_async":
+        return (
+            "only trainer.strategy=fully_async waits for a batch of rollouts; the synchronous "
+            "loop generates its own (target generate instead)"
+        )
+    async_offload = t.strategy == "fully_async" and e.offload_kv_for_weight_sync
+    if op in ("/pause", "/resume") and sleeps and not async_offload:
         return (
             "weight syncs sleep the engines instead of pausing them (engine.colocated or "
             "engine.offload_kv_for_weight_sync); set both to false to reach it"
@@ -212,6 +218,25 @@ def _check_reachable(fault: Fault, cfg: Config) -> None:
         raise ConfigError(f"config: faults={str(fault)!r} can never fire: {reason}")
 
 
+def _check_fully_async(cfg: Config) -> None:
+    if cfg.trainer.strategy != "fully_async":
+        return
+    fa = cfg.trainer.fully_async
+    if fa.max_staleness_steps < fa.sync_interval - 1:
+        raise ConfigError(
+            f"config: trainer.fully_async.max_staleness_steps={fa.max_staleness_steps} is out of "
+            f"range: must be >= trainer.fully_async.sync_interval - 1 = {fa.sync_interval - 1} "
+            "(between two syncs the engines' policy falls that many steps behind, so no group "
+            "could be admitted and the run would wait forever)"
+        )
+    if cfg.engine.colocated:
+        raise ConfigError(
+            "config: engine.colocated=true cannot be combined with trainer.strategy='fully_async': "
+            "colocated engines sleep while the policy trains, and fully-async generation runs "
+            "during training; give generation its own devices (engine.colocated=false)"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -231,6 +256,7 @@ def validate_cfg(cfg: Config) -> None:
             f"config: trainer.policy_mini_batch_size={t.policy_mini_batch_size} is out of range: "
             f"must divide trainer.train_batch_size={t.train_batch_size}"
         )
+    _check_fully_async(cfg)
     if cfg.engine.backend == "remote" and not cfg.engine.urls:
         raise ConfigError(
             "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"

@@ -21,6 +21,7 @@ __all__ = [
     "ConfigWarning",
     "DataConfig",
     "EngineConfig",
+    "FullyAsyncConfig",
     "GeneratorConfig",
     "ModelConfig",
     "OptimConfig",
@@ -92,6 +93,24 @@ class WatchdogConfig:
 
 
 @attrs.define
+class FullyAsyncConfig:
+    max_staleness_steps: int = _field(
+        4,
+        "trainer.strategy=fully_async: how many optimizer steps the policy that sampled a group "
+        "may lag the one it trains (0: on-policy, like sync, but generation overlaps training); "
+        "admission keeps groups within it and an older group is dropped, never trained on. "
+        "Must be >= sync_interval - 1.",
+        check=at_least(0),
+    )
+    sync_interval: int = _field(
+        1,
+        "trainer.strategy=fully_async: sync weights to the engines every this many steps "
+        "(and after the last), while rollouts continue.",
+        check=at_least(1),
+    )
+
+
+@attrs.define
 class TrainerConfig:
     max_steps: int | None = _field(
         200, "Stop after this many steps (None: run all `epochs`).", check=at_least(1)
@@ -116,9 +135,11 @@ class TrainerConfig:
         1, "Passes of policy updates over each step's batch (PPO epochs).", check=at_least(1)
     )
     seed: int = _field(0, "Seed for data order, sampling and initialisation.")
-    strategy: Literal["sync"] = _field(
+    strategy: Literal["sync", "fully_async"] = _field(
         "sync",
-        "Step strategy: 'sync' generates, trains and syncs weights in turn (fully_async lands later).",
+        "Step strategy: 'sync' generates, trains and syncs weights in turn; 'fully_async' keeps "
+        "generator.num_parallel_workers rollouts running while the policy trains, within "
+        "trainer.fully_async.max_staleness_steps (see docs/async.md).",
     )
     run_dir: str | None = _field(None, "Run directory (None: runs/<timestamp>).")
     step_timeout_s: float | None = _field(
@@ -186,6 +207,9 @@ class TrainerConfig:
     watchdog: WatchdogConfig = _section(
         WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
     )
+    fully_async: FullyAsyncConfig = _section(
+        FullyAsyncConfig, "trainer.strategy=fully_async: staleness and weight-sync cadence."
+    )
 
 
 @attrs.define
@@ -208,6 +232,12 @@ class GeneratorConfig:
         8, "Trajectories sampled per prompt (the GRPO group size).", check=at_least(1)
     )
     max_turns: int = _field(1, "Most model turns per trajectory (agent loop).", check=at_least(1))
+    num_parallel_workers: int = _field(
+        16,
+        "trainer.strategy=fully_async: prompt groups rolled out at once, each by its own task "
+        "(one generator.generate call of n_samples_per_prompt trajectories).",
+        check=at_least(1),
+    )
     max_response_tokens: int = _field(
         64,
         "Most response tokens per trajectory across turns (env tokens included).",

@@ -37,6 +37,7 @@ __all__ = [
     "PromptLoader",
     "RewardFn",
     "digit_task_reward",
+    "epoch_order",
     "exact_match_reward",
     "load_examples",
     "load_jsonl",
@@ -168,6 +169,13 @@ def load_examples(
     return task_examples(task, num_examples, seed), digit_task_reward
 
 
+def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
+    """The order of the examples in epoch ``epoch``: a permutation seeded by ``(seed, epoch)``."""
+    order = list(range(num_examples))
+    random.Random(f"{seed}:{epoch}").shuffle(order)
+    return order
+
+
 @attrs.define(eq=False)
 class PromptLoader:
     """Batches of prompts in a seeded order per epoch; its position is saved in checkpoints.
@@ -194,16 +202,11 @@ class PromptLoader:
     def batches_per_epoch(self) -> int:
         return len(self.examples) // self.batch_size
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.examples)))
-        random.Random(f"{self.seed}:{epoch}").shuffle(order)
-        return order
-
     def next_batch(self) -> list[Example]:
         if self.index >= self.batches_per_epoch:
             self.epoch += 1
             self.index = 0
-        order = self._order(self.epoch)
+        order = epoch_order(len(self.examples), self.seed, self.epoch)
         start = self.index * self.batch_size
         self.index += 1
         return [self.examples[i] for i in order[start : start + self.batch_size]]
@@ -226,6 +229,13 @@ class PromptLoader:
         the key and the checkpoint's value. States saved before these fields existed are
         accepted as they are.
         """
+        if "position" in state:
+            raise ConfigError(
+                "config: trainer.strategy='sync' cannot resume a checkpoint of a "
+                "trainer.strategy='fully_async' run (its prompts in flight would be lost); resume "
+                "with the first run's configuration (--config RUN_DIR/config.yaml "
+                "trainer.resume_mode=latest)"
+            )
         for field, key, mine in (
             ("seed", "trainer.seed", self.seed),
             ("batch_size", "trainer.train_batch_size", self.batch_size),

@@ -14,11 +14,13 @@ from typing import Any
 
 from sync.weights import save_weights_for_sampler
 from trainer import stages
+from trainer.data import Example
 from trainer.errors import WeightSyncTimeoutError
+from trainer.generators.base import GeneratorOutput
 from trainer.run_context import RunContext
 from trainer.vocabulary import Timer, step_deadline
 
-__all__ = ["run_eval", "run_step", "run_training", "sync_weights"]
+__all__ = ["run_eval", "run_step", "run_training", "sync_weights", "train_on"]
 
 
 async def run_training(ctx: RunContext) -> None:
@@ -47,6 +49,20 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
     with Timer("generate", timings):
         prompts = ctx.loader.next_batch()
         rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
+    metrics = await train_on(ctx, step, prompts, rollouts, timings)
+    with Timer("sync_weights", timings):
+        metrics |= await sync_weights(ctx, step)
+    return metrics | {f"timing/{k}": v for k, v in timings.items()}
+
+
+async def train_on(
+    ctx: RunContext,
+    step: int,
+    prompts: list[Example],
+    rollouts: GeneratorOutput,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """The stages between rollouts and weight sync, the same in both strategies."""
     with Timer("fwd_logprobs_values_reward", timings):
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
         batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
@@ -61,24 +77,36 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
     if ctx.checkpoint_due(step):
         with Timer("save_checkpoints", timings):
             metrics |= await stages.save_checkpoint(ctx, step, metrics)
-    with Timer("sync_weights", timings):
-        metrics |= await sync_weights(ctx, step)
-    return metrics | {f"timing/{k}": v for k, v in timings.items()}
+    return metrics
 
 
 async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
-    """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``."""
+    """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``.
+
+    Under ``fully_async`` rollouts keep running: ``ctx.rollout_versions`` says a sync is
+    under way until the new version is counted (see ``trainer.rollout_versions``).
+    """
+    versions = ctx.rollout_versions
     with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
         e = ctx.cfg.engine
-        result = await save_weights_for_sampler(
-            ctx.engine,
-            ctx.workers,
-            ctx.transport,
-            pause_mode=e.pause_mode,
-            colocated=e.colocated,
-            offload_kv=e.offload_kv_for_weight_sync,
-        )
+        if versions is not None:
+            versions.syncing = True
+        try:
+            result = await save_weights_for_sampler(
+                ctx.engine,
+                ctx.workers,
+                ctx.transport,
+                pause_mode=e.pause_mode,
+                colocated=e.colocated,
+                offload_kv=e.offload_kv_for_weight_sync,
+                fully_async=versions is not None,
+            )
+        finally:
+            if versions is not None:
+                versions.syncing = False
     ctx.weight_version += 1
+    if versions is not None:
+        versions.current = ctx.weight_version
     return {**result, "sync/weight_version": ctx.weight_version}
 
 

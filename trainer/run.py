@@ -37,6 +37,7 @@ from trainer.data import (
 )
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
+from trainer.fully_async import run_fully_async
 from trainer.generators.base import Generator
 from trainer.interrupt import stop_on_interrupt
 from trainer.loop import run_training
@@ -49,6 +50,8 @@ from trainer.metrics import (
     teardown_run_logging,
 )
 from trainer.parts import open_engine, open_ray_cluster, open_transport, open_workers, uses_ray
+from trainer.prompt_stream import PromptStream
+from trainer.rollout_versions import VersionedEngine, WeightVersions
 from trainer.run_context import RunContext
 from trainer.trackers import TrackerSink, open_trackers
 from trainer.vocabulary import install_faults, unfired_faults
@@ -222,7 +225,15 @@ async def _train(
                 open_transport(cfg, run_dir, engine, workers)
             )
 
-        def make_generator(sp: SamplingParams) -> Generator:
+        fully_async = t.strategy == "fully_async"
+        # fully-async: the prompts one group at a time, and an engine that labels versions
+        prompts = PromptStream(examples, t.seed, t.epochs) if fully_async else None
+        versions = WeightVersions(0) if fully_async else None
+        rollout_engine = (
+            VersionedEngine(engine, versions, cfg.engine.pause_mode) if versions else engine
+        )
+
+        def make_generator(sp: SamplingParams, engine: Any = engine) -> Generator:
             return generator_cls(
                 engine=engine,
                 tokenizer=tokenizer,
@@ -245,7 +256,8 @@ async def _train(
         if resume_from is not None:
             with progress.phase("resume"):
                 state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
-                loader.load_state_dict(state["loader"])  # a changed order fails before loading
+                # a changed order fails before loading
+                (prompts or loader).load_state_dict(state["loader"])
                 await workers.load_checkpoint(resume_from)
                 start = int(state["step"])
             log.info("resumed from %s at step %d", resume_from, start)
@@ -255,7 +267,7 @@ async def _train(
             run_dir=run_dir,
             tokenizer=tokenizer,
             loader=loader,
-            generator=make_generator(sampling),
+            generator=make_generator(sampling, rollout_engine),
             eval_generator=make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
             if t.eval_interval
             else None,
@@ -271,12 +283,16 @@ async def _train(
             weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
             trackers=trackers,
+            prompts=prompts,
+            rollout_versions=versions,
         )
+        if versions is not None:
+            versions.current = ctx.weight_version
         progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
         try:
-            await run_training(ctx)
+            await (run_fully_async if fully_async else run_training)(ctx)
         except BaseException:
             teardown.start()
             raise

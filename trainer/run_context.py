@@ -17,6 +17,8 @@ from trainer.data import Example, PromptLoader
 from trainer.debug import StallInstrument, Watchdog
 from trainer.generators.base import Generator
 from trainer.metrics import MetricsLogger, StepProgress
+from trainer.prompt_stream import PromptStream
+from trainer.rollout_versions import WeightVersions
 from trainer.trackers import TrackerSink
 from trainer.workers.group import WorkerGroup
 
@@ -56,6 +58,14 @@ class RunContext:
     watchdog: Watchdog | None = None
     #: The trackers of ``trainer.loggers`` besides ``metrics.jsonl`` (none by default).
     trackers: TrackerSink = attrs.field(factory=TrackerSink)
+    #: ``trainer.strategy=fully_async`` only: the prompts one group at a time (``loader``
+    #: then only fixes the order), and the weight version the rollouts' engine labels.
+    prompts: PromptStream | None = None
+    rollout_versions: WeightVersions | None = None
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the data is, for a checkpoint: the loader's position, or the stream's."""
+        return (self.prompts or self.loader).state_dict()
 
     @contextmanager
     def watching(self, step: int) -> Iterator[None]:

@@ -118,7 +118,7 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
     """
     # the checkpoint manager records the step itself (trainer_state.json's "step")
     state = {
-        "loader": ctx.loader.state_dict(),
+        "loader": ctx.data_state(),
         "weight_version": ctx.weight_version,
         "metrics": jsonable_row({"step": step, **metrics}),
     }

@@ -98,6 +98,7 @@ class AgentLoopGenerator(Generator):
         response: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
+        versions: list[int] = []  # per token, where the engine labels them (fully-async)
         finish = "stop"
         reward = 0.0
         turns = 0
@@ -119,6 +120,7 @@ class AgentLoopGenerator(Generator):
             response += completion.token_ids
             mask += [1] * len(completion.token_ids)
             logprobs += completion.logprobs
+            versions += completion.weight_versions or [-1] * len(completion.token_ids)
             finish = completion.finish_reason
             with operation("env_step"):
                 await fire_fault("env_step")
@@ -131,6 +133,7 @@ class AgentLoopGenerator(Generator):
             response += obs
             mask += [0] * len(obs)
             logprobs += [0.0] * len(obs)
+            versions += [-1] * len(obs)
         text = self.tokenizer.decode(
             [t for t, m in zip(response, mask) if m], skip_special_tokens=True
         )
@@ -144,6 +147,7 @@ class AgentLoopGenerator(Generator):
             finish_reason=finish,
             num_turns=turns,
             response_text=text,
+            weight_versions=versions if any(v >= 0 for v in versions) else [],
         )
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:

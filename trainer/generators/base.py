@@ -78,6 +78,11 @@ class Trajectory:
     finish_reason: str = "stop"
     num_turns: int = 1
     response_text: str = ""
+    #: Per response token, the weight version that sampled it (-1 for environment tokens),
+    #: where the trainer tracks it (``trainer.strategy=fully_async``: from
+    #: ``Completion.weight_versions``, or filled in by the trainer when a generator leaves it
+    #: empty); empty otherwise.
+    weight_versions: list[int] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_ids)
@@ -85,6 +90,11 @@ class Trajectory:
             raise ValueError(
                 f"trajectory lengths disagree: {n} response ids, {len(self.loss_mask)} loss-mask "
                 f"entries, {len(self.rollout_logprobs)} logprobs"
+            )
+        if self.weight_versions and len(self.weight_versions) != n:
+            raise ValueError(
+                f"trajectory lengths disagree: {n} response ids, {len(self.weight_versions)} "
+                "weight versions"
             )
 
 

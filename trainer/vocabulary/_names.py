@@ -35,6 +35,8 @@ Operation = Literal[
     "broadcast_to_inference_engines",
     "init_process_group",
     "save_checkpoint",
+    # fully-async only: the trainer's wait for a batch of finished rollout groups
+    "wait_for_batch",
     # control-plane endpoints, by their path
     "/pause",
     "/resume",

@@ -1,0 +1,221 @@
+"""``trainer.strategy=fully_async``: rollouts keep running while the policy trains.
+
+The run's nursery owns ``generator.num_parallel_workers`` rollout tasks. Each admits a
+group (:mod:`trainer.staleness`), takes a prompt (:mod:`trainer.prompt_stream`), rolls out
+its ``n_samples_per_prompt`` trajectories with the run's generator (one ``generate`` call:
+the generator API of the synchronous loop) and puts the finished group in a bounded memory
+channel. Each step takes ``train_batch_size`` groups from it (stage
+``wait_for_generation_buffer``, operation ``wait_for_batch``, under the step's deadline),
+trains on them with the synchronous loop's stages, and syncs weights every
+``trainer.fully_async.sync_interval`` steps while the rollouts go on (``engine.pause_mode``
+says what happens to requests in flight; see :mod:`trainer.rollout_versions`).
+
+How it ends (DESIGN 3): a rollout task's error cancels the steps and the other rollouts and
+is the run's error, raised as itself; a wait past the step's deadline is the step's
+``StepTimeoutError`` and cancels the rollouts; after the last step the rollouts are
+cancelled and the run returns with nothing left running. Groups in flight are not lost: a
+checkpoint names them and a resume rolls them out again.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Any
+
+import attrs
+import trio
+
+from trainer.data import Example
+from trainer.generators.base import GeneratorInput, GeneratorOutput, TrajectoryInput
+from trainer.loop import run_eval, sync_weights, train_on
+from trainer.prompt_stream import PromptKey, PromptStream
+from trainer.run_context import RunContext
+from trainer.staleness import Admission, staleness
+from trainer.vocabulary import (
+    Timer,
+    fire_fault,
+    open_owner_nursery,
+    operation,
+    stage,
+    step_deadline,
+)
+
+__all__ = ["RolloutFeed", "run_fully_async"]
+
+log = logging.getLogger("trainer.fully_async")
+
+
+async def run_fully_async(ctx: RunContext) -> None:
+    """Sync the policy to the engines, start the rollouts, then run the steps (eval where due)."""
+    with ctx.progress.phase("first weight sync"):
+        await sync_weights(ctx, ctx.first_step - 1)
+    feed = RolloutFeed(ctx)
+    async with open_owner_nursery() as nursery:
+        for _ in range(ctx.cfg.generator.num_parallel_workers):
+            nursery.start_soon(feed.roll_out_groups)
+        for step in range(ctx.first_step, ctx.last_step + 1):
+            t0 = time.perf_counter()
+            with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
+                metrics = await run_async_step(ctx, feed, step)
+            step_s = time.perf_counter() - t0
+            ctx.record_step(
+                {
+                    "step": step,
+                    **metrics,
+                    "async/trainer_idle_ratio": metrics["timing/wait_for_generation_buffer"]
+                    / step_s,
+                    "timing/step": step_s,
+                    **ctx.loop_metrics(),
+                }
+            )
+            if ctx.eval_due(step):
+                ctx.record_eval(step, await run_eval(ctx, step))
+        nursery.cancel_scope.cancel()  # the last step is done: stop the rollouts
+
+
+async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[str, Any]:
+    """One step: wait for a batch of groups, score, compute advantages, train, maybe
+    checkpoint, maybe sync weights (rollouts continue throughout)."""
+    timings: dict[str, float] = {}
+    with Timer("wait_for_generation_buffer", timings):
+        groups, metrics = await feed.take_batch(step)
+    prompts = [g.example for g in groups]
+    metrics |= await train_on(ctx, step, prompts, merge_groups(groups), timings)
+    if step % ctx.cfg.trainer.fully_async.sync_interval == 0 or step == ctx.last_step:
+        with Timer("sync_weights", timings):
+            metrics |= await sync_weights(ctx, step)
+        feed.admission.synced(step)
+    else:
+        metrics["sync/weight_version"] = ctx.weight_version
+    return metrics | {f"timing/{k}": v for k, v in timings.items()}
+
+
+@attrs.frozen
+class Group:
+    """One prompt's rolled-out trajectories, waiting to be trained on."""
+
+    key: PromptKey
+    example: Example
+    output: GeneratorOutput
+    #: The trained step whose weights the engines served when the group started.
+    policy_step: int
+
+
+def merge_groups(groups: list[Group]) -> GeneratorOutput:
+    """One step's rollouts: group ``g``'s trajectories get ``group_id = g``; metrics averaged."""
+    trajectories = []
+    for g, group in enumerate(groups):
+        for t in group.output.trajectories:
+            t.group_id = g
+            trajectories.append(t)
+    keys = {k for group in groups for k in group.output.metrics}
+    metrics = {
+        k: statistics.fmean(g.output.metrics[k] for g in groups if k in g.output.metrics)
+        for k in sorted(keys)
+    }
+    return GeneratorOutput(trajectories, metrics)
+
+
+class RolloutFeed:
+    """The rollout tasks' side: admission, prompts, the buffer, and the step's async metrics."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        assert ctx.prompts is not None and ctx.rollout_versions is not None
+        self.ctx = ctx
+        self.prompts: PromptStream = ctx.prompts
+        fa = ctx.cfg.trainer.fully_async
+        self.batch_size = ctx.cfg.trainer.train_batch_size
+        self.max_staleness = fa.max_staleness_steps
+        self.admission = Admission.resumed(self.batch_size, self.max_staleness, ctx.first_step - 1)
+        # admission bounds what is buffered by (max_staleness + 1) batches: a send never waits
+        self._send, self._receive = trio.open_memory_channel[Group](
+            (self.max_staleness + 1) * self.batch_size
+        )
+        self.step = ctx.first_step
+        # the integral of the number of rollout tasks waiting (for admission or a prompt)
+        self._waiting = 0
+        self._idle_s = 0.0
+        self._last_change = self._mark = trio.current_time()
+
+    def _count_waiting(self, change: int) -> None:
+        now = trio.current_time()
+        self._idle_s += self._waiting * (now - self._last_change)
+        self._waiting += change
+        self._last_change = now
+
+    async def roll_out_groups(self) -> None:
+        """One rollout task: admit a group, roll it out, buffer it; again until cancelled."""
+        while True:
+            self._count_waiting(+1)
+            try:
+                policy_step = await self.admission.admit()
+                key, example = await self.prompts.take()
+            finally:
+                self._count_waiting(-1)
+            version = self.ctx.rollout_versions.current  # type: ignore[union-attr]
+            with stage("generate"):
+                out = await self.ctx.generator.generate(self.group_input(key, example, version))
+            for t in out.trajectories:
+                if not t.weight_versions:  # a generator that does not pass them on
+                    t.weight_versions = [version if m else -1 for m in t.loss_mask]
+            await self._send.send(Group(key, example, out, policy_step))
+
+    def group_input(self, key: PromptKey, example: Example, version: int) -> GeneratorInput:
+        """One prompt's ``n_samples_per_prompt`` trajectories; seeds fixed by the prompt's key."""
+        epoch, position = key
+        n = self.ctx.cfg.generator.n_samples_per_prompt
+        prompt_ids = self.ctx.tokenizer.encode(example.prompt, add_special_tokens=False)
+        base = self.ctx.cfg.trainer.seed * 1_000_003 + epoch * 7_919_993 + position * 10_007
+        items = tuple(
+            TrajectoryInput(
+                prompt=example.prompt,
+                prompt_ids=prompt_ids,
+                answer=example.answer,
+                group_id=0,
+                trajectory_id=f"e{epoch}p{position}-{s}",
+                seed=(base + s) % (2**62),
+            )
+            for s in range(n)
+        )
+        return GeneratorInput(items, global_step=self.step, weight_version=version)
+
+    async def take_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
+        """``train_batch_size`` groups within the staleness bound, and the step's async metrics.
+
+        A group older than the bound is dropped (its prompt re-queued, its place in the
+        admission given back) and counted in ``async/dropped_stale``.
+        """
+        self.step = step
+        groups: list[Group] = []
+        dropped = 0
+        with operation("wait_for_batch"):
+            await fire_fault("wait_for_batch")
+            while len(groups) < self.batch_size:
+                group = await self._receive.receive()
+                if staleness(step, group.policy_step) > self.max_staleness:
+                    dropped += 1
+                    self.prompts.requeue(group.key)
+                    self.admission.release()
+                    continue
+                self.prompts.trained(group.key)
+                groups.append(group)
+        if dropped:
+            log.info("step %d dropped %d groups older than the staleness bound", step, dropped)
+        groups.sort(
+            key=lambda g: g.key
+        )  # the batch's order is the data order, not the finish order
+        ages = [staleness(step, g.policy_step) for g in groups]
+        self._count_waiting(0)
+        workers = self.ctx.cfg.generator.num_parallel_workers
+        window = max(self._last_change - self._mark, 1e-9) * workers
+        idle = min(self._idle_s / window, 1.0)
+        self._idle_s, self._mark = 0.0, self._last_change
+        return groups, {
+            "async/staleness_mean": statistics.fmean(ages),
+            "async/staleness_max": float(max(ages)),
+            "async/dropped_stale": float(dropped),
+            "async/buffer_size": float(self._receive.statistics().current_buffer_used),
+            "async/generator_idle_ratio": idle,
+        }
