@@ -33,9 +33,21 @@ SMALL = [
     "data.reward_fn=tests.trainer.helpers:varied_reward",
 ]
 
+#: Per strategy: fully-async with no staleness allowed trains each step on exactly the groups
+#: admitted after the previous sync (in data order), so its numbers are reproducible too;
+#: with staleness > 0 which groups make a batch depends on timing (test_fully_async.py
+#: checks that a resume trains every prompt exactly once instead).
+STRATEGY_KEYS = {"sync": [], "fully_async": ["trainer.fully_async.max_staleness_steps=0"]}
+
 #: Wall-clock measurements and paths: the only keys allowed to differ between the runs.
 MEASURED_PREFIXES = ("timing/", "loop/")
-MEASURED_KEYS = {"checkpoint/path", "checkpoint/max_stall_ms", "sync/last_weight_sync_seconds"}
+MEASURED_KEYS = {
+    "checkpoint/path",
+    "checkpoint/max_stall_ms",
+    "sync/last_weight_sync_seconds",
+    "async/generator_idle_ratio",
+    "async/trainer_idle_ratio",
+}
 
 
 def _computed(run_dir: Path) -> list[dict]:
@@ -53,7 +65,7 @@ def _computed(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 async def test_half_a_run_plus_a_resume_computes_what_the_whole_run_computes(tmp_path, strategy):
-    common = [*SMALL, f"trainer.strategy={strategy}"]
+    common = [*SMALL, f"trainer.strategy={strategy}", *STRATEGY_KEYS[strategy]]
     whole, halves = tmp_path / "whole", tmp_path / "halves"
     await trainer.run.train(
         load_config(None, [*common, f"trainer.run_dir={whole}", f"trainer.max_steps={STEPS}"])
