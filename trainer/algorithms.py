@@ -208,6 +208,7 @@ def policy_loss(
     clip_low: float = DEFAULT_CLIP_LOW,
     clip_high: float = DEFAULT_CLIP_HIGH,
     num_tokens: float | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip policy loss with token-mean reduction, and its metrics.
 
@@ -221,6 +222,10 @@ def policy_loss(
     as ``num_tokens`` to every micro-batch, and the accumulated gradients equal those of one
     full-batch call exactly (each token weighs ``1/N`` whichever micro-batch it is in).
 
+    ``token_weights`` (``[B, T]``, optional, never differentiated) multiplies each
+    ``loss_t``: the off-policy correction's importance weights
+    (:func:`trainer.off_policy.importance_weights`). ``None`` leaves the loss untouched.
+
     Metrics (plain floats, over this call's valid tokens, whatever ``num_tokens`` is):
     ``pg_loss`` (the loss value), ``clip_frac`` (share of tokens where the clipped term is the
     active one, so its gradient is zero), ``clip_frac_high``/``clip_frac_low`` (the same, split
@@ -229,8 +234,8 @@ def policy_loss(
     With no valid token the loss is ``0.0`` (still part of the graph) and every metric ``0.0``.
 
     Log-ratios are clamped to ``±LOG_RATIO_CLAMP`` before ``exp``, and masked positions (of
-    log-probs and advantages) are zeroed first, so garbage there cannot produce ``inf``/``nan``
-    values or gradients.
+    log-probs, advantages and token weights) are zeroed first, so garbage there cannot produce
+    ``inf``/``nan`` values or gradients.
 
     Raises ``ValueError`` on mismatched shapes, ``clip_low`` outside ``[0, 1)``, a negative
     ``clip_high`` or a ``num_tokens <= 0``.
@@ -239,6 +244,11 @@ def policy_loss(
         raise ValueError(
             "logprobs, old_logprobs and mask must have one shape [B, T]; got "
             f"{tuple(logprobs.shape)}, {tuple(old_logprobs.shape)}, {tuple(mask.shape)}"
+        )
+    if token_weights is not None and token_weights.shape != logprobs.shape:
+        raise ValueError(
+            f"token_weights must have logprobs' shape {tuple(logprobs.shape)}, "
+            f"got {tuple(token_weights.shape)}"
         )
     if not 0 <= clip_low < 1:
         raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
@@ -268,6 +278,8 @@ def policy_loss(
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
+    if token_weights is not None:
+        per_token = per_token * torch.where(valid, token_weights.detach().to(per_token), zero)
 
     n_valid = int(valid.sum())
     denom = float(num_tokens) if num_tokens is not None else float(max(n_valid, 1))

@@ -376,6 +376,21 @@ class AlgorithmConfig:
     )
     kl_loss_coef: float = _field(0.001, "Weight of the KL penalty.", check=at_least(0))
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = _field("k3", "KL estimator.")
+    off_policy_correction: Literal["none", "tis"] = _field(
+        "none",
+        "'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
+        "tis_cap) (truncated importance sampling): use it with fully-async training or any run "
+        "whose sampler lags the trainer (engines serving older weights). 'none' ignores the gap "
+        "(right for sync runs, where the engine samples with the trained weights). Either way "
+        "policy/is_ratio_{mean,max,min} report how off-policy the batch is; see "
+        "docs/concepts.md#off-policy-correction.",
+    )
+    tis_cap: float | None = _field(
+        2.0,
+        "off_policy_correction=tis: the largest importance weight (policy/is_truncated_frac is "
+        "the share of tokens it caps); None: no cap, the decoupled PPO objective.",
+        check=at_least(1),
+    )
 
 
 @attrs.define

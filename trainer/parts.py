@@ -139,10 +139,18 @@ async def open_workers(
 ) -> AsyncIterator[WorkerGroup]:
     """The worker group of ``workers.backend``, shut down when the block exits, whatever the error.
 
-    ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`).
+    ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`). Each policy
+    worker gets ``policy_kwargs`` plus the loss's off-policy settings from ``cfg``
+    (``algorithm.off_policy_correction``, ``algorithm.tis_cap``), so the workers of every
+    strategy get them whoever builds the rest.
     """
     w = cfg.workers
     with_ref = cfg.algorithm.use_kl_loss
+    policy_kwargs = {
+        **policy_kwargs,
+        "off_policy_correction": cfg.algorithm.off_policy_correction,
+        "tis_cap": cfg.algorithm.tis_cap,
+    }
     if w.backend == "local":
         workers = await LocalWorkerGroup.create(
             model_dir, policy_kwargs=policy_kwargs, with_ref=with_ref

@@ -49,18 +49,34 @@ def generator_input(
 
 
 def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
-    """Pad ``prompt + response`` of each trajectory to a common length."""
+    """Pad ``prompt + response`` of each trajectory to a common length.
+
+    Token-level tensors are shifted by one (position ``t`` predicts token ``t + 1``):
+    ``loss_mask`` and ``rollout_logprobs`` (the engine's logprobs, ``0.0`` wherever the loss
+    mask is 0: environment tokens, prompt, padding) line up with the logprobs the workers
+    compute.
+    """
     seqs = [t.prompt_ids + t.response_ids for t in trajectories]
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    rollout = torch.zeros((len(seqs), width), dtype=torch.float32)
     for i, (t, s) in enumerate(zip(trajectories, seqs)):
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         attn[i, : len(s)] = 1
         p = len(t.prompt_ids)
         mask[i, p : p + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return TrainBatch(input_ids=ids, attention_mask=attn, loss_mask=mask[:, 1:].contiguous())
+        rollout[i, p : p + len(t.response_ids)] = torch.tensor(
+            t.rollout_logprobs, dtype=torch.float32
+        )
+    rollout = torch.where(mask != 0, rollout, torch.zeros(()))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=mask[:, 1:].contiguous(),
+        rollout_logprobs=rollout[:, 1:].contiguous(),
+    )
 
 
 def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, Any]:

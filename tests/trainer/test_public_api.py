@@ -186,6 +186,13 @@ PUBLIC = {
         "setup_run_logging",
         "teardown_run_logging",
     ],
+    "trainer.off_policy": [
+        "DEFAULT_TIS_CAP",
+        "IS_RATIO_METRICS",
+        "OFF_POLICY_CORRECTIONS",
+        "OffPolicyCorrection",
+        "importance_weights",
+    ],
     "trainer.parts": [
         "make_transport",
         "open_engine",

@@ -114,6 +114,40 @@ async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_clu
     assert await wait_gone(list(group.pids.values())) == []
 
 
+async def test_dp_ranks_get_rollout_logprobs_and_tis_matches_a_single_worker(
+    ray_cluster, model_dir
+):
+    """The batch travels pickled to the actors, one shard per rank: the rollout logprobs
+    must arrive with it, or ``tis`` raises there (and ``none`` loses its ratio metrics)."""
+    kwargs = POLICY_KWARGS | {"off_policy_correction": "tis", "tis_cap": 2.0}
+    batch = make_batch(model_dir)
+    assert batch.old_logprobs is not None
+    # rows 0-2 (rank 0's shard) sampled by a lagging policy: ratio 3, capped to 2
+    lag = torch.tensor([1.0986123] * 3 + [0.0] * 2)[:, None]  # ln 3
+    batch.rollout_logprobs = (batch.old_logprobs - lag) * batch.loss_mask
+    single = PolicyWorker(model_dir, **kwargs)
+    expected_metrics = single.forward_backward(batch, batch.num_tokens)
+    expected = torch.cat([p.grad.reshape(-1) for p in single.model.parameters()])  # type: ignore[union-attr]
+
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=kwargs, with_ref=False, num_workers=2
+    )
+    try:
+        metrics = await group.forward_backward(batch, batch.num_tokens)
+        reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
+        for flat in reduced:
+            torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
+        for key in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_truncated_frac"):
+            assert metrics[f"policy/{key}"] == pytest.approx(
+                expected_metrics[f"policy/{key}"], rel=1e-5
+            ), key
+        assert metrics["policy/is_ratio_max"] == pytest.approx(3.0, rel=1e-5)
+        assert 0 < metrics["policy/is_truncated_frac"] < 1
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
+
+
 async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_rank_0s_weights(
     ray_cluster, model_dir, tmp_path
 ):

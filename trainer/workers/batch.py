@@ -16,6 +16,8 @@ class TrainBatch:
 
     ``loss_mask[b, t]`` is 1 where position ``t`` predicts a trained (model-generated)
     response token ``input_ids[b, t + 1]``; logprob tensors share that ``[B, L - 1]`` shape.
+    The batch is pickled whole to Ray actors (``select`` gives each rank its rows), so every
+    field here travels with it.
     """
 
     input_ids: torch.Tensor
@@ -23,8 +25,13 @@ class TrainBatch:
     loss_mask: torch.Tensor
     #: Per-trajectory advantages ``[B]`` (set after compute_advantages).
     advantages: torch.Tensor | None = None
+    #: The trained policy's logprobs before the update ``[B, L - 1]`` (recomputed by the worker).
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    #: The engine's logprob of each sampled token when it was sampled ``[B, L - 1]``, aligned
+    #: like ``old_logprobs``; ``0.0`` where ``loss_mask`` is 0 (the off-policy correction's
+    #: behaviour policy).
+    rollout_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -47,4 +54,5 @@ class TrainBatch:
             advantages=take(self.advantages),
             old_logprobs=take(self.old_logprobs),
             ref_logprobs=take(self.ref_logprobs),
+            rollout_logprobs=take(self.rollout_logprobs),
         )

@@ -20,6 +20,7 @@ from trainer.checkpoint_io import (
     save_state,
     set_rng_state,
 )
+from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
 
 __all__ = ["PolicyWorker", "RefWorker"]
@@ -94,6 +95,8 @@ class PolicyWorker:
         kl_loss_type: str = "k3",
         micro_batch_size: int | None = None,
         seed: int = 0,
+        off_policy_correction: OffPolicyCorrection = "none",
+        tis_cap: float | None = DEFAULT_TIS_CAP,
     ) -> None:
         torch.manual_seed(seed)
         self.model = _load_model(model_dir)
@@ -112,6 +115,8 @@ class PolicyWorker:
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
         self.micro_batch_size = micro_batch_size
+        self.off_policy_correction: OffPolicyCorrection = off_policy_correction
+        self.tis_cap = tis_cap
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -125,13 +130,33 @@ class PolicyWorker:
 
         The loss is a token mean over ``num_tokens`` (default: the batch's own count), so
         micro-batching and gradient accumulation give the same gradient as one pass.
+
+        With ``off_policy_correction="tis"`` each token's term is weighted by
+        ``min(exp(old - rollout), tis_cap)`` (:mod:`trainer.off_policy`); the batch must then
+        carry ``rollout_logprobs`` (``ValueError`` otherwise). With ``"none"`` the loss is
+        the plain PPO-clip loss, and a batch with ``rollout_logprobs`` still reports the
+        ``policy/is_ratio_*`` metrics.
         """
         assert batch.advantages is not None and batch.old_logprobs is not None
+        if self.off_policy_correction != "none" and batch.rollout_logprobs is None:
+            raise ValueError(
+                f"off_policy_correction={self.off_policy_correction!r} needs the batch's "
+                "rollout_logprobs (the sampler's logprobs); this batch has none"
+            )
         num_tokens = num_tokens or max(1, batch.num_tokens)
         totals: dict[str, float] = {}
         for s in _micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s)
             assert mb.old_logprobs is not None and mb.advantages is not None
+            weights, is_metrics = None, {}
+            if mb.rollout_logprobs is not None:
+                weights, is_metrics = importance_weights(
+                    mb.old_logprobs,
+                    mb.rollout_logprobs,
+                    mb.loss_mask,
+                    self.off_policy_correction,
+                    cap=self.tis_cap,
+                )
             logprobs = _forward_logprobs(self.model, mb, self.temperature)
             loss, metrics = algorithms.policy_loss(
                 logprobs,
@@ -141,7 +166,9 @@ class PolicyWorker:
                 clip_low=self.clip_ratio_low,
                 clip_high=self.clip_ratio_high,
                 num_tokens=num_tokens,
+                token_weights=weights,
             )
+            metrics |= is_metrics
             weight = float(mb.loss_mask.sum()) / num_tokens
             if self.kl_loss_coef and mb.ref_logprobs is not None:
                 kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
