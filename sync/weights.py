@@ -27,6 +27,7 @@ never resumed while the transfer is still writing.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -43,9 +44,13 @@ from trainer.vocabulary import (
     pending_deadline_error,
 )
 
-__all__ = ["run_transfer", "save_weights_for_sampler"]
+__all__ = ["TRANSFER_ON_EVENT_LOOP_ENV", "run_transfer", "save_weights_for_sampler"]
 
 OP = "broadcast_to_inference_engines"
+#: Test-only: set to 1, the transfer's fault (a slow transfer, ``sleep=S``) blocks the trio
+#: thread instead of a worker thread, as a transfer run on the event loop would (SkyRL
+#: #2524); tests/e2e/test_fully_async_cli.py shows what that does to rollouts in flight.
+TRANSFER_ON_EVENT_LOOP_ENV = "TRAINER_TEST_TRANSFER_ON_EVENT_LOOP"
 
 
 async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
@@ -62,7 +67,10 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
         with trio.CancelScope(shield=True, deadline=current_deadline()):
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
-                await trio.to_thread.run_sync(fire_fault_sync, OP)
+                if os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
+                    fire_fault_sync(OP)  # the test-only wrong way: the event loop stops
+                else:
+                    await trio.to_thread.run_sync(fire_fault_sync, OP)
                 await transfer()
             except Exception as exc:
                 failure = exc

@@ -35,6 +35,7 @@ from trainer.run_context import RunContext
 from trainer.staleness import Admission, staleness
 from trainer.vocabulary import (
     Timer,
+    at_step,
     fire_fault,
     open_owner_nursery,
     operation,
@@ -72,7 +73,9 @@ async def run_fully_async(ctx: RunContext) -> None:
             )
             if ctx.eval_due(step):
                 ctx.record_eval(step, await run_eval(ctx, step))
-        nursery.cancel_scope.cancel()  # the last step is done: stop the rollouts
+        # the last step is done: stop the rollouts (a resume would roll their prompts out again)
+        log.info("stopping the rollouts: %d groups in flight", len(feed.prompts.in_flight))
+        nursery.cancel_scope.cancel()
 
 
 async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[str, Any]:
@@ -133,7 +136,6 @@ class RolloutFeed:
         self._send, self._receive = trio.open_memory_channel[Group](
             (self.max_staleness + 1) * self.batch_size
         )
-        self.step = ctx.first_step
         # the integral of the number of rollout tasks waiting (for admission or a prompt)
         self._waiting = 0
         self._idle_s = 0.0
@@ -155,14 +157,19 @@ class RolloutFeed:
             finally:
                 self._count_waiting(-1)
             version = self.ctx.rollout_versions.current  # type: ignore[union-attr]
-            with stage("generate"):
-                out = await self.ctx.generator.generate(self.group_input(key, example, version))
+            # its step (in errors, dumps and fault specs) is the first that may train on it
+            with at_step(policy_step + 1), stage("generate"):
+                out = await self.ctx.generator.generate(
+                    self.group_input(key, example, version, policy_step + 1)
+                )
             for t in out.trajectories:
                 if not t.weight_versions:  # a generator that does not pass them on
                     t.weight_versions = [version if m else -1 for m in t.loss_mask]
             await self._send.send(Group(key, example, out, policy_step))
 
-    def group_input(self, key: PromptKey, example: Example, version: int) -> GeneratorInput:
+    def group_input(
+        self, key: PromptKey, example: Example, version: int, step: int
+    ) -> GeneratorInput:
         """One prompt's ``n_samples_per_prompt`` trajectories; seeds fixed by the prompt's key."""
         epoch, position = key
         n = self.ctx.cfg.generator.n_samples_per_prompt
@@ -179,7 +186,7 @@ class RolloutFeed:
             )
             for s in range(n)
         )
-        return GeneratorInput(items, global_step=self.step, weight_version=version)
+        return GeneratorInput(items, global_step=step, weight_version=version)
 
     async def take_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """``train_batch_size`` groups within the staleness bound, and the step's async metrics.
@@ -187,7 +194,6 @@ class RolloutFeed:
         A group older than the bound is dropped (its prompt re-queued, its place in the
         admission given back) and counted in ``async/dropped_stale``.
         """
-        self.step = step
         groups: list[Group] = []
         dropped = 0
         with operation("wait_for_batch"):

@@ -1,0 +1,237 @@
+"""``trainer.strategy=fully_async`` for real: ``python -m trainer`` runs, their ends and resumes.
+
+- SkyRL #2524 scaled to this machine: 32 rollouts call a real HTTP environment service
+  (0.2 s per step, the client's timeout 1 s) while a weight transfer takes 5 s. The transfer
+  runs off the event loop, so no environment call times out; the same run with the transfer
+  forced onto the trio thread (the test-only switch) has timeouts.
+- A failing rollout, a hung one past the step's deadline and the end at ``max_steps``: each
+  its own outcome, and no process of the run left.
+- A run killed with SIGKILL and resumed trains every prompt of the epoch exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sync.weights import TRANSFER_ON_EVENT_LOOP_ENV
+from tests.e2e.helpers import (
+    REPO,
+    last_stderr_line,
+    new_marker,
+    popen_trainer,
+    processes_with_marker,
+    read_metrics,
+    run_trainer,
+    trainer_env,
+    wait_until_gone,
+)
+
+pytestmark = pytest.mark.slow
+
+ASYNC = ("trainer.strategy=fully_async",)
+STEP_LINE = re.compile(r"INFO trainer\.run: step (\d+) reward")
+
+
+# ---------------------------------------------------------------- SkyRL #2524
+
+
+@pytest.fixture(scope="module")
+def env_service() -> Iterator[str]:
+    """``examples.http_env``'s service in its own process: 0.2 s per step, 3 turns."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "examples.http_env",
+            "--port",
+            "0",
+            "--delay-s",
+            "0.2",
+            "--turns",
+            "3",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _run_beside_a_slow_transfer(run_dir: Path, env_url: str, *, on_event_loop: bool):
+    env = trainer_env(new_marker())
+    if on_event_loop:
+        env[TRANSFER_ON_EVENT_LOOP_ENV] = "1"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "trainer.progress=false",
+            *ASYNC,
+            "generator.cls=examples.http_env:HttpEnvGenerator",
+            f"generator.kwargs.env_url={env_url}",
+            "generator.kwargs.env_timeout_s=1.0",
+            "generator.max_turns=3",
+            "generator.num_parallel_workers=8",
+            "generator.n_samples_per_prompt=4",  # 8 groups x 4 = 32 rollouts in flight
+            "trainer.train_batch_size=4",
+            "trainer.max_steps=4",
+            "faults=broadcast_to_inference_engines:sleep=5@2",  # the sync after step 2
+            f"trainer.run_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
+
+
+def _timeouts(run_dir: Path) -> float:
+    return max(r["env/timeouts_total"] for r in read_metrics(run_dir))
+
+
+def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(tmp_path, env_service):
+    stats_url = env_service.removesuffix("/step") + "/stats"
+    before = httpx.get(stats_url).json()["requests"]
+    proc = _run_beside_a_slow_transfer(tmp_path / "thread", env_service, on_event_loop=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = httpx.get(stats_url).json()
+    assert stats["requests"] - before >= 4 * 4 * 3  # at least 4 steps of 3-turn rollouts
+    assert stats["peak_in_flight"] >= 16, stats  # many rollouts in their environment at once
+    # the transfer really took its 5 s, and not one environment call timed out meanwhile
+    rows = read_metrics(tmp_path / "thread")
+    assert rows[1]["sync/last_weight_sync_seconds"] >= 5.0
+    assert _timeouts(tmp_path / "thread") == 0
+
+    # the same run with the transfer's 5 s blocking the event loop: calls in flight time out
+    proc = _run_beside_a_slow_transfer(tmp_path / "loop", env_service, on_event_loop=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _timeouts(tmp_path / "loop") > 0
+    assert max(r["loop/max_stall_ms"] for r in read_metrics(tmp_path / "loop")) >= 5000
+
+
+# ---------------------------------------------------------------- how a run ends
+
+
+def test_a_failing_rollout_ends_the_run_with_its_own_error(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        *ASYNC,
+        "engine.backend=local",
+        "trainer.max_steps=6",
+        "faults=env_step:error=environment exploded@3",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode == 1
+    assert (
+        last_stderr_line(proc)
+        == "FaultInjected: fault injected in 'env_step' at step 3: environment exploded"
+    )
+    assert "ExceptionGroup" not in proc.stderr and "Traceback" not in proc.stderr
+    assert wait_until_gone(marker) == []
+
+
+def test_a_hung_rollout_fails_the_step_waiting_for_it(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        *ASYNC,
+        "engine.backend=inprocess",
+        "trainer.fully_async.max_staleness_steps=0",  # step 2's groups start after step 1
+        "trainer.max_steps=4",
+        "trainer.step_timeout_s=8",
+        "faults=env_step:hang@2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode == 1
+    line = last_stderr_line(proc)
+    match = re.fullmatch(
+        r"StepTimeoutError: step 2 exceeded its 8s budget after ([\d.]+)s "
+        r"\(stage='wait_for_generation_buffer', operation='wait_for_batch'\)",
+        line,
+    )
+    assert match, line
+    assert 8.0 <= float(match[1]) < 30.0
+    assert wait_until_gone(marker) == []
+
+
+def test_the_last_step_stops_the_rollouts_and_the_run_ends_cleanly(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        *ASYNC,
+        "engine.backend=local",
+        "trainer.max_steps=3",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert json.loads((tmp_path / "summary.json").read_text())["last_step"] == 3
+    # rollouts were still running when the last step ended: they were cancelled, not awaited
+    stopped = re.search(
+        r"stopping the rollouts: (\d+) groups in flight", (tmp_path / "train.log").read_text()
+    )
+    assert stopped and int(stopped[1]) > 0
+    assert wait_until_gone(marker) == []
+
+
+# ---------------------------------------------------------------- kill and resume
+
+
+EPOCH = (
+    *ASYNC,
+    "engine.backend=inprocess",
+    "data.num_examples=48",
+    "trainer.train_batch_size=4",
+    "generator.n_samples_per_prompt=2",
+    "trainer.epochs=1",
+    "trainer.max_steps=null",  # the epoch: 12 steps
+    "trainer.ckpt_interval=2",
+    "generator.num_parallel_workers=6",
+)
+
+
+def test_a_killed_and_resumed_run_trains_every_prompt_of_the_epoch_exactly_once(tmp_path):
+    marker = new_marker()
+    proc = popen_trainer(*EPOCH, f"trainer.run_dir={tmp_path}", marker=marker)
+    assert proc.stdout is not None
+    for line in proc.stdout:  # kill it mid-run, once a few steps (two checkpoints) are done
+        m = STEP_LINE.search(line)
+        if m and int(m[1]) >= 5:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert wait_until_gone(marker) == []
+    state = json.loads(
+        (tmp_path / "checkpoints" / "global_step_4" / "trainer_state.json").read_text()
+    )
+    assert state["loader"]["pending"], "the checkpoint should name prompts in flight"
+
+    done = run_trainer(
+        *EPOCH, f"trainer.run_dir={tmp_path}", "trainer.resume_mode=latest", marker=marker
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in (tmp_path / "train.log").read_text()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    trained = Counter(i for r in rows for i in r["data/example_index"])
+    assert sorted(trained) == list(range(48)) and set(trained.values()) == {1}
+    assert processes_with_marker(marker) == []
