@@ -3,18 +3,23 @@
 Run it from the repository root (``examples`` is importable from there)::
 
     .venv/bin/python -m trainer generator.cls=examples.multi_turn_generator:RetryOnWrongGenerator \
-        generator.max_turns=2
+        generator.max_turns=2 generator.kwargs.retry_discount=0.25
 
 How it plugs into the agent loop (``trainer.generators.agent_loop``): after every model turn
 the loop awaits ``env_step(item, response_ids, turn)``. Returning ``EnvStep(done=False,
 observation=TEXT)`` makes the loop append ``TEXT``'s tokens to the response with loss mask 0
 (the policy is not trained on them; their rollout logprobs are 0.0) and sample the next
-model turn from prompt + everything so far. ``EnvStep(done=True, reward=R)`` ends the
+model turn from prompt + everything so far, as tokens (nothing is re-tokenized). With chat
+prompts (a data file whose ``prompt`` is a list of messages) the observation is appended as
+a ``user`` chat turn, rendered on its own with the chat template
+(``AgentLoopGenerator.observation_tokens``); with text prompts as its plain tokens. ``EnvStep(done=True, reward=R)`` ends the
 trajectory with reward ``R``. The observation uses only words of the built-in tiny
 tokenizer's vocabulary (``engines.models.WORDS``); an unknown word would become ``<unk>``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from trainer.generators import TrajectoryInput
 from trainer.generators.agent_loop import AgentLoopGenerator, EnvStep
@@ -31,21 +36,27 @@ class RetryOnWrongGenerator(AgentLoopGenerator):
     The reward of a trajectory is that of its last model turn, times ``retry_discount`` per
     retry, so answering right the first time pays most. With ``generator.max_turns=1`` it
     behaves like the default single-turn generator.
+
+    ``retry_discount`` is a constructor option: ``generator.kwargs.retry_discount=0.25`` on the
+    command line. The reward function gets the example's extra fields when it takes them.
     """
 
-    #: Reward factor per retry taken.
-    retry_discount: float = 0.5
+    def __init__(self, *, retry_discount: float = 0.5, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Reward factor per retry taken.
+        self.retry_discount = retry_discount
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
-        text = self.tokenizer.decode(self._last_turn(response_ids), skip_special_tokens=True)
-        reward = float(self.reward_fn(text, item.answer))
+        last = self._last_turn(item, response_ids)
+        text = self.tokenizer.decode(last, skip_special_tokens=True)
+        reward = float(self.reward_fn(text, item.answer, extra=item.extra))
         if reward >= 1.0 or turn + 1 >= self.max_turns:
             return EnvStep(done=True, reward=reward * self.retry_discount**turn)
         return EnvStep(done=False, observation=RETRY_OBSERVATION)
 
-    def _last_turn(self, response_ids: list[int]) -> list[int]:
+    def _last_turn(self, item: TrajectoryInput, response_ids: list[int]) -> list[int]:
         """The tokens the model produced after the last observation (all of them on turn 0)."""
-        obs = self.tokenizer.encode(RETRY_OBSERVATION, add_special_tokens=False)
+        obs = self.observation_tokens(item, RETRY_OBSERVATION)
         for start in range(len(response_ids) - len(obs), -1, -1):
             if response_ids[start : start + len(obs)] == obs:
                 return response_ids[start + len(obs) :]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import attrs
+
 import trainer.run
 from engines.local.inprocess import open_inprocess_client
 from engines.models import build_tiny_model, load_tokenizer
@@ -11,6 +13,8 @@ from engines.types import SamplingParams
 from examples.multi_turn_generator import RETRY_OBSERVATION, RetryOnWrongGenerator
 from tests.trainer.helpers import batch_of
 from trainer.config import load_config
+from trainer.generators import GeneratorInput
+from trainer.generators.chat import chat_turn_ids, render_prompt
 
 GENERATOR = "examples.multi_turn_generator:RetryOnWrongGenerator"
 
@@ -24,7 +28,7 @@ def always_right(response: str, answer: str) -> float:
     return 1.0
 
 
-async def _generate(reward_fn, max_turns: int):
+async def _generate(reward_fn, max_turns: int, batch=None, **kwargs):
     model_dir = build_tiny_model()
     tokenizer = load_tokenizer(model_dir)
     async with open_inprocess_client(model_dir) as engine:
@@ -35,9 +39,37 @@ async def _generate(reward_fn, max_turns: int):
             sampling=SamplingParams(temperature=1.0, max_tokens=6),
             max_turns=max_turns,
             max_response_tokens=64,
+            **kwargs,
         )
-        out = await gen.generate(batch_of(tokenizer, 4))
+        out = await gen.generate(batch or batch_of(tokenizer, 4))
     return tokenizer, out
+
+
+def half_right(response: str, answer: str) -> float:
+    return 0.5
+
+
+async def test_retry_discount_is_a_constructor_option():
+    _, out = await _generate(half_right, max_turns=2, retry_discount=0.25)
+    assert [t.reward for t in out.trajectories] == [0.5 * 0.25] * 4
+
+
+async def test_with_a_chat_prompt_the_retry_is_a_user_chat_turn():
+    tokenizer = load_tokenizer(build_tiny_model())
+    messages = [{"role": "user", "content": "max 7 5 ="}]
+    text, ids = render_prompt(tokenizer, messages)
+    batch = GeneratorInput(
+        tuple(
+            attrs.evolve(item, prompt=text, prompt_ids=ids, messages=messages)
+            for item in batch_of(tokenizer, 2)
+        )
+    )
+    _, out = await _generate(always_wrong, max_turns=2, batch=batch)
+    turn = chat_turn_ids(tokenizer, {"role": "user", "content": RETRY_OBSERVATION})
+    assert tokenizer.decode(turn) == f"user : {RETRY_OBSERVATION} <eos> assistant :"
+    for t in out.trajectories:
+        assert t.num_turns == 2
+        assert [tok for tok, m in zip(t.response_ids, t.loss_mask) if m == 0] == turn
 
 
 async def test_wrong_first_answer_gets_an_observation_and_a_second_model_turn():
@@ -71,6 +103,7 @@ async def test_multi_turn_generator_trains_end_to_end(tmp_path):
         [
             f"generator.cls={GENERATOR}",
             "generator.max_turns=2",
+            "generator.kwargs.retry_discount=0.25",
             "trainer.max_steps=2",
             "trainer.train_batch_size=2",
             "generator.n_samples_per_prompt=2",

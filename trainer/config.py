@@ -60,6 +60,8 @@ def type_name(tp: Any) -> str:
         return " | ".join(repr(x) for x in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         return " | ".join(type_name(t) for t in typing.get_args(tp))
+    if origin is dict:
+        return "mapping"
     if origin is tuple:
         return f"tuple[{', '.join('...' if t is Ellipsis else type_name(t) for t in typing.get_args(tp))}]"
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
@@ -114,14 +116,25 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, str):
             return value
         raise wrong
+    if _is_mapping(tp):
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise wrong
     raise wrong
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+def _is_mapping(tp: Any) -> bool:
+    """Whether a key holds a free-form mapping (``generator.kwargs``): its own keys are data."""
+    return tp is dict or typing.get_origin(tp) is dict
+
+
+def _flatten(
+    d: dict[str, Any], prefix: str = "", mappings: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, Any]]:
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            yield from _flatten(v, key + ".")
+        if isinstance(v, dict) and v and key not in mappings:
+            yield from _flatten(v, key + ".", mappings)
         else:
             yield key, v
 
@@ -129,8 +142,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
 def _build(values: dict[str, Any]) -> Config:
     known = {key: (a, tp) for key, a, tp in iter_fields()}
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    mappings = frozenset(key for key, (_a, tp) in known.items() if _is_mapping(tp))
     leaves: dict[str, Any] = {}
-    for key, value in _flatten(values):
+    for key, value in _flatten(values, mappings=mappings):
         if key not in known:
             if key in sections:
                 raise ConfigError(

@@ -243,6 +243,12 @@ class GeneratorConfig:
         "Most response tokens per trajectory across turns (env tokens included).",
         check=at_least(1),
     )
+    kwargs: dict[str, Any] = _field(
+        attrs.Factory(dict),
+        "Extra keyword arguments for the generator class's constructor "
+        "(generator.kwargs.NAME=VALUE, or a mapping in YAML); a name the constructor does not "
+        "take fails at start-up.",
+    )
     sampling: SamplingConfig = _section(SamplingConfig, "Sampling parameters.")
 
 
@@ -407,12 +413,16 @@ class OptimConfig:
 @attrs.define
 class DataConfig:
     train: str | None = _field(
-        None, "Training prompts, a JSONL file of {prompt, answer} rows (None: the built-in task)."
+        None,
+        "Training prompts, a JSONL file of {prompt, answer, ...} rows: prompt a string or a "
+        "list of chat messages, other fields reach the generator and reward function as extra "
+        "(None: the built-in task).",
     )
     eval: str | None = _field(None, "Evaluation prompts, same format.")
     reward_fn: str | None = _field(
         None,
-        "Reward function 'module:function' (response: str, answer: str) -> float (None: the task's).",
+        "Reward function 'module:function', (response: str, answer: str) -> float or "
+        "(response, answer, *, extra) -> float to get the row's extra fields (None: the task's).",
         check=module_attr,
     )
     task: Literal["max_digit", "modular_sum"] = _field(

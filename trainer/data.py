@@ -12,19 +12,24 @@ The reward is shaped for (1): 1.0 for exactly the right digit, 0.5 when the righ
 first but more text follows, 0.1 for a lone wrong digit, 0 otherwise; a random policy earns
 ~0.01, a learned one ~1.0.
 
-``data.train=FILE.jsonl`` replaces it with ``{"prompt": str, "answer": str}`` rows, scored by
-``data.reward_fn='module:function'`` (``(response: str, answer: str) -> float``); without a
-reward function, exact match after stripping whitespace scores 1.0.
+``data.train=FILE.jsonl`` replaces it with ``{"prompt": ..., "answer": str, ...}`` rows: the
+prompt is a string or a list of chat messages (rendered with the model's chat template), and
+every other field of the row is kept in :attr:`Example.extra`. Rows are scored by
+``data.reward_fn='module:function'``, either ``(response: str, answer: str) -> float`` or
+``(response: str, answer: str, *, extra: Mapping[str, Any]) -> float`` (it then gets the row's
+extra fields); without a reward function, exact match after stripping whitespace scores 1.0.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import random
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -32,10 +37,13 @@ import attrs
 from trainer.errors import ConfigError, DataError
 
 __all__ = [
+    "REWARD_SIGNATURES",
     "TASKS",
+    "ChatMessage",
     "Example",
     "PromptLoader",
     "RewardFn",
+    "RewardFunction",
     "digit_task_reward",
     "epoch_order",
     "exact_match_reward",
@@ -43,20 +51,57 @@ __all__ = [
     "load_jsonl",
     "modular_sum_examples",
     "resolve_reward_fn",
+    "reward_function",
     "task_examples",
 ]
 
-RewardFn = Callable[[str, str], float]
+#: A reward function: ``(response, answer) -> float`` or ``(response, answer, *, extra) -> float``
+#: (see :data:`REWARD_SIGNATURES`); :func:`reward_function` tells which, once.
+RewardFn = Callable[..., float]
+
+#: The signatures a reward function may have, as error messages and docs name them.
+REWARD_SIGNATURES = (
+    "(response: str, answer: str) -> float",
+    "(response: str, answer: str, *, extra: Mapping[str, Any]) -> float",
+)
+
+#: One chat message of a prompt, as the data file holds it (``role``, ``content``, maybe more).
+ChatMessage = Mapping[str, Any]
+
+
+def _read_only_messages(prompt: str | tuple[ChatMessage, ...]) -> str | tuple[ChatMessage, ...]:
+    if isinstance(prompt, str):
+        return prompt
+    return tuple(MappingProxyType(dict(m)) for m in prompt)
+
+
+def _read_only(extra: Mapping[str, Any]) -> Mapping[str, Any]:
+    return MappingProxyType(dict(extra))
 
 
 @attrs.frozen
 class Example:
-    """One prompt and its reference answer."""
+    """One prompt, its reference answer and the rest of its data row.
 
-    prompt: str
+    ``prompt`` and ``extra`` are read-only (an example is shared by every step that draws
+    it); each trajectory gets its own copies (:func:`trainer.stages.group_inputs`).
+    ``prompt`` and ``extra`` take no part in the hash (mappings are not hashable).
+    """
+
+    #: A plain-text prompt, or chat messages rendered with the model's chat template.
+    prompt: str | tuple[ChatMessage, ...] = attrs.field(converter=_read_only_messages, hash=False)
     answer: str
     #: Position in its data file (1-based line) or task, for error messages and metrics.
     index: int = 0
+    #: The data row's fields other than ``prompt`` and ``answer`` (empty for built-in tasks).
+    extra: Mapping[str, Any] = attrs.field(
+        factory=dict, converter=_read_only, hash=False, kw_only=True
+    )
+
+    @property
+    def is_chat(self) -> bool:
+        """Whether the prompt is chat messages (rendered with the chat template)."""
+        return not isinstance(self.prompt, str)
 
 
 #: Built-in tasks: prompt verb and the answer digit for a pair of digits.
@@ -104,7 +149,12 @@ def exact_match_reward(response: str, answer: str) -> float:
 
 
 def load_jsonl(path: str | Path) -> list[Example]:
-    """Read ``{"prompt": str, "answer": str}`` rows; a bad row raises DataError naming file:line."""
+    """Read ``{"prompt": ..., "answer": ..., ...}`` rows; a bad row raises DataError naming file:line.
+
+    ``prompt`` is a non-empty string or a non-empty list of chat messages (objects with a
+    string ``role`` and a string ``content``, plus any other keys the chat template reads);
+    ``answer`` a string or a number. The row's other fields become :attr:`Example.extra`.
+    """
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -126,25 +176,108 @@ def load_jsonl(path: str | Path) -> list[Example]:
         for key in ("prompt", "answer"):
             if key not in row:
                 raise DataError(f"{where}: missing required field {key!r}")
-        prompt, answer = row["prompt"], row["answer"]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        prompt, answer = row.pop("prompt"), row.pop("answer")
+        if isinstance(prompt, list):
+            _check_messages(where, prompt)
+        elif not isinstance(prompt, str) or not prompt.strip():
+            raise DataError(
+                f"{where}: 'prompt' must be a non-empty string or a list of chat messages, "
+                f"got {prompt!r}"
+            )
         if isinstance(answer, int | float) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str):
             raise DataError(
                 f"{where}: 'answer' must be a string or number, got {type(answer).__name__}"
             )
-        examples.append(Example(prompt, answer, lineno))
+        examples.append(
+            Example(prompt if isinstance(prompt, str) else tuple(prompt), answer, lineno, extra=row)
+        )
     if not examples:
         raise DataError(f"{path}: the data file has no rows")
     return examples
 
 
-def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFn:
-    """Import ``module:function`` (checked callable), or return ``default`` for None."""
+def _check_messages(where: str, messages: list[Any]) -> None:
+    """Raise DataError unless ``messages`` is a non-empty list of ``{role, content}`` objects."""
+    if not messages:
+        raise DataError(f"{where}: 'prompt' is an empty list; give at least one chat message")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise DataError(
+                f"{where}: 'prompt' message {i} must be an object with 'role' and 'content', "
+                f"got {type(message).__name__}"
+            )
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            raise DataError(
+                f"{where}: 'prompt' message {i} needs a non-empty string 'role', got {role!r}"
+            )
+        if not isinstance(content, str):
+            raise DataError(
+                f"{where}: 'prompt' message {i} needs a string 'content', got "
+                f"{type(content).__name__}"
+            )
+
+
+@attrs.frozen
+class RewardFunction:
+    """A reward function and how it is called, decided once (:func:`reward_function`).
+
+    Calling it always takes ``(response, answer, extra=...)``; ``extra`` reaches the function
+    only when it accepts it, so a ``(response, answer)`` function keeps working.
+    """
+
+    fn: RewardFn
+    #: Whether ``fn`` takes ``extra=`` (a parameter named ``extra``, or ``**kwargs``).
+    takes_extra: bool
+
+    def __call__(self, response: str, answer: str, extra: Mapping[str, Any] | None = None) -> float:
+        if self.takes_extra:
+            return self.fn(response, answer, extra=extra if extra is not None else {})
+        return self.fn(response, answer)
+
+
+def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> RewardFunction:
+    """``fn`` with its signature checked; ConfigError naming it and :data:`REWARD_SIGNATURES`.
+
+    A parameter named ``extra`` (after ``response`` and ``answer``, not positional-only) or
+    ``**kwargs`` makes it take the example's extra fields. A callable whose signature cannot
+    be read (some builtins) is taken as ``(response, answer)``. ``where`` starts the error
+    message (default: ``reward function NAME``).
+    """
+    if isinstance(fn, RewardFunction):
+        return fn
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return RewardFunction(fn, takes_extra=False)
+    extra = sig.parameters.get("extra")
+    takes_extra = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) or (
+        extra is not None and extra.kind is not extra.POSITIONAL_ONLY
+    )
+    try:
+        if takes_extra:
+            sig.bind("response", "answer", extra={})
+        else:
+            sig.bind("response", "answer")
+    except TypeError:
+        name = getattr(fn, "__qualname__", type(fn).__qualname__)
+        bare = sig.replace(  # names and kinds only: annotations may be strings or absent
+            parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+            return_annotation=sig.empty,
+        )
+        raise ConfigError(
+            f"config: {where or 'reward function'}: {name}{bare} has the wrong signature; a "
+            f"reward function is {' or '.join(REWARD_SIGNATURES)}"
+        ) from None
+    return RewardFunction(fn, takes_extra=takes_extra)
+
+
+def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFunction:
+    """Import ``module:function`` (its signature checked), or ``default`` for None."""
     if spec is None:
-        return default
+        return reward_function(default)
     module_name, _, attr = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -157,7 +290,7 @@ def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFn:
         raise ConfigError(
             f"config: data.reward_fn={spec!r}: {module_name} has no callable {attr!r}"
         )
-    return typing.cast(RewardFn, fn)
+    return reward_function(typing.cast(RewardFn, fn), where=f"data.reward_fn={spec!r}")
 
 
 def load_examples(

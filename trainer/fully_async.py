@@ -28,7 +28,8 @@ import attrs
 import trio
 
 from trainer.data import Example
-from trainer.generators.base import GeneratorInput, GeneratorOutput, TrajectoryInput
+from trainer import stages
+from trainer.generators.base import GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval, sync_weights, train_on
 from trainer.prompt_stream import PromptKey, PromptStream
 from trainer.run_context import RunContext
@@ -170,21 +171,17 @@ class RolloutFeed:
     def group_input(
         self, key: PromptKey, example: Example, version: int, step: int
     ) -> GeneratorInput:
-        """One prompt's ``n_samples_per_prompt`` trajectories; seeds fixed by the prompt's key."""
+        """One prompt's ``n_samples_per_prompt`` trajectories (:func:`stages.group_inputs`),
+        their seeds and ids fixed by the prompt's key, not by when it happens to start."""
         epoch, position = key
-        n = self.ctx.cfg.generator.n_samples_per_prompt
-        prompt_ids = self.ctx.tokenizer.encode(example.prompt, add_special_tokens=False)
         base = self.ctx.cfg.trainer.seed * 1_000_003 + epoch * 7_919_993 + position * 10_007
         items = tuple(
-            TrajectoryInput(
-                prompt=example.prompt,
-                prompt_ids=prompt_ids,
-                answer=example.answer,
-                group_id=0,
-                trajectory_id=f"e{epoch}p{position}-{s}",
-                seed=(base + s) % (2**62),
+            attrs.evolve(item, trajectory_id=f"e{epoch}p{position}-{s}", seed=(base + s) % (2**62))
+            for s, item in enumerate(
+                stages.group_inputs(
+                    self.ctx, example, 0, step, self.ctx.cfg.generator.n_samples_per_prompt
+                )
             )
-            for s in range(n)
         )
         return GeneratorInput(items, global_step=step, weight_version=version)
 

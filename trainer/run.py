@@ -38,7 +38,8 @@ from trainer.data import (
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.fully_async import run_fully_async
-from trainer.generators.base import Generator
+from trainer.generators.base import Generator, check_generator_kwargs
+from trainer.generators.chat import check_prompts
 from trainer.interrupt import stop_on_interrupt
 from trainer.loop import run_training
 from trainer.metrics import (
@@ -172,12 +173,16 @@ async def _train(
         if cfg.data.eval
         else task_examples(cfg.data.task, 100, t.seed + 1)
     )
+    for source, checked in ((cfg.data.train, examples), (cfg.data.eval, eval_examples)):
+        if source is not None:  # chat prompts render with this tokenizer, or fail here
+            await trio.to_thread.run_sync(check_prompts, tokenizer, checked, source)
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
     last_step = loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
         last_step = min(last_step, t.max_steps)
     ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep)
     generator_cls = _load_generator_cls(cfg.generator.cls)
+    check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     s = cfg.generator.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
     policy_kwargs = dict(
@@ -241,6 +246,7 @@ async def _train(
                 sampling=sp,
                 max_turns=cfg.generator.max_turns,
                 max_response_tokens=cfg.generator.max_response_tokens,
+                **cfg.generator.kwargs,
             )
 
         start = 0

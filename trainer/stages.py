@@ -11,6 +11,7 @@ import torch
 from trainer.algorithms import compute_advantages
 from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
+from trainer.generators.chat import render_prompt
 from trainer.metrics import jsonable_row
 from trainer.run_context import RunContext
 from trainer.workers.batch import TrainBatch
@@ -19,32 +20,56 @@ __all__ = [
     "advantages_for",
     "evaluate",
     "generator_input",
+    "group_inputs",
     "make_batch",
     "rollout_metrics",
     "save_checkpoint",
     "train_policy",
+    "trajectory_seed",
 ]
+
+
+def trajectory_seed(seed: int, step: int, group_id: int, sample: int) -> int:
+    """The sampling seed of sample ``sample`` of group ``group_id`` at ``step`` (run ``seed``).
+
+    The samples of a group count up by one (what ``engine.generate_n`` samples in one request).
+    """
+    return (seed * 1_000_003 + step * 10_007 + group_id * 101 + sample) % (2**62)
+
+
+def group_inputs(
+    ctx: RunContext, example: Example, group_id: int, step: int, n: int
+) -> list[TrajectoryInput]:
+    """The ``n`` trajectories of one prompt: one group, for any strategy.
+
+    The prompt is rendered once (:func:`trainer.generators.chat.render_prompt`: a string is
+    tokenized, chat messages go through the chat template); each trajectory gets its own copy
+    of the example's ``extra`` and messages, the id ``step-group-sample`` and the seed
+    :func:`trajectory_seed`. Blocking only as long as one tokenization: call it on the loop.
+    """
+    text, prompt_ids = render_prompt(ctx.tokenizer, example.prompt)
+    messages = None if isinstance(example.prompt, str) else example.prompt
+    return [
+        TrajectoryInput(
+            prompt=text,
+            prompt_ids=prompt_ids,
+            answer=example.answer,
+            group_id=group_id,
+            trajectory_id=f"{step}-{group_id}-{s}",
+            seed=trajectory_seed(ctx.cfg.trainer.seed, step, group_id, s),
+            extra=dict(example.extra),
+            messages=None if messages is None else [dict(m) for m in messages],
+        )
+        for s in range(n)
+    ]
 
 
 def generator_input(
     ctx: RunContext, prompts: list[Example], step: int, n: int | None = None
 ) -> GeneratorInput:
-    """Each prompt ``n`` times (default ``n_samples_per_prompt``), with reproducible seeds."""
+    """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per prompt."""
     n = n or ctx.cfg.generator.n_samples_per_prompt
-    items = []
-    for g, ex in enumerate(prompts):
-        prompt_ids = ctx.tokenizer.encode(ex.prompt, add_special_tokens=False)
-        for s in range(n):
-            items.append(
-                TrajectoryInput(
-                    prompt=ex.prompt,
-                    prompt_ids=prompt_ids,
-                    answer=ex.answer,
-                    group_id=g,
-                    trajectory_id=f"{step}-{g}-{s}",
-                    seed=(ctx.cfg.trainer.seed * 1_000_003 + step * 10_007 + g * 101 + s) % (2**62),
-                )
-            )
+    items = [item for g, ex in enumerate(prompts) for item in group_inputs(ctx, ex, g, step, n)]
     return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trainer.generators import (
+    AgentLoopGenerator,
     Generator,
     GeneratorInput,
     GeneratorOutput,
@@ -10,7 +11,7 @@ from trainer.generators import (
     TrajectoryInput,
 )
 
-__all__ = ["OneCallGenerator", "batch_of", "varied_reward"]
+__all__ = ["OneCallGenerator", "Recording", "batch_of", "varied_reward", "weighted"]
 
 
 def batch_of(tokenizer, n: int) -> GeneratorInput:
@@ -59,3 +60,23 @@ def varied_reward(response: str, answer: str) -> float:
     which makes advantages, losses and gradients 0: a comparison of such runs proves little.
     """
     return (sum(map(ord, response)) % 7) / 6
+
+
+class Recording(AgentLoopGenerator):
+    """The built-in loop, recording its kwargs and every item it was given (per process)."""
+
+    seen: list = []
+    options: list = []
+
+    def __init__(self, *, label: str = "", depth: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        Recording.options.append((label, depth))
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        Recording.seen.extend(batch)
+        return await super().generate(batch)
+
+
+def weighted(response: str, answer: str, *, extra) -> float:
+    """A reward that is the row's ``weight`` field: proves the extra reached it."""
+    return float(extra["weight"])

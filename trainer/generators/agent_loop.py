@@ -2,7 +2,10 @@
 
 Each trajectory alternates model turns (``engine.generate``, operation ``generate``) and environment steps
 (``operation("env_step")``) until the environment says it is done, ``max_turns`` is reached
-or the response budget runs out. The default environment is single-turn: it scores the
+or the response budget runs out. It is token-in, token-out: each model turn is sampled from
+``prompt_ids + response_ids`` so far, and an observation is appended as tokens
+(:meth:`AgentLoopGenerator.observation_tokens`), so the model's own tokens are never
+re-tokenized. The default environment is single-turn: it scores the
 first response with the reward function. Override :meth:`AgentLoopGenerator.env_step` for
 multi-turn environments (tools, games, HTTP environments).
 
@@ -129,7 +132,8 @@ class AgentLoopGenerator(Generator):
                 reward = step.reward
                 break
             left = self.max_response_tokens - len(response)  # what this turn's tokens left
-            obs = self.tokenizer.encode(step.observation, add_special_tokens=False)[:left]
+            # appended as tokens: the conversation so far is never tokenized again
+            obs = self.observation_tokens(item, step.observation)[:left]
             response += obs
             mask += [0] * len(obs)
             logprobs += [0.0] * len(obs)
@@ -151,9 +155,25 @@ class AgentLoopGenerator(Generator):
         )
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
-        """Single-turn default: score the response with the reward function and stop."""
+        """Single-turn default: score the response with the reward function and stop.
+
+        The reward function gets the example's extra fields when it takes them
+        (``extra=item.extra``; see :func:`trainer.data.reward_function`).
+        """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer)))
+        return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer, extra=item.extra)))
+
+    def observation_tokens(self, item: TrajectoryInput, observation: str) -> list[int]:
+        """The tokens an observation appends: a user chat turn for a chat prompt, else its text.
+
+        A chat prompt's observation is rendered on its own as a ``user`` turn followed by the
+        generation prompt (:meth:`observation_ids`); a text prompt's is its tokenization
+        without special tokens. Override it for another role (``self.observation_ids(
+        observation, role="tool")``) or tokens of your own.
+        """
+        if item.messages is not None:
+            return self.observation_ids(observation)
+        return self.tokenizer.encode(observation, add_special_tokens=False)
 
 
 def shared_first_turns(batch: GeneratorInput) -> list[list[int]]:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from engines.types import EngineClient, SamplingParams
-from trainer.data import RewardFn
+from trainer.data import RewardFn, RewardFunction, reward_function
+from trainer.errors import ConfigError
+from trainer.generators.chat import chat_turn_ids
 
 __all__ = [
+    "TRAINER_ARGUMENTS",
     "EngineClient",
     "Generator",
     "GeneratorInput",
     "GeneratorOutput",
     "Trajectory",
     "TrajectoryInput",
+    "check_generator_kwargs",
 ]
 
 
@@ -25,7 +30,8 @@ __all__ = [
 class TrajectoryInput:
     """One trajectory to roll out: a prompt, its answer, and where it sits in the batch."""
 
-    #: The prompt as text and as token ids (``prompt_ids`` is what the engine sees).
+    #: The prompt as text and as token ids (``prompt_ids`` is what the engine sees). For a
+    #: chat prompt, ``prompt`` is the rendered chat template and ``messages`` the messages.
     prompt: str
     prompt_ids: list[int]
     #: Reference answer handed to the reward function.
@@ -36,8 +42,10 @@ class TrajectoryInput:
     trajectory_id: str
     #: Seed for this trajectory's sampling (reproducible rollouts).
     seed: int
-    #: Free-form per-example data for custom environments.
+    #: The data row's fields other than ``prompt`` and ``answer`` (this trajectory's copy).
     extra: dict[str, Any] = attrs.field(factory=dict)
+    #: The chat messages of a chat prompt (this trajectory's copy); None for a text prompt.
+    messages: list[dict[str, Any]] | None = None
 
 
 @attrs.frozen
@@ -106,14 +114,33 @@ class GeneratorOutput:
     metrics: dict[str, float] = attrs.field(factory=dict)
 
 
+#: The keyword arguments the trainer passes to every generator's constructor.
+TRAINER_ARGUMENTS = (
+    "engine",
+    "tokenizer",
+    "reward_fn",
+    "sampling",
+    "max_turns",
+    "max_response_tokens",
+)
+
+
 class Generator(abc.ABC):
     """Base class of rollout generators; subclass it and implement :meth:`generate`.
 
     A generator is built once per run as ``cls(engine=..., tokenizer=..., reward_fn=...,
-    sampling=..., max_turns=..., max_response_tokens=...)`` and its ``generate`` is awaited
-    once per step, inside the ``generate`` stage (and the step's deadline: a cancelled
-    ``generate`` must let the cancellation propagate). Start one task per trajectory in a
-    nursery you own; never leave tasks running after ``generate`` returns.
+    sampling=..., max_turns=..., max_response_tokens=..., **generator.kwargs)`` and its
+    ``generate`` is awaited once per step, inside the ``generate`` stage (and the step's
+    deadline: a cancelled ``generate`` must let the cancellation propagate). Start one task per
+    trajectory in a nursery you own; never leave tasks running after ``generate`` returns.
+
+    A subclass takes its own options as keyword arguments and passes the rest on
+    (``def __init__(self, *, my_option=1, **kwargs): super().__init__(**kwargs)``); a keyword
+    argument that reaches this constructor unconsumed is a ConfigError naming it and the
+    class (a ``generator.kwargs`` key that no constructor takes). ``reward_fn`` is checked
+    and wrapped once (:func:`trainer.data.reward_function`): ``self.reward_fn(response,
+    answer)`` and ``self.reward_fn(response, answer, extra=item.extra)`` both work, whichever
+    of the two signatures the function has.
     """
 
     def __init__(
@@ -121,18 +148,72 @@ class Generator(abc.ABC):
         *,
         engine: EngineClient,
         tokenizer: Any,
-        reward_fn: RewardFn,
+        reward_fn: RewardFn | RewardFunction,
         sampling: SamplingParams,
         max_turns: int = 1,
         max_response_tokens: int = 64,
+        **unused: Any,
     ) -> None:
+        if unused:
+            raise _unknown_kwarg(type(self), next(iter(unused)))
         self.engine = engine
         self.tokenizer = tokenizer
-        self.reward_fn = reward_fn
+        self.reward_fn = reward_function(reward_fn)
         self.sampling = sampling
         self.max_turns = max_turns
         self.max_response_tokens = max_response_tokens
 
+    def observation_ids(self, text: str, role: str = "user") -> list[int]:
+        """``text`` as the tokens of a ``role`` chat turn plus the next generation prompt.
+
+        What a chat environment appends after a model turn that ended with the end-of-turn
+        token, rendered on its own with the chat template's turn markup (the history is never
+        rendered again: see :func:`trainer.generators.chat.chat_turn_ids`). DataError when the
+        tokenizer has no chat template; for text prompts encode the observation instead
+        (``self.tokenizer.encode(text, add_special_tokens=False)``).
+        """
+        return chat_turn_ids(self.tokenizer, {"role": role, "content": text})
+
     @abc.abstractmethod
     async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
         """Roll out every trajectory of ``batch``; return them in the same order."""
+
+
+def check_generator_kwargs(cls: type[Generator], kwargs: Mapping[str, Any]) -> None:
+    """ConfigError, before anything starts, for ``generator.kwargs`` that ``cls`` cannot take.
+
+    A key the trainer passes itself (:data:`TRAINER_ARGUMENTS`) is refused; so is a key that
+    ``cls``'s constructor neither names nor could take through ``**kwargs``. A key taken by
+    ``**kwargs`` and never consumed on the way to :class:`Generator` fails when the
+    generator is built (still before the first step).
+    """
+    for key in kwargs:
+        if key in TRAINER_ARGUMENTS:
+            raise ConfigError(
+                f"config: generator.kwargs.{key} is set by the trainer itself; "
+                + (
+                    f"use generator.{key}"
+                    if key.startswith("max_")
+                    else "generator.kwargs holds only the generator's own options"
+                )
+            )
+    if kwargs and next(k for k in cls.__mro__ if "__init__" in vars(k)) is Generator:
+        raise _unknown_kwarg(cls, next(iter(kwargs)))  # Generator's own constructor: none
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return
+    for key in kwargs:
+        p = params.get(key)
+        if p is None or p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
+            raise _unknown_kwarg(cls, key)
+
+
+def _unknown_kwarg(cls: type, key: str) -> ConfigError:
+    return ConfigError(
+        f"config: generator.kwargs.{key}: {cls.__module__}:{cls.__qualname__} takes no keyword "
+        f"argument {key!r}; remove it from generator.kwargs, or add it to the constructor "
+        "(def __init__(self, *, NAME=DEFAULT, **kwargs): ...; super().__init__(**kwargs))"
+    )
