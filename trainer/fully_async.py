@@ -27,8 +27,8 @@ from typing import Any
 import attrs
 import trio
 
-from trainer.data import Example
 from trainer import stages
+from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval, sync_weights, train_on
 from trainer.prompt_stream import PromptKey, PromptStream
