@@ -15,8 +15,8 @@ str}`` after ``--delay-s`` seconds: ``done`` once the trajectory has had ``--tur
 turns, otherwise an observation of words of the built-in tokenizer. ``GET /stats`` reports
 how many requests it served and the most it had in flight at once.
 
-:class:`HttpEnvGenerator` posts each model turn to it with a per-request timeout
-(``env_timeout_s``). A timeout ends the trajectory with reward 0 and is counted:
+:class:`HttpEnvGenerator` posts each model turn to it; each call has ``env_timeout_s`` in
+all (a cancel scope around it, like aiohttp's ``ClientTimeout(total=...)``). A timeout ends the trajectory with reward 0 and is counted:
 ``env/timeouts_total`` in the step's metrics (the total so far, never reset). A run whose
 event loop never stalls has none, however slow a weight transfer is.
 """
@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import threading
 import time
+from contextvars import ContextVar
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
+import trio
 
 from trainer.generators import GeneratorInput, GeneratorOutput, TrajectoryInput
 from trainer.generators.agent_loop import AgentLoopGenerator, EnvStep
@@ -41,12 +44,21 @@ __all__ = ["OBSERVATION", "HttpEnvGenerator", "serve"]
 OBSERVATION = "no , what is the answer ?"
 
 
+#: The HTTP client of the ``generate`` call a rollout belongs to (its tasks inherit it).
+_client: ContextVar[httpx.AsyncClient] = ContextVar("http_env_client")
+
+
 class HttpEnvGenerator(AgentLoopGenerator):
     """The agent loop with an HTTP environment: ``env_step`` is ``POST env_url``.
 
     Configured with ``generator.kwargs.env_url=URL`` (and optionally
     ``generator.kwargs.env_timeout_s=S``, default 1.0). The reward of a trajectory is the
     reward function's score of its last model turn, once the service says it is done.
+
+    Each ``generate`` call opens one HTTP client for its rollouts and closes it when they
+    are done (its owner is the call, like the rollouts' nursery). The TLS context is built
+    once, here: loading CA certificates takes tens of milliseconds of CPU, which on the
+    event loop would stall every rollout in flight.
     """
 
     def __init__(self, *, env_url: str, env_timeout_s: float = 1.0, **kwargs: Any) -> None:
@@ -54,21 +66,30 @@ class HttpEnvGenerator(AgentLoopGenerator):
         self.env_url = env_url
         self.env_timeout_s = env_timeout_s
         self.timeouts = 0
+        self._tls = ssl.create_default_context()
 
     async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
-        out = await super().generate(batch)
+        async with httpx.AsyncClient(timeout=self.env_timeout_s, verify=self._tls) as client:
+            token = _client.set(client)
+            try:
+                out = await super().generate(batch)
+            finally:
+                _client.reset(token)
         out.metrics["env/timeouts_total"] = float(self.timeouts)
         return out
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         body = {"trajectory_id": item.trajectory_id, "turn": turn, "response": text}
-        try:
-            async with httpx.AsyncClient(timeout=self.env_timeout_s) as http:
-                reply = await http.post(self.env_url, json=body)
+        # the whole call has env_timeout_s (httpx's own timeouts bound each read and write)
+        with trio.move_on_after(self.env_timeout_s) as deadline:
+            try:
+                reply = await _client.get().post(self.env_url, json=body)
                 reply.raise_for_status()
                 answer = reply.json()
-        except httpx.TimeoutException:
+            except httpx.TimeoutException:
+                deadline.cancel()
+        if deadline.cancelled_caught or deadline.cancel_called:
             self.timeouts += 1
             return EnvStep(done=True, reward=0.0)
         if answer["done"]:
@@ -119,9 +140,13 @@ def serve(host: str, port: int, delay_s: float, turns: int) -> ThreadingHTTPServ
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
-    server.daemon_threads = True
-    return server
+    class Server(ThreadingHTTPServer):
+        daemon_threads = True
+        # socketserver's default backlog is 5: 32 rollouts connecting at once would overflow
+        # it, and a dropped SYN is retried after 1 s, past the client's timeout
+        request_queue_size = 256
+
+    return Server((host, port), Handler)
 
 
 def main() -> None:

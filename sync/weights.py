@@ -27,6 +27,8 @@ never resumed while the transfer is still writing.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -68,7 +70,7 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
                 if os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
-                    fire_fault_sync(OP)  # the test-only wrong way: the event loop stops
+                    _block_event_loop_on_fault()
                 else:
                     await trio.to_thread.run_sync(fire_fault_sync, OP)
                 await transfer()
@@ -86,6 +88,14 @@ async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
                 raise typed from failure
             raise cancelled from failure
         raise failure
+
+
+def _block_event_loop_on_fault() -> None:
+    """The test-only wrong way (``TRANSFER_ON_EVENT_LOOP_ENV``): the trio thread waits for
+    the transfer's fault, blocked, as if the transfer ran on it."""
+    context = contextvars.copy_context()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(context.run, fire_fault_sync, OP).result()
 
 
 async def _transfer_and_record(

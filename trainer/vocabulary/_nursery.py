@@ -39,8 +39,10 @@ async def open_owner_nursery() -> AsyncIterator[trio.Nursery]:
 
     trio wraps every error leaving a nursery in an ``ExceptionGroup``. Where one error is
     the usual outcome (the body failed, or one child task did), this re-raises that error
-    with its own traceback and cause. When several tasks failed at once, the first is
-    raised with the whole group as its ``__cause__`` and a note counting the others.
+    with its own traceback and cause. So it does when several tasks failed with the same
+    error (same type and message: a fault hitting every rollout at once), with a note
+    counting the others. When different errors happened at once, the first is raised with
+    the whole group as its ``__cause__`` and a note counting the others.
     """
     try:
         async with trio.open_nursery() as nursery:
@@ -51,5 +53,12 @@ async def open_owner_nursery() -> AsyncIterator[trio.Nursery]:
         first = errors[0]
         if len(errors) == 1:
             raise first from first.__cause__
+        if all(_same(e, first) for e in errors[1:]):
+            first.add_note(f"(the same error in {len(errors) - 1} more concurrent tasks)")
+            raise first from first.__cause__
         first.add_note(f"({len(errors) - 1} more concurrent errors; see the cause)")
         raise first from group
+
+
+def _same(a: BaseException, b: BaseException) -> bool:
+    return type(a) is type(b) and str(a) == str(b)
