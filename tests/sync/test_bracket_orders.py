@@ -16,12 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+import trio
 
+import trainer.run
 from engines.client import InferenceClient
 from engines.models import build_tiny_model
 from sync.transports import DiskTransport
 from sync.weights import save_weights_for_sampler
 from tests.engines.helpers import BackgroundEngines
+from trainer.config import load_config
+from trainer.config_schema import Config
 from trainer.errors import FaultInjected
 from trainer.vocabulary import install_faults
 from trainer.workers.local import LocalWorkerGroup
@@ -121,5 +125,77 @@ async def test_a_failed_transfer_still_runs_each_brackets_cleanups_in_order(
             await save_weights_for_sampler(client, workers, transport, **kwargs)
     # fully-async: the KV wake precedes the resume, so generation resumes onto a live cache
     assert calls == [*before, *after]
+    assert await client.is_paused() == [False]
+    assert await client.is_sleeping() == [False]
+
+
+# ------------------------------------------------ the fully-async bracket, reached by a real run
+
+
+def _offloading_async_run(url: str, run_dir: Path, faults: str) -> Config:
+    """A fully-async run against the server that frees its KV cache for each weight sync."""
+    return load_config(
+        None,
+        [
+            "engine.backend=remote",
+            f"engine.urls=[{url}]",
+            "engine.offload_kv_for_weight_sync=true",
+            "engine.pause_mode=abort",
+            "trainer.strategy=fully_async",
+            "trainer.max_steps=3",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=2",
+            f"sync.bucket_size_mb={ONE_BUCKET >> 20}",
+            "trainer.progress=false",
+            f"trainer.run_dir={run_dir}",
+            f"faults={faults}",
+        ],
+    )
+
+
+#: The sync after step 2 as the server sees it: pause, free the KV cache, wake the weights;
+#: then (transfer) -> KV cache awake -> generation resumed, whatever became of the transfer.
+ASYNC_BEFORE = ["/pause?mode=abort", "/sleep?level=1", "/wake_up?tags=weights"]
+ASYNC_AFTER = ["/wake_up?tags=kv_cache", "/resume"]
+
+
+async def test_a_fully_async_run_whose_transfer_fails_restores_the_engine_in_order(
+    client: InferenceClient, tmp_path: Path
+) -> None:
+    cfg = _offloading_async_run(
+        client.urls[0], tmp_path, "broadcast_to_inference_engines:error=boom@2"
+    )
+    with pytest.raises(FaultInjected, match="boom"):
+        async with recorded_calls(client) as calls:
+            await trainer.run.train(cfg)
+    # the first sync, the one after step 1, then step 2's: its transfer failed before any call
+    assert calls[-len(ASYNC_BEFORE + ASYNC_AFTER) :] == [*ASYNC_BEFORE, *ASYNC_AFTER]
+    assert calls.count("/finish_weight_update") == 2  # the two syncs before it did transfer
+    assert await client.is_paused() == [False]
+    assert await client.is_sleeping() == [False]
+
+
+async def test_a_fully_async_run_cancelled_mid_transfer_finishes_it_then_restores_the_engine(
+    client: InferenceClient, tmp_path: Path
+) -> None:
+    cfg = _offloading_async_run(
+        client.urls[0], tmp_path, "broadcast_to_inference_engines:sleep=2@2"
+    )
+    fired = tmp_path / "faults_fired.log"
+    async with recorded_calls(client) as calls:
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trainer.run.train, cfg)
+                # the run's fired-faults file says the slow transfer has begun
+                while not (fired.exists() and fired.read_text()):  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+                scope.cancel()  # Ctrl-C or a failed rollout, while the slow transfer runs
+    assert scope.cancelled_caught
+    # the cancellation waited for the transfer, then the KV wake, then the resume
+    assert calls[-len(ASYNC_BEFORE + TRANSFER + ASYNC_AFTER) :] == [
+        *ASYNC_BEFORE,
+        *TRANSFER,
+        *ASYNC_AFTER,
+    ]
     assert await client.is_paused() == [False]
     assert await client.is_sleeping() == [False]
