@@ -34,7 +34,7 @@ PUBLIC = {
     "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
     "sync.transports.disk": ["DiskTransport", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
-    "sync.weights": ["run_transfer", "save_weights_for_sampler"],
+    "sync.weights": ["TRANSFER_ON_EVENT_LOOP_ENV", "run_transfer", "save_weights_for_sampler"],
 }
 
 

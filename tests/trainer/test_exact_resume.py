@@ -96,4 +96,10 @@ async def test_half_a_run_plus_a_resume_computes_what_the_whole_run_computes(tmp
     assert len({r["policy/loss"] for r in expected}) == STEPS
     assert len({r["policy/lr"] for r in expected}) > 1
     for step, (want, have) in enumerate(zip(expected, got, strict=True), start=1):
+        if strategy == "fully_async":
+            # the engine's logprobs of the same tokens move in the last float bits with how
+            # its batches formed (timing): the diagnostic ratio built from them is compared
+            # closely, everything the update computes exactly
+            for k in [k for k in want if k.startswith("policy/is_ratio")]:
+                assert have.pop(k) == pytest.approx(want.pop(k), rel=1e-5), (step, k)
         assert have == want, f"step {step} differs after the resume"
