@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import ssl
+import sys
 import threading
 import time
 from contextvars import ContextVar
@@ -140,11 +141,21 @@ def serve(host: str, port: int, delay_s: float, turns: int) -> ThreadingHTTPServ
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+        def finish(self) -> None:
+            try:
+                super().finish()
+            except OSError:
+                pass  # the rollout was cancelled (its run ended) before the reply
+
     class Server(ThreadingHTTPServer):
         daemon_threads = True
         # socketserver's default backlog is 5: 32 rollouts connecting at once would overflow
         # it, and a dropped SYN is retried after 1 s, past the client's timeout
         request_queue_size = 256
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            if not isinstance(sys.exc_info()[1], OSError):  # a cancelled client's closed socket
+                super().handle_error(request, client_address)
 
     return Server((host, port), Handler)
 

@@ -143,12 +143,14 @@ class LocalEngine:
         skipped) after each token; the first match ends the completion (``stop``, with the
         string as ``stop_reason``).
 
-        Raises ``EngineAsleepError`` while either half of the engine sleeps, and
-        ``ValueError`` for an empty prompt or token ids outside the vocabulary. While the
-        engine is paused the request waits (queued) until ``resume``. If the caller is
+        Raises ``EngineAsleepError`` while either half of the engine sleeps and it is not
+        paused, and ``ValueError`` for an empty prompt or token ids outside the vocabulary.
+        While the engine is paused the request waits (queued) until ``resume``, asleep or
+        not, as vLLM's requests wait on its pause (a fully-async weight sync pauses, then
+        sleeps, and wakes before it resumes). If the caller is
         cancelled the request leaves the batch at once (a step in flight finishes without it).
         """
-        if not self._awake:
+        if not self._awake and not self._paused:
             raise EngineAsleepError(self._asleep_detail())
         if not prompt_ids:
             raise ValueError("the prompt is empty")

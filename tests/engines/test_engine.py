@@ -48,6 +48,31 @@ async def serving(engine: LocalEngine, api_key: str | None = None) -> AsyncItera
             shutdown.set()
 
 
+async def test_a_request_to_a_paused_sleeping_engine_waits_for_wake_and_resume(
+    model_dir: Path,
+) -> None:
+    """The fully-async offload bracket (pause, sleep, wake, resume): a rollout's request that
+    arrives in the middle waits, as on vLLM's pause, instead of failing on the sleep."""
+    async with open_local_engine(model_dir) as engine:
+        await engine.pause("abort")
+        await engine.sleep(1)
+        got: list[int] = []
+        async with trio.open_nursery() as nursery:
+
+            async def request() -> None:
+                got.append(
+                    len((await engine.generate([1, 2], SamplingParams(max_tokens=3))).token_ids)
+                )
+
+            nursery.start_soon(request)
+            await trio.sleep(0.2)
+            assert got == [] and engine.num_waiting == 1  # queued, not refused
+            await engine.wake_up(["weights"])
+            await engine.wake_up(["kv_cache"])
+            engine.resume()
+        assert len(got) == 1 and 1 <= got[0] <= 3
+
+
 async def test_sleep_wake_and_weights_state_machine(model_dir: Path) -> None:
     async with open_local_engine(model_dir) as engine:
         params = SamplingParams(max_tokens=3)

@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_operations_are_those_of_design_4_3():
+    # plus issue 17's wait_for_batch (fully-async's wait for a batch of rollouts)
     assert OPERATIONS == (
         "generate",
         "env_step",
@@ -50,6 +51,7 @@ def test_operations_are_those_of_design_4_3():
         "broadcast_to_inference_engines",
         "init_process_group",
         "save_checkpoint",
+        "wait_for_batch",
         "/pause",
         "/resume",
         "/sleep",
