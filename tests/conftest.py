@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from trainer.vocabulary import FAULTS_ENV, FAULTS_FIRED_ENV, install_faults, release_hangs
 from trainer.workers.ray_cluster import start_cluster, stop_cluster
@@ -32,6 +33,16 @@ def _isolated_faults():
     os.environ.pop(FAULTS_FIRED_ENV, None)
     if saved is not None:
         os.environ[FAULTS_ENV] = saved
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test, like the engine servers (``--num-threads 1``): more
+    threads on a busy two-core box make every small forward pass many times slower."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
 
 
 @pytest.fixture(scope="session")

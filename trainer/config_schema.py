@@ -382,9 +382,9 @@ class AlgorithmConfig:
     )
     kl_loss_coef: float = _field(0.001, "Weight of the KL penalty.", check=at_least(0))
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = _field("k3", "KL estimator.")
-    off_policy_correction: Literal["none", "tis"] = _field(
-        "none",
-        "'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
+    off_policy_correction: Literal["auto", "none", "tis"] = _field(
+        "auto",
+        "'auto': 'tis' under trainer.strategy=fully_async, 'none' under sync. 'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
         "tis_cap) (truncated importance sampling): use it with fully-async training or any run "
         "whose sampler lags the trainer (engines serving older weights). 'none' ignores the gap "
         "(right for sync runs, where the engine samples with the trained weights). Either way "

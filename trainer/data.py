@@ -44,6 +44,7 @@ __all__ = [
     "PromptLoader",
     "RewardFn",
     "RewardFunction",
+    "check_same_order",
     "digit_task_reward",
     "epoch_order",
     "exact_match_reward",
@@ -302,6 +303,22 @@ def load_examples(
     return task_examples(task, num_examples, seed), digit_task_reward
 
 
+def check_same_order(state: dict[str, Any], *fields: tuple[str, str, int]) -> None:
+    """ConfigError if a checkpoint's data ``state`` was made with another order.
+
+    Each field is ``(state key, config key named in the error, this run's value)``; a key the
+    state lacks (saved before it existed) is accepted.
+    """
+    for field, key, mine in fields:
+        saved = state.get(field)
+        if saved is not None and int(saved) != mine:
+            raise ConfigError(
+                f"config: {key} differs from the checkpoint's ({mine} here, {saved} in the "
+                "checkpoint): resuming would change the data order; resume with the first "
+                "run's configuration (--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
+            )
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     """The order of the examples in epoch ``epoch``: a permutation seeded by ``(seed, epoch)``."""
     order = list(range(num_examples))
@@ -369,18 +386,11 @@ class PromptLoader:
                 "with the first run's configuration (--config RUN_DIR/config.yaml "
                 "trainer.resume_mode=latest)"
             )
-        for field, key, mine in (
+        check_same_order(
+            state,
             ("seed", "trainer.seed", self.seed),
             ("batch_size", "trainer.train_batch_size", self.batch_size),
             ("num_examples", "the number of training prompts", len(self.examples)),
-        ):
-            saved = state.get(field)
-            if saved is not None and int(saved) != mine:
-                raise ConfigError(
-                    f"config: {key} differs from the checkpoint's ({mine} here, {saved} in the "
-                    "checkpoint): resuming would change the data order; resume with the first "
-                    "run's configuration "
-                    "(--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
-                )
+        )
         self.epoch = int(state["epoch"])
         self.index = int(state["index"])

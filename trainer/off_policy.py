@@ -32,11 +32,13 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "OffPolicyCorrection",
     "importance_weights",
+    "resolve_correction",
 ]
 
 OffPolicyCorrection = Literal["none", "tis"]
 
-#: The allowed values of ``algorithm.off_policy_correction``.
+#: The corrections a policy worker applies; ``algorithm.off_policy_correction`` also takes
+#: ``"auto"`` (:func:`resolve_correction`).
 OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis")
 #: The default truncation of the importance weight (``algorithm.tis_cap``), as in verl's
 #: ``tis_imp_ratio_cap`` examples.
@@ -44,6 +46,17 @@ DEFAULT_TIS_CAP = 2.0
 #: The metrics ``importance_weights`` returns with correction ``"none"``; ``"tis"`` adds
 #: ``is_truncated_frac``.
 IS_RATIO_METRICS: tuple[str, ...] = ("is_ratio_mean", "is_ratio_max", "is_ratio_min")
+
+
+def resolve_correction(setting: str, strategy: str) -> OffPolicyCorrection:
+    """``algorithm.off_policy_correction`` for a run of ``trainer.strategy``: ``"auto"`` is
+    ``"tis"`` under ``fully_async`` (its samples lag the trainer) and ``"none"`` under
+    ``sync`` (the engine samples with the trained weights)."""
+    if setting == "auto":
+        return "tis" if strategy == "fully_async" else "none"
+    if setting not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(f"unknown off-policy correction {setting!r}")
+    return "tis" if setting == "tis" else "none"
 
 
 def importance_weights(

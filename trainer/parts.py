@@ -23,6 +23,7 @@ from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from sync.transports import BroadcastTransport, DiskTransport, InProcessTransport, WeightTransport
 from trainer.config_schema import Config
+from trainer.off_policy import resolve_correction
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 
@@ -148,7 +149,9 @@ async def open_workers(
     with_ref = cfg.algorithm.use_kl_loss
     policy_kwargs = {
         **policy_kwargs,
-        "off_policy_correction": cfg.algorithm.off_policy_correction,
+        "off_policy_correction": resolve_correction(
+            cfg.algorithm.off_policy_correction, cfg.trainer.strategy
+        ),
         "tis_cap": cfg.algorithm.tis_cap,
     }
     if w.backend == "local":

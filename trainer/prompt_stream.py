@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 import trio
 
-from trainer.data import Example, epoch_order
+from trainer.data import Example, check_same_order, epoch_order
 from trainer.errors import ConfigError
 
 __all__ = ["PromptKey", "PromptStream"]
@@ -100,17 +100,11 @@ class PromptStream:
                 "trainer.strategy='sync' run; resume with the first run's configuration "
                 "(--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
             )
-        for field, key, mine in (
+        check_same_order(
+            state,
             ("seed", "trainer.seed", self.seed),
             ("num_examples", "the number of training prompts", len(self.examples)),
-        ):
-            if int(state[field]) != mine:
-                raise ConfigError(
-                    f"config: {key} differs from the checkpoint's ({mine} here, {state[field]} "
-                    "in the checkpoint): resuming would change the data order; resume with the "
-                    "first run's configuration (--config RUN_DIR/config.yaml "
-                    "trainer.resume_mode=latest)"
-                )
+        )
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.in_flight = set()

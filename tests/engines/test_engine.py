@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -24,13 +24,8 @@ from trainer.vocabulary import install_faults, step_deadline
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Like the server process (``--num-threads 1``): two threads on a busy two-core box make
-    every small forward pass tens of times slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here runs with one torch thread (see ``one_torch_thread``)."""
 
 
 @asynccontextmanager

@@ -7,11 +7,9 @@ in-process reference engine, paused and resumed for real.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 import trio
 import trio.testing
 
@@ -150,13 +148,8 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Like the engine servers (``--num-threads 1``): more threads on a busy two-core box
-    make every small decode step many times slower."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here runs with one torch thread (see ``one_torch_thread``)."""
 
 
 class _Spy:

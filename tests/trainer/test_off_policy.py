@@ -16,7 +16,12 @@ from trainer.algorithms import policy_loss
 from trainer.config import load_config
 from trainer.config_schema import AlgorithmConfig
 from trainer.errors import ConfigError
-from trainer.off_policy import IS_RATIO_METRICS, OFF_POLICY_CORRECTIONS, importance_weights
+from trainer.off_policy import (
+    IS_RATIO_METRICS,
+    OFF_POLICY_CORRECTIONS,
+    importance_weights,
+    resolve_correction,
+)
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 
@@ -237,15 +242,20 @@ def test_worker_with_tis_needs_rollout_logprobs(model_dir):
 # --------------------------------------------------------------------------- config and a run
 
 
-def test_config_keys_default_to_no_correction_and_check_their_values():
+def test_config_keys_default_to_auto_and_check_their_values():
     cfg = load_config(None, [])
-    assert (cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap) == ("none", 2.0)
-    # the config's choices are the loss's (the schema does not import torch to share them)
+    assert (cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap) == ("auto", 2.0)
+    # the config's choices are the loss's plus auto (the schema does not import torch)
     hints = typing.get_type_hints(AlgorithmConfig)
-    assert typing.get_args(hints["off_policy_correction"]) == OFF_POLICY_CORRECTIONS
+    assert typing.get_args(hints["off_policy_correction"]) == ("auto", *OFF_POLICY_CORRECTIONS)
+    # auto: corrected where the sampler lags (fully-async), plain where it does not
+    assert resolve_correction("auto", "sync") == "none"
+    assert resolve_correction("auto", "fully_async") == "tis"
+    assert resolve_correction("none", "fully_async") == "none"
+    assert resolve_correction("tis", "sync") == "tis"
     cfg = load_config(None, ["algorithm.off_policy_correction=tis", "algorithm.tis_cap=null"])
     assert (cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap) == ("tis", None)
-    with pytest.raises(ConfigError, match=r"choose one of 'none', 'tis'"):
+    with pytest.raises(ConfigError, match=r"choose one of 'auto', 'none', 'tis'"):
         load_config(None, ["algorithm.off_policy_correction=is"])
     with pytest.raises(ConfigError, match=r"algorithm.tis_cap=0.5 .*must be >= 1"):
         load_config(None, ["algorithm.tis_cap=0.5"])
