@@ -6,8 +6,8 @@ against it (here with the fully-async strategy, so rollouts keep calling it whil
 policy trains and while weights reach the engines)::
 
     .venv/bin/python -m examples.http_env --port 8765 --delay-s 0.2 --turns 3 &
-    .venv/bin/python -m trainer trainer.strategy=fully_async \\
-        generator.cls=examples.http_env:HttpEnvGenerator \\
+    .venv/bin/python -m trainer trainer.strategy=fully_async \
+        generator.cls=examples.http_env:HttpEnvGenerator \
         generator.kwargs.env_url=http://127.0.0.1:8765/step generator.max_turns=3
 
 The service (:func:`serve`) answers ``POST /step`` with ``{"done": bool, "observation":
