@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -53,3 +54,31 @@ async def test_the_event_loop_keeps_running_while_a_worker_computes(model_dir):
         await group.optim_step()
         nursery.cancel_scope.cancel()
     assert ticks >= 3  # a blocking optim_step on the loop would have allowed at most one
+
+
+async def test_shutdown_waits_for_a_call_abandoned_mid_computation(model_dir):
+    """A cancelled wait abandons the thread; shutdown lets it finish before the process may
+    exit (exiting while a thread is inside a torch kernel can abort the process)."""
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    release = threading.Event()
+    order: list[str] = []
+
+    def compute(_model) -> None:
+        release.wait(30)  # a long computation, really blocking its thread
+        order.append("computation returned")
+
+    with trio.move_on_after(0.2):
+        await group.run_on_rank0(compute, abandon_on_cancel=True)
+    threading.Timer(0.5, release.set).start()
+    await group.shutdown()
+    order.append("shutdown returned")
+    assert order == ["computation returned", "shutdown returned"]
+
+
+async def test_shutdown_leaves_a_thread_held_by_a_hang_fault_at_once(model_dir):
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    install_faults("offload_to_cpu:hang")
+    with trio.move_on_after(0.2):
+        await group.offload_to_cpu()  # the thread waits in the fault, not in a kernel
+    with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
+        await group.shutdown()

@@ -283,7 +283,7 @@ PUBLIC = {
     "trainer.workers": [],
     "trainer.workers.batch": ["TrainBatch"],
     "trainer.workers.group": ["WorkerGroup"],
-    "trainer.workers.local": ["LocalWorkerGroup"],
+    "trainer.workers.local": ["LocalWorkerGroup", "SHUTDOWN_WAIT_S"],
     "trainer.workers.policy": ["PolicyWorker", "RefWorker"],
     "trainer.workers.ray_actor": ["PolicyActor", "RefActor"],
     "trainer.workers.ray_cluster": [

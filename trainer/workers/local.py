@@ -3,14 +3,18 @@
 Each call runs the worker's method through ``trio.to_thread.run_sync`` so the event loop
 keeps serving generation while the model computes; a per-worker ``CapacityLimiter(1)``
 serialises calls into one worker. The thread is abandoned when the driver's wait is
-cancelled (a step deadline): a hung method keeps its thread, which holds the limiter until
-it returns, so no second call can run concurrently with it. Worker threads are daemons:
-they die with the process.
+cancelled (a step deadline, or a failed rollout under fully-async): a hung method keeps its
+thread, which holds the limiter until it returns, so no second call can run concurrently
+with it. :meth:`LocalWorkerGroup.shutdown` waits, bounded, for an abandoned call that is
+still computing: a process that exits while a thread is inside a torch kernel can abort
+(SIGABRT, "terminate called without an active exception"). A thread held by a ``hang``
+fault is only waiting, and is left to die with the process (worker threads are daemons).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,14 +27,15 @@ from trainer.vocabulary import fire_fault_sync, operation
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker, RefWorker
 
-__all__ = ["LocalWorkerGroup"]
+__all__ = ["SHUTDOWN_WAIT_S", "LocalWorkerGroup"]
+
+log = logging.getLogger("trainer.workers")
 
 T = TypeVar("T")
 
 
-def _fire_then(op: str, fn: Callable[..., T], *args: Any) -> T:
-    fire_fault_sync(op)  # where the operation really runs: this worker thread
-    return fn(*args)
+#: How long shutdown waits for a worker call still computing after its wait was cancelled.
+SHUTDOWN_WAIT_S = 30.0
 
 
 class LocalWorkerGroup:
@@ -41,6 +46,16 @@ class LocalWorkerGroup:
         self.ref = ref
         self._policy_limiter = trio.CapacityLimiter(1)
         self._ref_limiter = trio.CapacityLimiter(1)
+        #: Worker threads inside a fault right now (a ``hang`` there is a wait, not a kernel).
+        self._in_fault = 0
+
+    def _fire_then(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+        self._in_fault += 1
+        try:
+            fire_fault_sync(op)  # where the operation really runs: this worker thread
+        finally:
+            self._in_fault -= 1
+        return fn(*args)
 
     @classmethod
     async def create(
@@ -66,7 +81,7 @@ class LocalWorkerGroup:
     ) -> T:
         with operation(op):
             return await trio.to_thread.run_sync(
-                _fire_then,
+                self._fire_then,
                 op,
                 fn,
                 *args,
@@ -139,4 +154,15 @@ class LocalWorkerGroup:
         )
 
     async def shutdown(self) -> None:
-        """Nothing to stop: a thread still stuck in a method is a daemon and dies with the process."""
+        """Wait up to ``SHUTDOWN_WAIT_S`` for worker calls still computing (see the module
+        docstring); a call held by a fault, or one past the bound, is left behind."""
+        with trio.move_on_after(SHUTDOWN_WAIT_S) as waited:
+            for limiter in (self._policy_limiter, self._ref_limiter):
+                while limiter.borrowed_tokens and not self._in_fault:
+                    async with limiter:  # freed when the abandoned thread returns
+                        pass
+        if waited.cancelled_caught:
+            log.warning(
+                "a worker call was still computing %.0fs after its run ended; exiting anyway",
+                SHUTDOWN_WAIT_S,
+            )
