@@ -90,7 +90,7 @@ class HttpEnvGenerator(AgentLoopGenerator):
                 answer = reply.json()
             except httpx.TimeoutException:
                 deadline.cancel()
-        if deadline.cancelled_caught or deadline.cancel_called:
+        if deadline.cancel_called:  # timed out, or answered only after the deadline
             self.timeouts += 1
             return EnvStep(done=True, reward=0.0)
         if answer["done"]:

@@ -32,6 +32,7 @@ from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval, sync_weights, train_on
 from trainer.prompt_stream import PromptKey, PromptStream
+from trainer.rollout_versions import WeightVersions
 from trainer.run_context import RunContext
 from trainer.staleness import Admission, staleness
 from trainer.vocabulary import (
@@ -129,6 +130,7 @@ class RolloutFeed:
         assert ctx.prompts is not None and ctx.rollout_versions is not None
         self.ctx = ctx
         self.prompts: PromptStream = ctx.prompts
+        self.versions: WeightVersions = ctx.rollout_versions
         fa = ctx.cfg.trainer.fully_async
         self.batch_size = ctx.cfg.trainer.train_batch_size
         self.max_staleness = fa.max_staleness_steps
@@ -157,7 +159,7 @@ class RolloutFeed:
                 key, example = await self.prompts.take()
             finally:
                 self._count_waiting(-1)
-            version = self.ctx.rollout_versions.current  # type: ignore[union-attr]
+            version = self.versions.current
             # its step (in errors, dumps and fault specs) is the first that may train on it
             with at_step(policy_step + 1), stage("generate"):
                 out = await self.ctx.generator.generate(
