@@ -63,16 +63,37 @@ async def test_shutdown_waits_for_a_call_abandoned_mid_computation(model_dir):
     release = threading.Event()
     order: list[str] = []
 
-    def compute(_model) -> None:
-        release.wait(30)  # a long computation, really blocking its thread
+    def compute() -> dict[str, float]:
+        release.wait(30)  # a long optimizer step, really blocking its thread
         order.append("computation returned")
+        return {}
 
+    group.policy.optim_step = compute  # type: ignore[method-assign]
     with trio.move_on_after(0.2):
-        await group.run_on_rank0(compute, abandon_on_cancel=True)
+        await group.optim_step()
     threading.Timer(0.5, release.set).start()
     await group.shutdown()
     order.append("shutdown returned")
     assert order == ["computation returned", "shutdown returned"]
+
+
+def _wait_in_rendezvous(model, release: threading.Event) -> None:
+    release.wait(60)
+
+
+async def test_shutdown_leaves_a_rank0_call_left_waiting_at_once(model_dir):
+    """A transport's rank-0 call given up on (a group join, a hung transfer) only waits, bounded
+    by its own timeout: exiting does not wait for it (before, a failed group init held the
+    run's exit for SHUTDOWN_WAIT_S)."""
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    release = threading.Event()
+    try:
+        with trio.move_on_after(0.2):
+            await group.run_on_rank0(_wait_in_rendezvous, release, abandon_on_cancel=True)
+        with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
+            await group.shutdown()
+    finally:
+        release.set()
 
 
 async def test_shutdown_leaves_a_thread_held_by_a_hang_fault_at_once(model_dir):

@@ -6,15 +6,18 @@ serialises calls into one worker. The thread is abandoned when the driver's wait
 cancelled (a step deadline, or a failed rollout under fully-async): a hung method keeps its
 thread, which holds the limiter until it returns, so no second call can run concurrently
 with it. :meth:`LocalWorkerGroup.shutdown` waits, bounded, for an abandoned call that is
-still computing: a process that exits while a thread is inside a torch kernel can abort
-(SIGABRT, "terminate called without an active exception"). A thread held by a ``hang``
-fault is only waiting, and is left to die with the process (worker threads are daemons).
+still computing (a training call: forward, backward, optimizer step): a process that exits
+while a thread is inside a torch kernel can abort (SIGABRT, "terminate called without an
+active exception"). A thread held by a ``hang`` fault, or a rank-0 call of a weight
+transport left waiting in a rendezvous or collective (bounded by its own timeout), is only
+waiting, and is left to die with the process (worker threads are daemons).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,14 +51,24 @@ class LocalWorkerGroup:
         self._ref_limiter = trio.CapacityLimiter(1)
         #: Worker threads inside a fault right now (a ``hang`` there is a wait, not a kernel).
         self._in_fault = 0
+        #: Training calls computing right now (what shutdown waits for); under ``_count_lock``.
+        self._computing = 0
+        self._count_lock = threading.Lock()
 
     def _fire_then(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        self._in_fault += 1
+        with self._count_lock:
+            self._in_fault += 1
         try:
             fire_fault_sync(op)  # where the operation really runs: this worker thread
         finally:
-            self._in_fault -= 1
-        return fn(*args)
+            with self._count_lock:
+                self._in_fault -= 1
+                self._computing += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._count_lock:
+                self._computing -= 1
 
     @classmethod
     async def create(
@@ -154,13 +167,13 @@ class LocalWorkerGroup:
         )
 
     async def shutdown(self) -> None:
-        """Wait up to ``SHUTDOWN_WAIT_S`` for worker calls still computing (see the module
-        docstring); a call held by a fault, or one past the bound, is left behind."""
+        """Wait up to ``SHUTDOWN_WAIT_S`` for training calls still computing (see the module
+        docstring); a call held by a fault, a rank-0 call left waiting, or one past the bound
+        is left behind."""
         with trio.move_on_after(SHUTDOWN_WAIT_S) as waited:
-            for limiter in (self._policy_limiter, self._ref_limiter):
-                while limiter.borrowed_tokens and not self._in_fault:
-                    async with limiter:  # freed when the abandoned thread returns
-                        pass
+            # polled: the count drops in abandoned threads, which have no trio token to signal
+            while self._computing:  # noqa: ASYNC110
+                await trio.sleep(0.05)
         if waited.cancelled_caught:
             log.warning(
                 "a worker call was still computing %.0fs after its run ended; exiting anyway",
