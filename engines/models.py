@@ -138,15 +138,14 @@ def _build_tokenizer():
 
 def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     """Return the directory of the built-in tiny model, building it on first use."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"tiny-qwen2-{_fingerprint(seed)}"
+    if (target / "config.json").exists():
+        return target  # before the imports below: they take seconds
     import torch  # heavy: see _build_tokenizer
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     quiet_transformers()
-
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"tiny-qwen2-{_fingerprint(seed)}"
-    if (target / "config.json").exists():
-        return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     cfg = Qwen2Config(

@@ -55,7 +55,8 @@ from trainer.prompt_stream import PromptStream
 from trainer.rollout_versions import VersionedEngine, WeightVersions
 from trainer.run_context import RunContext
 from trainer.trackers import TrackerSink, open_trackers
-from trainer.vocabulary import install_faults, unfired_faults
+from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
+from trainer.workers.policy import preload_model_code
 
 __all__ = ["train"]
 
@@ -199,7 +200,9 @@ async def _train(
         micro_batch_size=t.micro_batch_size,
         seed=t.seed,
     )
-    async with AsyncExitStack() as stack:
+    async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
+        # the workers' model code is imported while the servers start (seconds each)
+        preloading.start_soon(trio.to_thread.run_sync, preload_model_code, model_dir)
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
         trackers = TrackerSink()

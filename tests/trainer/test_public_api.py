@@ -284,7 +284,7 @@ PUBLIC = {
     "trainer.workers.batch": ["TrainBatch"],
     "trainer.workers.group": ["WorkerGroup"],
     "trainer.workers.local": ["LocalWorkerGroup", "SHUTDOWN_WAIT_S"],
-    "trainer.workers.policy": ["PolicyWorker", "RefWorker"],
+    "trainer.workers.policy": ["PolicyWorker", "RefWorker", "preload_model_code"],
     "trainer.workers.ray_actor": ["PolicyActor", "RefActor"],
     "trainer.workers.ray_cluster": [
         "ACTOR_ENV_VARS",

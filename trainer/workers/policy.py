@@ -23,7 +23,18 @@ from trainer.checkpoint_io import (
 from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
 
-__all__ = ["PolicyWorker", "RefWorker"]
+__all__ = ["PolicyWorker", "RefWorker", "preload_model_code"]
+
+
+def preload_model_code(model_dir: str | Path) -> None:
+    """Import the code that builds ``model_dir``'s model (transformers' modeling module for
+    its architecture: seconds of imports) without building it. Blocking: run it in a thread,
+    e.g. while the engine servers start."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = AutoConfig.from_pretrained(model_dir)
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the architecture's modeling module
 
 
 def _load_model(model_dir: str | Path) -> torch.nn.Module:
