@@ -16,11 +16,18 @@ Cleanups run as DESIGN 3 rule 7 says (what is left of the step's budget; skipped
 note once it has passed).
 
 The transfer (DESIGN 3 rule 6) runs where the step does not abandon it: in a shielded
-scope whose deadline is the step's deadline, its blocking parts in threads that are not
-abandoned. A cancellation that lands mid-transfer therefore waits for the transfer to
-finish (its waits bounded by the remaining budget) and then propagates; if the transfer
-failed, the error raised is chained (``__cause__``) to the transfer's error. Generation is
-never resumed while the transfer is still writing.
+scope, so a cancellation that lands mid-transfer (Ctrl-C, a failing sibling) waits for
+the transfer to finish (its collective waits bounded by the remaining budget) and then
+propagates; if the transfer failed, the error raised is chained (``__cause__``) to the
+transfer's error. Generation is never resumed while the transfer is still writing.
+
+One bound the shield does not stop: the step's deadline plus ``sync.transfer_grace_s``
+(issue 16, point 4). A transfer still running then (a thread stuck in a collective whose
+own timeout does not fire, a hung peer) is abandoned: its rank-0 call and its threads are
+given up on (they run with ``abandon_on_cancel``; inside the shield only this bound can
+cancel them), no cleanup runs, so the engines stay paused (asleep, when the bracket put
+them to sleep), since their weights may be partial, and the deadline's typed error says
+so in its ``detail``. The run then ends; its teardown stops the engines and the workers.
 
 ``sync/last_weight_sync_seconds`` is the transfer alone (the bracket is ``timing/sync_weights``).
 """
@@ -29,10 +36,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextvars
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -46,37 +54,94 @@ from trainer.vocabulary import (
     pending_deadline_error,
 )
 
-__all__ = ["TRANSFER_ON_EVENT_LOOP_ENV", "run_transfer", "save_weights_for_sampler"]
+__all__ = [
+    "TRANSFER_GRACE_S",
+    "TRANSFER_ON_EVENT_LOOP_ENV",
+    "abandoned_detail",
+    "run_transfer",
+    "save_weights_for_sampler",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OP = "broadcast_to_inference_engines"
+#: Default of ``sync.transfer_grace_s``: how long past its deadline a transfer may still run.
+TRANSFER_GRACE_S = 10.0
 #: Test-only: set to 1, the transfer's fault (a slow transfer, ``sleep=S``) blocks the trio
 #: thread instead of a worker thread, as a transfer run on the event loop would (SkyRL
 #: #2524); tests/e2e/test_fully_async_cli.py shows what that does to rollouts in flight.
 TRANSFER_ON_EVENT_LOOP_ENV = "TRAINER_TEST_TRANSFER_ON_EVENT_LOOP"
 
 
-async def run_transfer(transfer: Callable[[], Awaitable[object]]) -> float:
+def abandoned_detail(grace_s: float) -> str:
+    """What the deadline's error says when the transfer was abandoned."""
+    return (
+        f"the weight transfer was still running {grace_s:g}s past the deadline "
+        "(sync.transfer_grace_s) and was abandoned; the engines were left paused, since "
+        "their weights may be partial"
+    )
+
+
+class _Rank0DuringTransfer:
+    """The worker group as a transfer sees it: every rank-0 call may be given up on.
+
+    Only the transfer's own bound (deadline + grace) can cancel it, since the transfer runs
+    shielded; so ``abandon_on_cancel`` here means "abandoned at that bound", never sooner.
+    """
+
+    def __init__(self, workers: Rank0) -> None:
+        self._workers = workers
+
+    async def run_on_rank0(
+        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+    ) -> T:
+        return await self._workers.run_on_rank0(fn, *args, abandon_on_cancel=True)
+
+
+class _Outcome:
+    """Whether the transfer was abandoned (then no cleanup may touch the engines)."""
+
+    abandoned = False
+
+
+async def run_transfer(
+    transfer: Callable[[], Awaitable[object]],
+    *,
+    grace_s: float = TRANSFER_GRACE_S,
+    outcome: _Outcome | None = None,
+) -> float:
     """Run ``transfer()`` to completion even if cancelled; return its wall seconds.
 
-    It runs in a shielded scope bounded by the step's deadline: a cancellation from outside
-    waits for it, then propagates at the next checkpoint. If the transfer failed after a
-    cancellation, the deadline's typed error (or the failure itself, for a cancellation
-    that is not a deadline's) is raised with the transfer's error as ``__cause__``.
+    It runs in a shielded scope: a cancellation from outside waits for it, then propagates
+    at the next checkpoint. If the transfer failed after a cancellation, the deadline's
+    typed error (or the failure itself, for a cancellation that is not a deadline's) is
+    raised with the transfer's error as ``__cause__``. The shielded scope's own deadline is
+    the step's deadline plus ``grace_s``: a transfer still running then is abandoned and
+    the deadline's typed error is raised with :func:`abandoned_detail` (``outcome`` records
+    it for the caller's cleanups).
     """
     t0 = time.perf_counter()
     failure: BaseException | None = None
     with operation(OP):
-        with trio.CancelScope(shield=True, deadline=current_deadline()):
+        with trio.CancelScope(shield=True, deadline=current_deadline() + grace_s) as bound:
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
                 if os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
                     _block_event_loop_on_fault()
                 else:
-                    await trio.to_thread.run_sync(fire_fault_sync, OP)
+                    await trio.to_thread.run_sync(fire_fault_sync, OP, abandon_on_cancel=True)
                 await transfer()
             except Exception as exc:
                 failure = exc
         elapsed = time.perf_counter() - t0
+        if bound.cancelled_caught:
+            if outcome is not None:
+                outcome.abandoned = True
+            typed = pending_deadline_error(failure, OP, abandoned_detail(grace_s))
+            if typed is None:  # unreachable: the bound is past the deadline
+                raise RuntimeError("weight transfer abandoned without a deadline")
+            raise typed from failure
         if failure is None:
             await trio.lowlevel.checkpoint_if_cancelled()
             return elapsed
@@ -98,14 +163,6 @@ def _block_event_loop_on_fault() -> None:
         pool.submit(context.run, fire_fault_sync, OP).result()
 
 
-async def _transfer_and_record(
-    engine: Any, workers: Rank0, transport: WeightTransport, out: dict[str, float]
-) -> None:
-    out["sync/last_weight_sync_seconds"] = await run_transfer(
-        lambda: transport.transfer(engine, workers)
-    )
-
-
 async def save_weights_for_sampler(
     engine: EngineClient,
     workers: Rank0,
@@ -115,38 +172,55 @@ async def save_weights_for_sampler(
     colocated: bool = False,
     offload_kv: bool = False,
     fully_async: bool = False,
+    grace_s: float = TRANSFER_GRACE_S,
 ) -> dict[str, float]:
     """Transfer the policy's weights inside the engine bracket; return the sync's metrics.
 
     ``sync/last_weight_sync_seconds`` is the transfer alone. Raises the transfer's error,
-    or the step deadline's typed error chained to it; cleanups never replace it.
+    or the step deadline's typed error chained to it; cleanups never replace it. A transfer
+    abandoned at the deadline plus ``grace_s`` leaves the engines as the transfer found
+    them (paused or asleep): no cleanup runs.
     """
     out: dict[str, float] = {}
-    if colocated:
-        await engine.wake_up(["weights"])
-        async with _wake_kv_after(engine):
-            await _transfer_and_record(engine, workers, transport, out)
-    elif offload_kv and fully_async:
-        await engine.pause(pause_mode)
-        async with cleanup_bracket(engine.resume, "/resume"):
-            await engine.sleep(1)
-            await engine.wake_up(["weights"])
-            async with _wake_kv_after(engine):
-                await _transfer_and_record(engine, workers, transport, out)
-    elif offload_kv:
-        await engine.sleep(1)
-        await engine.wake_up(["weights"])
-        async with _wake_kv_after(engine):
-            await _transfer_and_record(engine, workers, transport, out)
-    else:
-        await engine.pause(pause_mode)
-        async with cleanup_bracket(engine.resume, "/resume"):
-            await _transfer_and_record(engine, workers, transport, out)
-    return out
+    outcome = _Outcome()
 
+    async def transfer_and_record() -> None:
+        out["sync/last_weight_sync_seconds"] = await run_transfer(
+            lambda: transport.transfer(engine, _Rank0DuringTransfer(workers)),
+            grace_s=grace_s,
+            outcome=outcome,
+        )
 
-def _wake_kv_after(engine: EngineClient):
+    def after(cleanup: Callable[[], Awaitable[object]], label: str):
+        async def unless_abandoned() -> None:
+            if outcome.abandoned:
+                log.warning("%s skipped: the weight transfer was abandoned", label)
+                return
+            await cleanup()
+
+        return cleanup_bracket(unless_abandoned, label)
+
     async def wake_kv() -> None:
         await engine.wake_up(["kv_cache"])
 
-    return cleanup_bracket(wake_kv, "/wake_up")
+    if colocated:
+        await engine.wake_up(["weights"])
+        async with after(wake_kv, "/wake_up"):
+            await transfer_and_record()
+    elif offload_kv and fully_async:
+        await engine.pause(pause_mode)
+        async with after(engine.resume, "/resume"):
+            await engine.sleep(1)
+            await engine.wake_up(["weights"])
+            async with after(wake_kv, "/wake_up"):
+                await transfer_and_record()
+    elif offload_kv:
+        await engine.sleep(1)
+        await engine.wake_up(["weights"])
+        async with after(wake_kv, "/wake_up"):
+            await transfer_and_record()
+    else:
+        await engine.pause(pause_mode)
+        async with after(engine.resume, "/resume"):
+            await transfer_and_record()
+    return out

@@ -325,6 +325,13 @@ class SyncConfig:
         check=positive,
         env="TRAINER_GROUP_INIT_TIMEOUT_S",
     )
+    transfer_grace_s: float = _field(
+        10.0,
+        "How long a weight transfer may run past its deadline (trainer.weight_sync_timeout_s, "
+        "else the step's) before the run abandons it: the engines are left paused (their "
+        "weights may be partial) and the run ends with WeightSyncTimeoutError saying so.",
+        check=at_least(0),
+    )
 
 
 @attrs.define

@@ -53,7 +53,8 @@ class StepTimeoutError(RuntimeError):
     """A step (generation through weight sync) ran past ``trainer.step_timeout_s``.
 
     ``stage`` and ``operation`` name where the step was waiting when its budget ran out;
-    ``operation`` is ``'await'`` when no named operation was open.
+    ``operation`` is ``'await'`` when no named operation was open. ``detail``, when set,
+    says what the run did about it (e.g. a transfer abandoned, engines left paused).
     """
 
     def __init__(
@@ -63,19 +64,22 @@ class StepTimeoutError(RuntimeError):
         elapsed_s: float,
         stage: str | None,
         operation: str | None,
+        detail: str | None = None,
     ) -> None:
-        super().__init__(step, budget_s, elapsed_s, stage, operation)
+        super().__init__(step, budget_s, elapsed_s, stage, operation, detail)
         self.step = step
         self.budget_s = budget_s
         self.elapsed_s = elapsed_s
         self.stage = stage
         self.operation = operation
+        self.detail = detail
 
     def __str__(self) -> str:
-        return (
+        message = (
             f"step {self.step} exceeded its {_fmt_seconds(self.budget_s)}s budget after "
             f"{self.elapsed_s:.1f}s (stage={self.stage!r}, operation={self.operation!r})"
         )
+        return message if self.detail is None else f"{message}: {self.detail}"
 
 
 class WeightSyncTimeoutError(StepTimeoutError):

@@ -100,6 +100,7 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
                 colocated=e.colocated,
                 offload_kv=e.offload_kv_for_weight_sync,
                 fully_async=versions is not None,
+                grace_s=ctx.cfg.sync.transfer_grace_s,
             )
         finally:
             if versions is not None:

@@ -1,4 +1,5 @@
-"""Weight sync end to end: a slow transfer never stalls the loop; a hung group init fails fast."""
+"""Weight sync end to end: a slow transfer never stalls the loop; a hung group init fails fast;
+a hung transfer is abandoned at its budget plus grace."""
 
 from __future__ import annotations
 
@@ -52,4 +53,34 @@ def test_a_hung_group_init_ends_with_checkpoint_engine_init_error_and_no_process
         r".*sync\.group_init_timeout_s \(env TRAINER_GROUP_INIT_TIMEOUT_S\)",
         line,
     ), line
+    assert wait_until_gone(marker) == []
+
+
+def test_a_hung_transfer_is_abandoned_at_budget_plus_grace_and_leaves_no_process(tmp_path):
+    """Issue 16 point 4: before, this run was still going 240 s later (the shielded wait
+    trusted the transfer to end)."""
+    marker = new_marker()
+    proc = run_trainer(
+        "trainer.max_steps=3",
+        "sync.transport=broadcast",
+        "faults=broadcast_to_inference_engines:hang@2",
+        "trainer.weight_sync_timeout_s=4",
+        "trainer.step_timeout_s=30",
+        "sync.transfer_grace_s=2",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode != 0
+    line = last_stderr_line(proc)
+    match = re.fullmatch(
+        r"WeightSyncTimeoutError: step 2 exceeded its 4s budget after (\d+\.\d)s "
+        r"\(stage='sync_weights', operation='broadcast_to_inference_engines'\): "
+        r"the weight transfer was still running 2s past the deadline "
+        r"\(sync\.transfer_grace_s\) and was abandoned; the engines were left paused, "
+        r"since their weights may be partial",
+        line,
+    )
+    assert match, line
+    assert 6.0 <= float(match[1]) < 60, line  # ended at budget + grace, not never
+    assert sorted(m["step"] for m in read_metrics(tmp_path)) == [1]
     assert wait_until_gone(marker) == []

@@ -9,6 +9,7 @@ before any weight-transfer call, so the server sees the bracket alone.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,12 +23,12 @@ import trainer.run
 from engines.client import InferenceClient
 from engines.models import build_tiny_model
 from sync.transports import DiskTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import abandoned_detail, save_weights_for_sampler
 from tests.engines.helpers import BackgroundEngines
 from trainer.config import load_config
 from trainer.config_schema import Config
-from trainer.errors import FaultInjected
-from trainer.vocabulary import install_faults
+from trainer.errors import FaultInjected, WeightSyncTimeoutError
+from trainer.vocabulary import install_faults, step_deadline
 from trainer.workers.local import LocalWorkerGroup
 
 #: What the server sees of one disk transfer (the bucket size keeps it to one bucket).
@@ -127,6 +128,76 @@ async def test_a_failed_transfer_still_runs_each_brackets_cleanups_in_order(
     assert calls == [*before, *after]
     assert await client.is_paused() == [False]
     assert await client.is_sleeping() == [False]
+
+
+# ------------------------------------ a transfer hung past its deadline + grace is abandoned
+
+#: The sync's budget and grace in these tests (seconds): long enough for the bracket's calls
+#: before the transfer on a busy machine, short enough to keep the tests quick.
+BUDGET_S, GRACE_S = 3.0, 1.0
+
+
+def _wait_for(model: Any, release: threading.Event) -> None:
+    """Rank 0 blocked in a real thread until released: a collective that never returns."""
+    release.wait()
+
+
+class StuckRank0Transport:
+    """Starts an update on the server, then rank 0's part never returns."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    async def init(self, engine: Any, workers: Any) -> None:
+        return None
+
+    async def transfer(self, engine: Any, workers: Any) -> None:
+        await engine.control("POST", "/start_weight_update", json={})
+        await workers.run_on_rank0(_wait_for, self.release)
+
+    async def close(self, workers: Any) -> None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("shape", "stuck"),
+    [
+        ("non-colocated", "fault"),
+        ("offload-kv-fully-async", "fault"),
+        ("non-colocated", "rank0"),
+    ],
+)
+async def test_a_transfer_hung_past_its_grace_is_abandoned_and_the_engine_left_paused(
+    client: InferenceClient, tmp_path: Path, shape: str, stuck: str
+) -> None:
+    kwargs, before, _after = SHAPES[shape]
+    workers, transport = await disk_sync_setup(client, tmp_path)
+    if stuck == "fault":  # the transfer's own thread hangs (released at the test's end)
+        install_faults("broadcast_to_inference_engines:hang")
+        hung: Any = transport
+    else:  # rank 0's call hangs in the worker group's thread
+        hung = StuckRank0Transport()
+    t0 = trio.current_time()
+    try:
+        with pytest.raises(WeightSyncTimeoutError) as info:
+            async with recorded_calls(client) as calls:
+                with step_deadline(2, BUDGET_S, WeightSyncTimeoutError):
+                    await save_weights_for_sampler(client, workers, hung, grace_s=GRACE_S, **kwargs)
+        waited = trio.current_time() - t0
+    finally:
+        if stuck == "rank0":
+            hung.release.set()
+    error = info.value
+    assert error.detail == abandoned_detail(GRACE_S)
+    assert "abandoned" in str(error) and "left paused" in str(error)
+    assert error.operation == "broadcast_to_inference_engines"
+    # it ended at the bound, not when the hang ended (never, or at the test's end)
+    assert BUDGET_S + GRACE_S <= waited < BUDGET_S + GRACE_S + 30
+    # the bracket's own calls, then nothing: no resume or KV wake onto partial weights
+    sent = ["/start_weight_update"] if stuck == "rank0" else []
+    assert calls == [*before, *sent]
+    if "/pause" in before[0]:
+        assert await client.is_paused() == [True]
 
 
 # ------------------------------------------------ the fully-async bracket, reached by a real run

@@ -34,7 +34,13 @@ PUBLIC = {
     "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
     "sync.transports.disk": ["DiskTransport", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
-    "sync.weights": ["TRANSFER_ON_EVENT_LOOP_ENV", "run_transfer", "save_weights_for_sampler"],
+    "sync.weights": [
+        "TRANSFER_GRACE_S",
+        "TRANSFER_ON_EVENT_LOOP_ENV",
+        "abandoned_detail",
+        "run_transfer",
+        "save_weights_for_sampler",
+    ],
 }
 
 

@@ -1,5 +1,6 @@
-"""``save_weights_for_sampler``: the transfer never freezes the loop, is never abandoned, and
-the engine bracket runs its steps in order whatever happens to the transfer.
+"""``save_weights_for_sampler``: the transfer never freezes the loop, is not abandoned before
+its deadline plus grace, and the engine bracket runs its steps in order whatever happens to
+the transfer (abandonment itself: ``tests/sync/test_bracket_orders.py``, real server).
 
 The engine is a recording fake; the transfer is a real blocking thread (``time.sleep``),
 followed by a cancellable engine call, so only ``save_weights_for_sampler`` itself can
@@ -113,9 +114,10 @@ async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finis
             await save_weights_for_sampler(RecordingEngine(events), None, transport)
     assert time.monotonic() - t0 >= 0.6  # the transfer was waited for, not abandoned
     assert info.value.operation == "broadcast_to_inference_engines"
-    # the transfer's own waits end at the deadline (the finishing call is cut off), and
-    # the deadline had passed: resuming is skipped (rule 7) and says so
-    assert events == ["paused", "bucket_written"]
+    assert info.value.detail is None  # finished within its grace: not abandoned
+    # the transfer finished within its grace (sync.transfer_grace_s), but the deadline had
+    # passed: resuming is skipped (rule 7) and says so
+    assert events == ["paused", "bucket_written", "broadcast_done"]
     assert any("/resume" in n for n in getattr(info.value, "__notes__", ()))
 
 

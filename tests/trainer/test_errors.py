@@ -36,6 +36,9 @@ CASES: dict[str, Callable[[], BaseException]] = {
         12, 1800, 1800.0, "train_critic_and_policy", "forward_backward"
     ),
     "weight-sync-timeout": lambda: WeightSyncTimeoutError(3, 15.0, 15.02, "sync_weights", "/pause"),
+    "weight-sync-abandoned": lambda: WeightSyncTimeoutError(
+        2, 20.0, 25.0, "sync_weights", "broadcast_to_inference_engines", "transfer abandoned"
+    ),
     "step-timeout-no-stage": lambda: StepTimeoutError(1, 0.5, 0.51, None, "await"),
     "server-error": lambda: InferenceServerError(URL, "/pause", 503, "engine is sleeping"),
     "server-error-no-status": lambda: InferenceServerError(

@@ -56,10 +56,12 @@ class _Deadline:
         if self.hit_at is None and trio.lowlevel.in_trio_run() and self.scope.cancel_called:
             self.hit_at = (stage, operation)
 
-    def error(self, stage: str | None, operation: str | None) -> StepTimeoutError:
+    def error(
+        self, stage: str | None, operation: str | None, detail: str | None = None
+    ) -> StepTimeoutError:
         """This deadline's typed error, naming ``stage`` and ``operation``."""
         elapsed = trio.current_time() - self.start
-        return self.error_cls(self.step, self.budget_s, elapsed, stage, operation or AWAIT)
+        return self.error_cls(self.step, self.budget_s, elapsed, stage, operation or AWAIT, detail)
 
 
 _deadlines: contextvars.ContextVar[tuple[_Deadline, ...]] = contextvars.ContextVar(
@@ -148,16 +150,19 @@ def remaining() -> float | None:
     return max(0.0, left)
 
 
-def pending_deadline_error(cause: BaseException, operation: str) -> StepTimeoutError | None:
+def pending_deadline_error(
+    cause: BaseException | None, operation: str, detail: str | None = None
+) -> StepTimeoutError | None:
     """The typed error of the deadline whose cancellation is pending, chained to ``cause``.
 
     For code that had to finish (a shielded transfer) after its deadline fired: the error
-    names the current stage and ``operation``. ``None`` when no deadline has fired (the
-    cancellation came from elsewhere). Outermost first: ties go to the parent.
+    names the current stage and ``operation``, and ``detail`` says what was done about it.
+    ``None`` when no deadline has fired (the cancellation came from elsewhere). Outermost
+    first: ties go to the parent.
     """
     for d in _deadlines.get():
         if d.scope.cancel_called:
-            error = d.error(where()[0], operation)
+            error = d.error(where()[0], operation, detail)
             error.__cause__ = cause
             return error
     return None
