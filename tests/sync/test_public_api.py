@@ -17,6 +17,7 @@ PUBLIC = {
         "BroadcastTransport",
         "DiskTransport",
         "InProcessTransport",
+        "IpcTransport",
         "Rank0",
         "WeightTransport",
     ],
@@ -24,16 +25,17 @@ PUBLIC = {
     "sync.transports.broadcast": [
         "BroadcastTransport",
         "GROUP",
-        "broadcast_bucket",
         "group_endpoint",
         "host_group",
         "hosted_groups",
         "leave_group",
-        "weight_buckets",
+        "plan_sync",
+        "send_buckets",
     ],
     "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
     "sync.transports.disk": ["DiskTransport", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
+    "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],
     "sync.weights": ["TRANSFER_ON_EVENT_LOOP_ENV", "run_transfer", "save_weights_for_sampler"],
 }
 
