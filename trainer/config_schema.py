@@ -327,10 +327,12 @@ class SyncConfig:
         "messages; 'ipc' hands CUDA IPC handles of a reused flat buffer to engines on the same "
         "GPU. nccl and ipc need CUDA. backend=inprocess always hands tensors over in memory.",
     )
-    packed: bool = _field(
-        True,
-        "gloo/nccl: vLLM's 'packed' wire param: each bucket travels as one flat buffer "
-        "(false: each parameter is broadcast from its own storage, no copy on rank 0).",
+    packed: bool | None = _field(
+        None,
+        "gloo/nccl: vLLM's 'packed' wire param: true, each bucket travels as one flat buffer "
+        "(vLLM's trainer default); false, each parameter is broadcast from its own storage "
+        "(no copy on rank 0). None: true for nccl, false for gloo (faster on the CPU, see "
+        "docs/performance.md).",
     )
     bucket_size_mb: int = _field(
         256,

@@ -116,7 +116,7 @@ def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
             group_init_timeout_s=cfg.sync.group_init_timeout_s,
             timeout_s=cfg.workers.collective_timeout_s,
             backend=cfg.sync.transport,
-            packed=cfg.sync.packed,
+            packed=cfg.sync.transport == "nccl" if cfg.sync.packed is None else cfg.sync.packed,
         )
     if cfg.sync.transport == "ipc":
         return IpcTransport(bucket_bytes)
