@@ -2,29 +2,34 @@
 
 ::
 
-    python benchmarks/weight_sync.py [--hidden 256 512 1024] [--repeats 3] [--bucket-mb 256]
+    python benchmarks/weight_sync.py [--hidden 512 1024] [--layers 9] [--repeats 3]
+        [--bucket-mb 256] [--unpacked]
 
 For each model size (Qwen2 configs built locally from the tiny model's tokenizer), in one
 process and one sitting:
 
 1. **raw**: a plain gloo broadcast of one float32 tensor of the model's total size, from
    this process to a child process (the same transport, no protocol, no flattening);
-2. **transfer**: ``save_weights_for_sampler`` over ``sync.transport=broadcast`` to one
-   reference server (pause -> four-phase routes + gloo broadcast -> resume), reported as
+2. **transfer**: ``save_weights_for_sampler`` over ``sync.transport=gloo`` (vLLM's ``nccl``
+   messages, packed unless ``--unpacked``) to one reference server (pause -> four-phase routes + gloo broadcast -> resume), reported as
    ``sync/last_weight_sync_seconds`` (the transfer alone), with the loop's longest stall
    (``StallInstrument``, the same one behind ``loop/max_stall_ms``) while it ran and a
    ticker task on the loop;
 3. **blocking baseline**: the same transfer driven from another thread while the loop waits
    on it inline (``future.result()`` inside ``async def``, as a blocking ``ray.get`` does).
 
-Goals (issue 5): transfer >= 70% of the raw bandwidth; max stall <= 5 ms (the baseline
-stalls for the whole transfer). Best of ``--repeats`` for times, worst for stalls.
+Goals (issue 16, point 6): for a model of at least 100M parameters, transfer >= 70% of the
+raw bandwidth; max stall <= 5 ms (the baseline stalls for the whole transfer). Best of
+``--repeats`` for times, worst for stalls. The last lines print the goal table (model size,
+transfer GB/s, raw GB/s, ratio, longest stall) as Markdown, with the machine's load.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import datetime
+import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.models import build_tiny_model, quiet_transformers
-from sync.group import free_port, join_group
+from engines.process_group import free_port, join_group
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer.debug import StallInstrument
@@ -48,7 +53,7 @@ from trainer.workers.local import LocalWorkerGroup
 
 _RECEIVER = """
 import sys, torch
-from sync.group import join_group
+from engines.process_group import join_group
 n, port, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 h = join_group("raw", master_address="127.0.0.1", master_port=port, rank=1, world_size=2,
                store_timeout_s=300)
@@ -58,7 +63,7 @@ for _ in range(repeats + 1):
 """
 
 
-def build_model(hidden: int, root: Path) -> Path:
+def build_model(hidden: int, layers: int, root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     quiet_transformers()
@@ -68,7 +73,9 @@ def build_model(hidden: int, root: Path) -> Path:
     cfg.intermediate_size = hidden * 3
     cfg.num_attention_heads = max(1, hidden // 64)
     cfg.num_key_value_heads = max(1, hidden // 128)
-    target = root / f"qwen2-h{hidden}"
+    cfg.num_hidden_layers = layers
+    cfg.layer_types = ["full_attention"] * layers
+    target = root / f"qwen2-h{hidden}-l{layers}"
     Qwen2ForCausalLM(cfg).save_pretrained(target, safe_serialization=True)
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
@@ -114,7 +121,9 @@ class _ThreadWorkers:
         return await trio.to_thread.run_sync(fn, self.model, *args)
 
 
-async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> dict[str, float]:
+async def measure(
+    model_dir: Path, bucket_mb: int, repeats: int, logs: Path, packed: bool
+) -> dict[str, float]:
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     numel = sum(p.numel() for p in workers.policy.model.parameters())
     stall = StallInstrument()
@@ -123,7 +132,9 @@ async def measure(model_dir: Path, bucket_mb: int, repeats: int, logs: Path) -> 
     try:
         async with launch_local_engines(1, model_dir, logs, startup_timeout_s=300) as urls:
             async with InferenceClient(urls) as client:
-                transport = BroadcastTransport(bucket_mb * 2**20, group_init_timeout_s=300)
+                transport = BroadcastTransport(
+                    bucket_mb * 2**20, group_init_timeout_s=300, packed=packed
+                )
                 await transport.init(client, workers)
                 await save_weights_for_sampler(client, workers, transport)  # warm-up
                 best, worst_stall = float("inf"), 0.0
@@ -163,19 +174,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description="weight-sync transfer vs raw gloo bandwidth, and loop stalls"
     )
-    ap.add_argument("--hidden", type=int, nargs="+", default=[256, 512, 1024])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--layers", type=int, default=9, help="decoder layers (9 at 1024: 113M)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--unpacked", action="store_true", help="vLLM's packed=false")
     args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="weight-sync-bench-"))
+    load = os.getloadavg()
     print(
         f"{'hidden':>6} {'params':>8} {'MB':>7} {'raw s':>7} {'raw MB/s':>9} {'xfer s':>7} "
         f"{'xfer MB/s':>9} {'% raw':>6} {'stall ms':>8} {'base s':>7} {'base stall ms':>13}"
     )
+    rows = []
     try:
         for hidden in args.hidden:
-            model_dir = build_model(hidden, root)
-            r = trio.run(measure, model_dir, args.bucket_mb, args.repeats, root / "logs")
+            model_dir = build_model(hidden, args.layers, root)
+            r = trio.run(
+                measure, model_dir, args.bucket_mb, args.repeats, root / "logs", not args.unpacked
+            )
             raw_bw, bw = r["mb"] / r["raw_s"], r["mb"] / r["transfer_s"]
             print(
                 f"{hidden:>6} {r['params_m']:>7.1f}M {r['mb']:>7.1f} {r['raw_s']:>7.3f} "
@@ -183,8 +200,23 @@ def main() -> None:
                 f"{r['stall_ms']:>8.1f} {r['baseline_s']:>7.3f} {r['baseline_stall_ms']:>13.1f}",
                 flush=True,
             )
+            rows.append((r, raw_bw, bw))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    end_load = os.getloadavg()
+    print(
+        f"\n{datetime.date.today()}, {os.cpu_count()} CPUs, load average (1/5/15 min) "
+        f"{load[0]:.2f}/{load[1]:.2f}/{load[2]:.2f} at the start, "
+        f"{end_load[0]:.2f}/{end_load[1]:.2f}/{end_load[2]:.2f} at the end; "
+        f"packed={not args.unpacked}, bucket {args.bucket_mb} MB\n"
+    )
+    print("| model | transfer GB/s | raw gloo GB/s | ratio | longest stall |")
+    print("|---|---|---|---|---|")
+    for r, raw_bw, bw in rows:
+        print(
+            f"| {r['params_m']:.0f}M params ({r['mb']:.0f} MB fp32) | {bw / 1024:.2f} | "
+            f"{raw_bw / 1024:.2f} | {100 * bw / raw_bw:.0f}% | {r['stall_ms']:.1f} ms |"
+        )
 
 
 if __name__ == "__main__":

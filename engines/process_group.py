@@ -1,17 +1,24 @@
-"""A stateless weight-sync process group: one ``TCPStore`` plus one ``ProcessGroupGloo``.
+"""A stateless weight-sync process group: one ``TCPStore`` plus one gloo or NCCL group.
 
-The primitive both ends of the broadcast transport use: policy rank 0 in the trainer
+The primitive both ends of the broadcast transports use: policy rank 0 in the trainer
 (through :mod:`sync.group`, which bounds the init on the controller side) and the reference
 server's ``/init_weight_transfer_engine`` (which joins in a thread). It lives here because
 engines may not import ``sync``. No ``torch.distributed`` global (default-group) state is
 touched, as with vLLM's weight-transfer groups.
+
+``backend="nccl"`` (GPU only: :func:`require_cuda` refuses it on a machine without CUDA)
+forms the group the way vLLM's ``nccl`` weight-transfer backend does when vLLM is
+importable in this process (``nccl_common.stateless_init_process_group``: vLLM's
+``StatelessProcessGroup`` rendezvous, then its ``PyNcclCommunicator``), which is what a
+real vLLM server's workers expect; without vLLM, torch's ``ProcessGroupNCCL`` over the
+``TCPStore`` (which both halves of this project speak). Not yet run on a GPU.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -19,7 +26,10 @@ import torch.distributed as dist
 
 from trainer.vocabulary import fire_fault_sync
 
-__all__ = ["BACKSTOP_S", "GroupHandle", "free_port", "join_group"]
+__all__ = ["BACKSTOP_S", "GroupBackend", "GroupHandle", "free_port", "join_group", "require_cuda"]
+
+#: The collective backends of a weight-sync group.
+GroupBackend = Literal["gloo", "nccl"]
 
 OP = "init_process_group"
 
@@ -37,9 +47,13 @@ class GroupHandle:
     #: This participant's rank and the group's size.
     rank: int
     world_size: int
-    #: The store (rank 0 hosts it) and the gloo group over it.
+    #: The store (rank 0 hosts it) and the group over it.
     store: Any
     group: Any
+    #: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+    backend: GroupBackend = "gloo"
+    #: The CUDA device of an ``nccl`` group's tensors; None for gloo.
+    device: torch.device | None = None
 
     def broadcast(
         self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
@@ -48,8 +62,42 @@ class GroupHandle:
 
         ``timeout_s`` bounds this collective (default: the group's own timeout).
         """
+        work = self.broadcast_async(tensor, src, timeout_s=timeout_s)
+        if work is not None:
+            work.wait()
+
+    def broadcast_async(
+        self, tensor: torch.Tensor, src: int = 0, *, timeout_s: float | None = None
+    ) -> Any:
+        """Start a broadcast; a handle whose ``wait()`` blocks until it is done (None: done).
+
+        Gloo runs it on its own threads, so the caller can prepare the next buffer meanwhile
+        (neither call holds the GIL while it waits). NCCL enqueues it on the device.
+        """
+        if self.store is None:
+            # vLLM's PyNcclCommunicator (no torch store): enqueued on the current stream
+            self.group.broadcast(tensor, src=src, stream=torch.cuda.current_stream())
+            return _StreamDone()
         timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        self.group.broadcast(tensor, src, timeout).wait()
+        return self.group.broadcast(tensor, src, timeout)
+
+
+class _StreamDone:
+    """The ``wait()`` of a broadcast enqueued on the current CUDA stream."""
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().synchronize()
+
+
+def require_cuda(what: str) -> torch.device:
+    """The current CUDA device, or ``RuntimeError`` saying ``what`` needs one (a CPU machine)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"{what} needs CUDA, and this process sees no CUDA device (torch "
+            f"{torch.__version__}); on a CPU machine use the gloo stand-in, which sends the "
+            "same messages"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,15 +116,19 @@ def join_group(
     world_size: int,
     store_timeout_s: float,
     step: int | None = None,
+    backend: GroupBackend = "gloo",
 ) -> GroupHandle:
     """Join (rank 0: host) group ``name``; blocking, so run it in a thread or a process.
 
     Fires the ``init_process_group`` fault first (where the init really runs). Blocks until
     every rank has joined or ``store_timeout_s`` passes (the participant's backstop; the
-    controller's bound is :func:`init_group`'s).
+    controller's bound is :func:`init_group`'s). ``backend="nccl"`` raises ``RuntimeError``
+    at once where there is no CUDA.
     """
     fire_fault_sync(OP, step)
     timeout = datetime.timedelta(seconds=store_timeout_s)
+    if backend == "nccl":
+        return _join_nccl(name, master_address, master_port, rank, world_size, timeout)
     store = dist.TCPStore(
         master_address,
         master_port,
@@ -88,3 +140,26 @@ def join_group(
     prefixed = dist.PrefixStore(f"{name}/", store)
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     return GroupHandle(name, rank, world_size, store, group)
+
+
+def _join_nccl(
+    name: str, address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> GroupHandle:
+    """An NCCL group: vLLM's rendezvous when vLLM is importable, else torch's (see above)."""
+    device = require_cuda(f"weight-sync group {name!r} (backend nccl)")
+    try:
+        from vllm.distributed.weight_transfer.nccl_common import (  # optional: GPU machines
+            stateless_init_process_group,
+        )
+    except ImportError:
+        stateless_init_process_group = None
+    if stateless_init_process_group is not None:
+        comm = stateless_init_process_group(address, port, rank, world_size, device.index)
+        return GroupHandle(name, rank, world_size, None, comm, "nccl", device)
+    store = dist.TCPStore(
+        address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
+    # each broadcast passes its own timeout (broadcast_async), as with gloo
+    options = dist.ProcessGroupNCCL.Options()
+    group = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/", store), rank, world_size, options)
+    return GroupHandle(name, rank, world_size, store, group, "nccl", device)

@@ -23,6 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer.config_schema import (
+    RENAMED_VALUES,
     Config,
     ConfigWarning,
 )
@@ -84,6 +85,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         raise wrong
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if value not in allowed and (key, value) in RENAMED_VALUES:
+            raise ConfigError(
+                f"config: {key}={value!r} was renamed: write {key}={RENAMED_VALUES[key, value]}"
+            )
         if value not in allowed:
             raise ConfigError(
                 f"config: {key}={value!r} is not allowed: choose one of {', '.join(map(repr, allowed))}"
@@ -188,11 +193,11 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
     if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
         return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
     if op == "init_process_group" and (
-        cfg.sync.transport != "broadcast" or e.backend == "inprocess"
+        cfg.sync.transport not in ("gloo", "nccl") or e.backend == "inprocess"
     ):
         return (
             f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
-            f"engine.backend={e.backend}); set sync.transport=broadcast to reach it"
+            f"engine.backend={e.backend}); set sync.transport=gloo (or nccl) to reach it"
         )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
@@ -280,11 +285,11 @@ def validate_cfg(cfg: Config) -> None:
             f"config: engine.placement='ray' places the servers the trainer starts, but "
             f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local"
         )
-    if cfg.sync.transport == "broadcast" and cfg.engine.backend == "inprocess":
+    if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
         raise ConfigError(
-            "config: sync.transport='broadcast' builds a process group to engine servers, but "
+            f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "
             "engine.backend='inprocess' has none (it takes the weights in memory); use "
-            "engine.backend=local for broadcast, or leave sync.transport at its default"
+            f"engine.backend=local for {cfg.sync.transport}, or leave sync.transport at its default"
         )
     w = cfg.workers
     if w.backend == "local" and w.num_policy_workers != 1:
@@ -300,7 +305,7 @@ def validate_cfg(cfg: Config) -> None:
             _check_reachable(fault, cfg)
     collective = cfg.workers.collective_timeout_s
     uses_collectives = cfg.workers.backend == "ray" or (
-        cfg.sync.transport == "broadcast" and cfg.engine.backend != "inprocess"
+        cfg.sync.transport in ("gloo", "nccl") and cfg.engine.backend != "inprocess"
     )
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),

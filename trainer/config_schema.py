@@ -16,6 +16,7 @@ import attrs
 from engines.types import PauseMode
 
 __all__ = [
+    "RENAMED_VALUES",
     "AlgorithmConfig",
     "Config",
     "ConfigWarning",
@@ -37,6 +38,15 @@ Check = Callable[[Any], str | None]
 
 class ConfigWarning(UserWarning):
     """A configuration that works but is probably not what was meant."""
+
+
+#: Values that were renamed: (key, old value) -> what to write instead (a ConfigError says so).
+RENAMED_VALUES: dict[tuple[str, str], str] = {
+    (
+        "sync.transport",
+        "broadcast",
+    ): "gloo (the CPU stand-in for vLLM's nccl backend; nccl on GPUs)",
+}
 
 
 def _field(default: Any, doc: str, *, check: Check | None = None, env: str | None = None) -> Any:
@@ -308,19 +318,31 @@ class EngineConfig:
 
 @attrs.define
 class SyncConfig:
-    transport: Literal["disk", "broadcast"] = _field(
+    transport: Literal["disk", "gloo", "nccl", "ipc"] = _field(
         "disk",
-        "How weights reach HTTP engines: 'disk' writes safetensors buckets the engines load "
-        "(same machine or shared mount); 'broadcast' sends them over a torch.distributed group "
-        "(gloo) from policy rank 0 to every server. backend=inprocess always hands tensors "
-        "over in memory.",
+        "How weights reach HTTP engines, as vLLM's weight-transfer backends: 'disk' writes "
+        "safetensors buckets the engines load (same machine or shared mount; this project's); "
+        "'nccl' broadcasts them from policy rank 0 to every server over an NCCL group (GPUs, "
+        "trainer and engines on different GPUs); 'gloo' is its CPU stand-in with the very same "
+        "messages; 'ipc' hands CUDA IPC handles of a reused flat buffer to engines on the same "
+        "GPU. nccl and ipc need CUDA. backend=inprocess always hands tensors over in memory.",
+    )
+    packed: bool | None = _field(
+        None,
+        "gloo/nccl: vLLM's 'packed' wire param: true, each bucket travels as one flat buffer "
+        "(vLLM's trainer default); false, each parameter is broadcast from its own storage "
+        "(no copy on rank 0). None: true for nccl, false for gloo (faster on the CPU, see "
+        "docs/performance.md).",
     )
     bucket_size_mb: int = _field(
-        256, "Largest weight bucket per transfer call, in MB.", check=at_least(1)
+        256,
+        "Largest weight bucket per transfer call, in MB (gloo/nccl packed, ipc: also the "
+        "extra memory rank 0 holds for it).",
+        check=at_least(1),
     )
     group_init_timeout_s: float = _field(
         600.0,
-        "sync.transport=broadcast: how long the weight-sync process group may take to form "
+        "sync.transport=gloo|nccl: how long the weight-sync process group may take to form "
         "before CheckpointEngineInitError (bounded by the trainer, not inside a worker).",
         check=positive,
         env="TRAINER_GROUP_INIT_TIMEOUT_S",

@@ -21,7 +21,13 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
-from sync.transports import BroadcastTransport, DiskTransport, InProcessTransport, WeightTransport
+from sync.transports import (
+    BroadcastTransport,
+    DiskTransport,
+    InProcessTransport,
+    IpcTransport,
+    WeightTransport,
+)
 from trainer.config_schema import Config
 from trainer.off_policy import resolve_correction
 from trainer.workers.group import WorkerGroup
@@ -96,20 +102,24 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
 
 
 def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
-    """``sync.transport``: safetensors files, or a torch.distributed broadcast group.
+    """``sync.transport``: safetensors files, a gloo/NCCL broadcast group, or CUDA IPC.
 
     ``engine.backend=inprocess`` hands the tensors over in memory.
     """
     if cfg.engine.backend == "inprocess":
         return InProcessTransport()
     bucket_bytes = cfg.sync.bucket_size_mb * 2**20
-    if cfg.sync.transport == "broadcast":
+    if cfg.sync.transport in ("gloo", "nccl"):
         # rank 0 hosts the group at its node's address (Ray's, when Ray runs there)
         return BroadcastTransport(
             bucket_bytes,
             group_init_timeout_s=cfg.sync.group_init_timeout_s,
             timeout_s=cfg.workers.collective_timeout_s,
+            backend=cfg.sync.transport,
+            packed=cfg.sync.transport == "nccl" if cfg.sync.packed is None else cfg.sync.packed,
         )
+    if cfg.sync.transport == "ipc":
+        return IpcTransport(bucket_bytes)
     return DiskTransport(run_dir / "weight_sync", bucket_bytes)
 
 

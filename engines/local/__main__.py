@@ -16,6 +16,7 @@ that holds the write end of a pipe makes the server die with it, even on SIGKILL
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from engines.local.engine import DEFAULT_BATCH_WAIT_S, open_local_engine
 from engines.local.server import ServerApp
+from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
 
 __all__ = ["READY_PREFIX", "main", "serve"]
@@ -44,6 +46,19 @@ GRACEFUL_TIMEOUT_S = 2.0
 #: Seconds an idle client connection stays open (hypercorn's default is 5 s): long enough
 #: that a trainer's pool stays warm across the training stages between two generate stages.
 KEEP_ALIVE_TIMEOUT_S = 300.0
+
+
+def _weight_transfer_config(text: str) -> str:
+    """``--weight-transfer-config '{"backend": "gloo"}'``: the backend it names."""
+    try:
+        backend = json.loads(text).get("backend")
+    except (ValueError, AttributeError):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text!r}") from None
+    if backend not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+        )
+    return backend
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +109,21 @@ def _parser() -> argparse.ArgumentParser:
         help="serve no weight-transfer routes (404), as vllm serve without --weight-transfer-config",
     )
     s.add_argument(
+        "--weight-transfer-config",
+        type=_weight_transfer_config,
+        default=None,
+        help="as vllm serve: a JSON object whose 'backend' is one of "
+        f"{', '.join(BACKENDS)} (nccl and ipc need CUDA); default: chosen by the first "
+        "init_info (vLLM's nccl shape: nccl on a GPU, else gloo; its ipc shape: ipc)",
+    )
+    s.add_argument(
+        "--weight-transfer-timeout-s",
+        type=float,
+        default=DEFAULT_STORE_TIMEOUT_S,
+        help="bound of the weight-sync group's store and collectives on this server "
+        f"(default {DEFAULT_STORE_TIMEOUT_S:g})",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -138,6 +168,10 @@ async def serve(args: argparse.Namespace) -> None:
                 served_model=args.served_model_name or args.model or str(model_dir),
                 api_key=args.api_key,
                 weight_transfer_routes=args.weight_transfer_routes,
+                weight_receiver=WeightReceiver(
+                    configured=args.weight_transfer_config,
+                    store_timeout_s=args.weight_transfer_timeout_s,
+                ),
             )
             config = Config()
             host = f"[{args.host}]" if ":" in args.host else args.host

@@ -314,28 +314,42 @@ class LocalEngine:
                 self._kv_asleep = False
         self._poke()
 
-    async def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+    async def load_weights(self, state: dict[str, torch.Tensor], *, adopt: bool = False) -> bool:
         """Replace weights between decode steps (atomic with respect to requests).
 
-        Raises ``EngineAsleepError`` while the weights sleep (wake them first, as with vLLM)
-        and ``KeyError`` for an unknown parameter name (nothing is loaded then).
+        ``adopt``: the caller hands ``state``'s tensors over, and where every one matches its
+        parameter's dtype, shape and device the parameters take them as their storage (no
+        copy); the caller must not write them afterwards. Returns whether they were adopted
+        (else they were copied). Raises ``EngineAsleepError`` while the weights sleep (wake
+        them first, as with vLLM) and ``KeyError`` for an unknown parameter name (nothing is
+        loaded then).
         """
         if self._weights_asleep:
             raise EngineAsleepError("the weights are asleep; call /wake_up?tags=weights first")
         async with self._step_lock:
-            await trio.to_thread.run_sync(self._load_weights_sync, state)
+            adopted = await trio.to_thread.run_sync(self._load_weights_sync, state, adopt)
             self._drop_kv()  # keys and values of the old weights: recompute
             self._weights_discarded = False
             self.weight_version += 1
+        return adopted
 
-    def _load_weights_sync(self, state: dict[str, torch.Tensor]) -> None:
+    def _load_weights_sync(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
         with torch.no_grad():
             params = dict(self.model.named_parameters())
             unknown = [name for name in state if name not in params]
             if unknown:
                 raise KeyError(f"unknown parameter {unknown[0]!r}")
+            adopt = adopt and all(
+                (t.dtype, t.shape, t.device) == (params[n].dtype, params[n].shape, params[n].device)
+                and t.is_contiguous()
+                for n, t in state.items()
+            )
             for name, tensor in state.items():
-                params[name].copy_(tensor)
+                if adopt:
+                    params[name].data = tensor
+                else:
+                    params[name].copy_(tensor)
+            return adopt
 
     def _zero_weights_sync(self) -> None:
         with torch.no_grad():

@@ -88,6 +88,7 @@ class ServerApp:
         served_model: str,
         api_key: str | None = None,
         weight_transfer_routes: bool = True,
+        weight_receiver: WeightReceiver | None = None,
     ) -> None:
         self.engine = engine
         self.served_model = served_model
@@ -96,7 +97,7 @@ class ServerApp:
         self.weight_transfer_routes = weight_transfer_routes
         self.max_model_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 2048)
         #: State of the weight-transfer protocol (:mod:`engines.local.weight_routes`).
-        self.weight_receiver = WeightReceiver()
+        self.weight_receiver = weight_receiver or WeightReceiver()
         #: The last control-plane POSTs received, in order: ``/pause?mode=keep``, ...
         self.control_log: deque[str] = deque(maxlen=CONTROL_LOG_SIZE)
         #: Control-plane calls received since start (the log keeps the last ones).

@@ -1,27 +1,33 @@
 """The weight-transfer routes of the reference server (vLLM's four-phase protocol).
 
 ``/init_weight_transfer_engine`` once, then per sync ``/start_weight_update``, one
-``/update_weights`` per bucket, ``/finish_weight_update``. The reference engine implements two
-backends:
+``/update_weights`` per bucket, ``/finish_weight_update``. The server's backend is fixed at
+start-up, as vLLM's is (``serve --weight-transfer-config '{"backend": "gloo"}'``), or, left
+unset, chosen by the first ``init_info``: vLLM's ``nccl`` shape (``master_address`` ...)
+means ``nccl`` when the model is on a GPU, else ``gloo``; vLLM's ``ipc`` shape
+(``{"packed": ...}``) means ``ipc``; ``{"backend": "disk"}`` means ``disk``.
 
-- ``disk``: each ``update_info`` names a safetensors file (vLLM's ``names``, ``dtype_names``
-  and ``shapes``, plus ``path``) that the server reads in a thread and stages;
-- ``gloo``: ``init_info`` is vLLM's NCCL shape (``master_address``, ``master_port``,
-  ``rank_offset``, ``world_size``) plus ``backend: "gloo"``; the server joins the group as
-  rank ``rank_offset`` in a thread (the call answers once joined), and each ``update_info``
-  (no ``path``) is received from rank 0's broadcast as one flat buffer, in a thread, into a
-  fresh buffer that is staged.
+- ``gloo`` (CPU; the stand-in for vLLM's ``nccl``) and ``nccl`` (GPU): ``init_info`` and
+  ``update_info`` are exactly vLLM's ``nccl`` bodies (see :mod:`engines.weight_transfer`);
+  the server joins the group as rank ``rank_offset`` in a thread (the call answers once
+  joined), and each ``update_info`` is received from rank 0's broadcasts (packed chunks cut
+  as vLLM cuts them, or one tensor at a time), in a thread;
+- ``ipc`` (GPU, same device as the trainer): vLLM's ``ipc`` bodies; the server maps the
+  trainer's CUDA IPC buffer once and copies out of it;
+- ``disk`` (this project's; vLLM has no such backend): ``init_info`` is ``{"backend":
+  "disk"}`` and each ``update_info`` names a safetensors file (vLLM's ``names``,
+  ``dtype_names`` and ``shapes``, plus ``path``) that the server reads in a thread.
 
 ``finish`` applies everything staged in one step, between two decode steps, so no request
 ever samples from half-updated weights. Until ``finish`` the engine serves the old weights.
 A new ``start`` discards a staged update that was never finished (an interrupted sync).
+``nccl`` and ``ipc`` need CUDA: on a machine without it their init is refused (400).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from typing import Any
 
 import attrs
@@ -32,9 +38,22 @@ from safetensors.torch import load_file
 from engines.local.engine import EngineAsleepError, LocalEngine
 from engines.local.http import Request, Response, json_response
 from engines.local.protocol import ProtocolError, parse_json_object
-from engines.process_group import join_group
+from engines.local.weight_receive import StagingPools, check_names, receive_collective, receive_ipc
+from engines.process_group import join_group, require_cuda
+from engines.weight_transfer import (
+    DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+    IPC_INIT_FIELDS,
+    NCCL_INIT_FIELDS,
+    parse_info,
+)
 
-__all__ = ["WEIGHT_TRANSFER_PATHS", "WeightReceiver", "handle_weight_transfer"]
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_STORE_TIMEOUT_S",
+    "WEIGHT_TRANSFER_PATHS",
+    "WeightReceiver",
+    "handle_weight_transfer",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +63,11 @@ WEIGHT_TRANSFER_PATHS = (
     "/update_weights",
     "/finish_weight_update",
 )
-BACKENDS = ("disk", "gloo")
+#: The backends the reference server implements (``nccl`` and ``ipc`` on CUDA only).
+BACKENDS = ("gloo", "nccl", "ipc", "disk")
+#: The server's own bound on its group's store and collectives (``serve
+#: --weight-transfer-timeout-s``); the trainer bounds the init and each sync on its side.
+DEFAULT_STORE_TIMEOUT_S = 1800.0
 
 
 @attrs.define(eq=False)
@@ -54,14 +77,67 @@ class WeightReceiver:
     One per server, owned by the server app (``ServerApp.weight_receiver``).
     """
 
-    #: ``disk`` or ``gloo`` once ``/init_weight_transfer_engine`` succeeded; None before.
+    #: The backend fixed at start-up (``--weight-transfer-config``); None: by the first init.
+    configured: str | None = None
+    #: Bound of the group's store and collectives, in seconds.
+    store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+    #: One of :data:`BACKENDS` once ``/init_weight_transfer_engine`` succeeded; None before.
     backend: str | None = None
-    #: The weight-sync group (backend ``gloo``), joined once.
+    #: The weight-sync group (``gloo``/``nccl``), joined once.
     group: Any = None
+    #: vLLM's must-agree wire params, from ``init_info``.
+    packed: bool = False
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    #: The last non-empty ``nccl`` ``update_info`` (an empty one reuses it, as in vLLM).
+    last_update: dict[str, Any] | None = None
+    #: Reused receive buffers (see :mod:`engines.local.weight_receive`).
+    pools: StagingPools = attrs.Factory(StagingPools)
+    #: The trainer's IPC buffer, mapped once (``ipc``).
+    ipc_mapped: dict[tuple, Any] = attrs.Factory(dict)
     #: Tensors received since ``/start_weight_update``; None outside an update.
     staged: dict[str, torch.Tensor] | None = None
     #: Updates applied by ``/finish_weight_update`` so far.
     updates_finished: int = 0
+
+
+def _choose_backend(engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any]) -> str:
+    if "backend" in info:  # this project's disk backend names itself
+        if info["backend"] != "disk" or len(info) != 1:
+            raise ProtocolError(
+                400,
+                "init_info names no backend in vLLM's protocol (the server's "
+                "--weight-transfer-config does); only {'backend': 'disk'} may",
+                "init_info",
+            )
+        return "disk"
+    if rx.configured is not None:
+        return rx.configured
+    if set(info) & {"master_address", "rank_offset", "nccl_unique_id_b64"}:
+        on_gpu = next(engine.model.parameters()).device.type == "cuda"
+        return "nccl" if on_gpu else "gloo"
+    return "ipc"
+
+
+async def _init(engine: LocalEngine, rx: WeightReceiver, info: Any) -> Response:
+    if not isinstance(info, dict):
+        raise ProtocolError(400, "init_info must be a JSON object", "init_info")
+    backend = _choose_backend(engine, rx, info)
+    try:
+        if backend in ("gloo", "nccl"):
+            parse_info(info, NCCL_INIT_FIELDS, "init_info", ("rank_offset", "world_size"))
+            rx.group = await _join_group(info, backend, rx.store_timeout_s)
+            rx.packed = bool(info.get("packed", False))
+            rx.packed_buffer_size_bytes = int(
+                info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+            )
+        elif backend == "ipc":
+            parse_info(info, IPC_INIT_FIELDS, "init_info")
+            require_cuda("the ipc weight-transfer backend")
+            rx.packed = bool(info.get("packed", False))
+    except (ValueError, RuntimeError) as exc:
+        raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
+    rx.backend = backend
+    return json_response({"backend": backend})
 
 
 async def handle_weight_transfer(
@@ -73,25 +149,14 @@ async def handle_weight_transfer(
         raise ProtocolError(405, f"{request.path} accepts POST only")
     body = parse_json_object(request.body) if request.body.strip() else {}
     if request.path == "/init_weight_transfer_engine":
-        info = body.get("init_info", {})
-        backend = info.get("backend", "disk") if isinstance(info, dict) else None
-        if backend not in BACKENDS:
-            raise ProtocolError(
-                400,
-                f"init_info.backend must be one of {', '.join(BACKENDS)}, got {backend!r}",
-                "init_info",
-            )
-        if backend == "gloo":
-            assert isinstance(info, dict)
-            rx.group = await _join_group(info)
-        rx.backend = backend
-        return json_response({"backend": backend})
+        return await _init(engine, rx, body.get("init_info", {}))
     if rx.backend is None:
         raise ProtocolError(409, "call /init_weight_transfer_engine first")
     if request.path == "/start_weight_update":
         if rx.staged is not None:
             log.warning("a weight update was started and never finished: discarding it")
         rx.staged = {}
+        rx.pools.start()
         return json_response({})
     if rx.staged is None:
         raise ProtocolError(
@@ -101,116 +166,75 @@ async def handle_weight_transfer(
         info = body.get("update_info")
         if not isinstance(info, dict):
             raise ProtocolError(400, "the body needs an 'update_info' object", "update_info")
-        if rx.backend == "gloo":
-            bucket = await _receive_bucket(engine, rx.group, info)
+        if rx.backend in ("gloo", "nccl"):
+            bucket, rx.last_update = await receive_collective(
+                engine,
+                rx.group,
+                rx.pools,
+                info,
+                packed=rx.packed,
+                buffer_size_bytes=rx.packed_buffer_size_bytes,
+                last=rx.last_update,
+            )
+        elif rx.backend == "ipc":
+            bucket = await receive_ipc(
+                engine, rx.pools, info, packed=rx.packed, mapped=rx.ipc_mapped
+            )
         else:
             bucket = await _read_bucket(engine, info)
         rx.staged.update(bucket)
         return json_response({"staged": len(rx.staged)})
     staged, rx.staged = rx.staged, None
     try:
-        await engine.load_weights(staged)
+        adopted = await engine.load_weights(staged, adopt=rx.backend != "disk")
     except EngineAsleepError as exc:
         raise ProtocolError(409, f"{exc} before finishing a weight update") from None
+    rx.pools.adopted(adopted)
     rx.updates_finished += 1
     return json_response({"weight_version": engine.weight_version, "loaded": len(staged)})
 
 
-async def _join_group(info: dict[str, Any]) -> Any:
-    try:
-        address = str(info["master_address"])
-        port, rank, world_size = (
-            int(info[k]) for k in ("master_port", "rank_offset", "world_size")
+async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> Any:
+    if info.get("master_address") is None or info.get("master_port") is None:
+        raise ValueError(
+            "init_info needs master_address and master_port (the reference server does not "
+            "take nccl_unique_id_b64)"
         )
-        timeout_s = float(info.get("group_timeout_s", 1800.0))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(
-            400,
-            "init_info needs master_address, master_port, rank_offset and world_size "
-            f"({type(exc).__name__}: {exc})",
-            "init_info",
-        ) from None
+    rank, world_size = int(info["rank_offset"]), int(info["world_size"])
     if not 0 < rank < world_size:
-        raise ProtocolError(400, f"rank_offset {rank} is not in [1, {world_size})", "init_info")
+        raise ValueError(f"rank_offset {rank} is not in [1, {world_size})")
     # The trainer bounds the init on its side (sync.group_init_timeout_s) and tears this
     # server down if it expires; the store's own timeout only ends an abandoned join.
     return await trio.to_thread.run_sync(
         functools.partial(
             join_group,
             "weight_sync",
-            master_address=address,
-            master_port=port,
+            master_address=str(info["master_address"]),
+            master_port=int(info["master_port"]),
             rank=rank,
             world_size=world_size,
-            store_timeout_s=timeout_s,
+            store_timeout_s=store_timeout_s,
+            backend=backend,  # type: ignore[arg-type]
         ),
         abandon_on_cancel=True,
     )
 
 
-def _announced(info: dict[str, Any]) -> tuple[list[Any], list[Any], list[Any]]:
+async def _read_bucket(engine: LocalEngine, info: dict[str, Any]) -> dict[str, torch.Tensor]:
     names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
         raise ProtocolError(
             400, "update_info needs lists 'names', 'dtype_names' and 'shapes'", "update_info"
         )
-    if not (len(names) == len(dtypes) == len(shapes)):
-        raise ProtocolError(
-            400, "update_info: names, dtype_names and shapes differ in length", "update_info"
-        )
-    return names, dtypes, shapes
-
-
-async def _receive_bucket(
-    engine: LocalEngine, group: Any, info: dict[str, Any]
-) -> dict[str, torch.Tensor]:
-    """Receive one bucket from rank 0's broadcast (one flat buffer), then check and split it.
-
-    The receive comes first, so a bad announcement still takes part in the collective and
-    leaves the group in step with rank 0; the 400 follows.
-    """
-    names, dtypes, shapes = _announced(info)
-    if len(set(dtypes)) != 1 or not isinstance(getattr(torch, str(dtypes[0]), None), torch.dtype):
-        raise ProtocolError(400, f"a bucket holds one known dtype, got {dtypes}", "dtype_names")
-    dtype = getattr(torch, str(dtypes[0]))
-    try:
-        numels = [math.prod(int(d) for d in shape) for shape in shapes]
-    except (TypeError, ValueError):
-        raise ProtocolError(400, "update_info.shapes must be lists of ints", "shapes") from None
-    flat = torch.empty(sum(numels), dtype=dtype)
-    await trio.to_thread.run_sync(group.broadcast, flat)
-    _check_names(engine, names, dtypes, shapes)
-    out: dict[str, torch.Tensor] = {}
-    for name, piece, shape in zip(names, flat.split(numels), shapes):
-        out[name] = piece.view(shape)
-    return out
-
-
-def _check_names(
-    engine: LocalEngine, names: list[Any], dtypes: list[Any], shapes: list[Any]
-) -> None:
-    params = dict(engine.model.named_parameters())
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        if name not in params:
-            raise ProtocolError(400, f"unknown parameter {name!r}", "names")
-        if list(params[name].shape) != shape:
-            raise ProtocolError(
-                400,
-                f"{name}: shape {shape} does not match the model's {list(params[name].shape)}",
-                "shapes",
-            )
-        if not hasattr(torch, str(dtype)):
-            raise ProtocolError(400, f"{name}: unknown dtype {dtype!r}", "dtype_names")
-
-
-async def _read_bucket(engine: LocalEngine, info: dict[str, Any]) -> dict[str, torch.Tensor]:
-    names, dtypes, shapes = _announced(info)
     path = info.get("path")
     if not isinstance(path, str):
         raise ProtocolError(
             400, "update_info.path (a safetensors file) is required by the disk backend", "path"
         )
-    _check_names(engine, names, dtypes, shapes)
+    check_names(engine, names, shapes)
+    for dtype in dtypes:
+        if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
+            raise ProtocolError(400, f"unknown dtype {dtype!r}", "dtype_names")
     try:
         tensors = await trio.to_thread.run_sync(load_file, path)
     except (OSError, ValueError, RuntimeError) as exc:  # missing file, corrupt header

@@ -1,27 +1,36 @@
-"""``sync.transport=broadcast``: a torch.distributed group from policy rank 0 to the engines.
+"""``sync.transport=gloo|nccl``: a collective group from policy rank 0 to the engines.
 
-The group (gloo on CPU; vLLM would use NCCL) has policy rank 0 as rank 0 (wherever rank 0
-runs: a thread of the trainer with local workers, rank 0's actor with Ray workers) and each
-engine server as rank ``1 + i``. It is built once, through :func:`sync.group.init_group`'s
-controller-side bound, and reused by every sync. The transfer follows vLLM's four-phase
-protocol::
+vLLM's ``nccl`` weight-transfer backend, and its CPU stand-in ``gloo`` that sends the very
+same messages. The group has policy rank 0 as rank 0 (wherever rank 0 runs: a thread of
+the trainer with local workers, rank 0's actor with Ray workers) and each engine server as
+rank ``1 + i``. It is built once, through :func:`sync.group.init_group`'s controller-side
+bound, and reused by every sync. The bodies are exactly vLLM 0.33.0's ``nccl`` ones (see
+:mod:`engines.weight_transfer`)::
 
     POST /init_weight_transfer_engine {"init_info": {"master_address", "master_port",
-                                        "rank_offset", "world_size", "backend": "gloo"}}   once
+        "rank_offset", "world_size", "packed", "packed_buffer_size_bytes",
+        "packed_num_buffers"}}                                                once
     POST /start_weight_update         {}
     POST /update_weights              {"update_info": {"names", "dtype_names", "shapes"}}   per bucket
     POST /finish_weight_update        {}    the engine applies the staged weights atomically
 
-For each bucket the ``/update_weights`` calls and rank 0's broadcast of the bucket run
-together: every server receives into a fresh buffer in a thread and stages it; rank 0
-flattens the bucket's parameters into one buffer (at most ``bucket_bytes`` beyond the
-model, never a second full copy) and broadcasts it. Its collective waits are bounded by the
-step's remaining budget (``remaining()``) or, without one, by ``timeout_s``.
+The engine's backend is the server's (vLLM: ``--weight-transfer-config '{"backend":
+"nccl"}'``); nothing in the bodies names it.
+
+Rank 0 sends all of a sync's buckets in one call where it runs, while the ``/update_weights``
+calls go out one bucket at a time beside it (each engine receives a bucket's broadcasts
+during its call). ``packed`` (vLLM's default): a bucket of at most ``bucket_bytes`` travels
+as one ``uint8`` buffer, packed into one of two buffers allocated once and reused by every
+sync (the next bucket is packed while the previous one is on the wire); unpacked: each
+parameter is broadcast from its own storage (no copy on rank 0). Rank 0's collective waits
+are bounded by the step's remaining budget (``remaining()``) or, without one, by
+``timeout_s``; none of it holds the GIL while it waits or copies.
 
 Both halves: the functions below marked "rank 0" run where rank 0 runs (through
-``workers.run_on_rank0``); the engine side is ``engines/local/weight_routes.py`` (backend
-``gloo``). The groups a process joined as rank 0 are kept in that process, by name, until
-:meth:`BroadcastTransport.close`.
+``workers.run_on_rank0``); the engine side is ``engines/local/weight_routes.py``. The groups
+a process joined as rank 0 are kept in that process, by name, until
+:meth:`BroadcastTransport.close`. ``nccl`` needs CUDA where rank 0 runs and on the engines
+(a CPU machine refuses it at init); it is built but not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -31,33 +40,47 @@ import math
 import uuid
 from typing import Any
 
+import attrs
 import torch
 import trio
 
-from engines.process_group import BACKSTOP_S, GroupHandle, free_port, join_group
+from engines.process_group import BACKSTOP_S, GroupBackend, GroupHandle, free_port, join_group
+from engines.weight_transfer import DEFAULT_PACKED_NUM_BUFFERS, nccl_init_info, tensor_update_info
 from sync.group import init_group
 from sync.transports.base import Rank0
-from sync.transports.buckets import plan_buckets, update_info
+from sync.transports.buckets import plan_buckets
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation, remaining
 
 __all__ = [
     "GROUP",
     "BroadcastTransport",
-    "broadcast_bucket",
     "group_endpoint",
     "host_group",
     "hosted_groups",
     "leave_group",
-    "weight_buckets",
+    "plan_sync",
+    "send_buckets",
 ]
 
 #: The name errors and logs give the weight-sync group.
 GROUP = "weight_sync"
 INIT_OP = "init_process_group"
 
+
+@attrs.define(eq=False)
+class _Rank0State:
+    """What rank 0's process keeps for one transport: its group, plan and pack buffers."""
+
+    handle: GroupHandle
+    #: This sync's buckets: the parameters' names, in model order.
+    plan: list[list[str]] = attrs.Factory(list)
+    #: The two reused pack buffers (packed only), allocated at the first sync.
+    buffers: list[torch.Tensor] = attrs.Factory(list)
+
+
 #: Rank 0's side of the groups this process joined, by group id.
-_hosted: dict[str, GroupHandle] = {}
+_hosted: dict[str, _Rank0State] = {}
 
 
 def group_endpoint(model: torch.nn.Module, host: str | None) -> tuple[str, int]:
@@ -80,41 +103,96 @@ def host_group(
     port: int,
     world_size: int,
     store_timeout_s: float,
+    backend: GroupBackend = "gloo",
 ) -> None:
     """Rank 0: host and join the group (blocks until every rank joined or the store times out)."""
-    _hosted[group_id] = join_group(
-        GROUP,
-        master_address=host,
-        master_port=port,
-        rank=0,
-        world_size=world_size,
-        store_timeout_s=store_timeout_s,
+    _hosted[group_id] = _Rank0State(
+        join_group(
+            GROUP,
+            master_address=host,
+            master_port=port,
+            rank=0,
+            world_size=world_size,
+            store_timeout_s=store_timeout_s,
+            backend=backend,
+        )
     )
 
 
-def weight_buckets(model: torch.nn.Module, bucket_bytes: int) -> list[dict[str, Any]]:
-    """Rank 0: vLLM's ``update_info`` per bucket (one dtype each, at most ``bucket_bytes``)."""
-    return [
-        update_info(b) for b in plan_buckets(model.named_parameters(), bucket_bytes, one_dtype=True)
-    ]
+def _state(group_id: str) -> _Rank0State:
+    state = _hosted.get(group_id)
+    if state is None:
+        raise RuntimeError(f"a sync before rank 0 joined group {group_id!r}")
+    return state
 
 
-def broadcast_bucket(
-    model: torch.nn.Module, group_id: str, names: list[str], timeout_s: float
+def plan_sync(model: torch.nn.Module, group_id: str, bucket_bytes: int) -> list[dict[str, Any]]:
+    """Rank 0: cut the parameters into buckets of at most ``bucket_bytes``; vLLM's
+    ``update_info`` of each (kept here for :func:`send_buckets`)."""
+    buckets = plan_buckets(model.named_parameters(), bucket_bytes)
+    _state(group_id).plan = [[name for name, _ in b] for b in buckets]
+    return [tensor_update_info(b) for b in buckets]
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
+
+
+def send_buckets(
+    model: torch.nn.Module, group_id: str, packed: bool, bucket_bytes: int, timeout_s: float
 ) -> None:
-    """Rank 0: broadcast the named parameters as one flat buffer (blocking, ``timeout_s``)."""
-    group = _hosted.get(group_id)
-    if group is None:
-        raise RuntimeError(f"broadcast of a bucket before rank 0 joined group {group_id!r}")
+    """Rank 0: broadcast every bucket of :func:`plan_sync`, in order (blocking).
+
+    Packed: bucket ``k + 1`` is packed (one ``torch.cat`` into a reused buffer, GIL released)
+    while bucket ``k`` is on the wire. A bucket is one vLLM packed chunk: it holds at most
+    ``bucket_bytes`` (or one larger tensor alone), so the engine cuts it the same way.
+    """
+    state = _state(group_id)
+    handle = state.handle
     params = dict(model.named_parameters())
+    device = handle.device if handle.device is not None else torch.device("cpu")
     with torch.no_grad():
-        flat = torch.cat([params[n].detach().reshape(-1) for n in names])
-    group.broadcast(flat, 0, timeout_s=timeout_s)
+        if not packed:
+            for names in state.plan:
+                works = [
+                    handle.broadcast_async(params[n].detach(), 0, timeout_s=timeout_s)
+                    for n in names
+                ]
+                for work in works:
+                    if work is not None:
+                        work.wait()
+            return
+        if not state.buffers:
+            state.buffers = [
+                torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+                for _ in range(DEFAULT_PACKED_NUM_BUFFERS)
+            ]
+        pending: list[Any] = [None] * len(state.buffers)
+        for k, names in enumerate(state.plan):
+            slot = k % len(state.buffers)
+            if pending[slot] is not None:
+                pending[slot].wait()  # the slot's previous bucket has left
+            pieces = [_flat_bytes(params[n]) for n in names]
+            size = sum(p.numel() for p in pieces)
+            buf = state.buffers[slot]
+            if size > buf.numel():  # one tensor larger than the bucket: its own buffer
+                buf = torch.empty(size, dtype=torch.uint8, device=device)
+            if buf.device == pieces[0].device:
+                torch.cat(pieces, out=buf[:size])
+            else:
+                offset = 0
+                for p in pieces:
+                    buf[offset : offset + p.numel()].copy_(p, non_blocking=True)
+                    offset += p.numel()
+            pending[slot] = handle.broadcast_async(buf[:size], 0, timeout_s=timeout_s)
+        for work in pending:
+            if work is not None:
+                work.wait()
 
 
 def hosted_groups() -> dict[str, GroupHandle]:
     """The groups this process hosts as rank 0, by group id (a copy)."""
-    return dict(_hosted)
+    return {k: v.handle for k, v in _hosted.items()}
 
 
 def leave_group(model: torch.nn.Module, group_id: str) -> bool:
@@ -123,7 +201,12 @@ def leave_group(model: torch.nn.Module, group_id: str) -> bool:
 
 
 class BroadcastTransport:
-    """Rank 0 of the weight-sync group; ``init`` builds the group once, ``transfer`` reuses it."""
+    """Rank 0 of the weight-sync group; ``init`` builds the group once, ``transfer`` reuses it.
+
+    ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU); the messages are the same. ``packed``:
+    vLLM's wire param (buckets as flat ``uint8`` buffers, at most ``bucket_bytes`` each,
+    which is also the ``packed_buffer_size_bytes`` sent).
+    """
 
     def __init__(
         self,
@@ -132,8 +215,12 @@ class BroadcastTransport:
         group_init_timeout_s: float,
         timeout_s: float = 1800.0,
         master_address: str | None = None,
+        backend: GroupBackend = "gloo",
+        packed: bool = True,
     ) -> None:
         self.bucket_bytes = bucket_bytes
+        self.backend: GroupBackend = backend
+        self.packed = packed
         self.group_init_timeout_s = group_init_timeout_s
         #: Bound of one collective when the step has no deadline (the group's own watchdog).
         self.timeout_s = timeout_s
@@ -176,18 +263,19 @@ class BroadcastTransport:
                 port,
                 world_size,
                 store_timeout_s,
+                self.backend,
                 abandon_on_cancel=True,
             )
 
         def server_join(i: int, url: str):
-            init_info = {
-                "master_address": host,
-                "master_port": port,
-                "rank_offset": 1 + i,
-                "world_size": world_size,
-                "backend": "gloo",
-                "group_timeout_s": store_timeout_s,
-            }
+            init_info = nccl_init_info(
+                master_address=host,
+                master_port=port,
+                rank_offset=1 + i,
+                world_size=world_size,
+                packed=self.packed,
+                packed_buffer_size_bytes=self.bucket_bytes,
+            )
 
             async def join() -> None:
                 # one server at a time: each has its own rank_offset
@@ -201,27 +289,25 @@ class BroadcastTransport:
         await init_group(GROUP, joins, timeout_s=math.inf)  # init() bounds the whole
 
     async def transfer(self, engine: Any, workers: Rank0) -> None:
+        """One sync: rank 0 sends every bucket while the engines receive them, call by call."""
         if not self.initialized:
             raise RuntimeError("BroadcastTransport.transfer before init")
-        buckets = await workers.run_on_rank0(weight_buckets, self.bucket_bytes)
+        buckets = await workers.run_on_rank0(plan_sync, self.group_id, self.bucket_bytes)
         await engine.control("POST", "/start_weight_update", json={})
-        for bucket in buckets:
-            left = remaining()
-            timeout_s = self.timeout_s if left is None else max(left, 0.001)
-            async with open_owner_nursery() as nursery:
-                update = functools.partial(
-                    engine.control, "POST", "/update_weights", json={"update_info": bucket}
-                )
-                nursery.start_soon(update)
-                nursery.start_soon(
-                    functools.partial(
-                        workers.run_on_rank0,
-                        broadcast_bucket,
-                        self.group_id,
-                        bucket["names"],
-                        timeout_s,
-                    )
-                )
+        left = remaining()
+        timeout_s = self.timeout_s if left is None else max(left, 0.001)
+        send = functools.partial(
+            workers.run_on_rank0,
+            send_buckets,
+            self.group_id,
+            self.packed,
+            self.bucket_bytes,
+            timeout_s,
+        )
+        async with open_owner_nursery() as nursery:
+            nursery.start_soon(send)
+            for bucket in buckets:
+                await engine.control("POST", "/update_weights", json={"update_info": bucket})
         await engine.control("POST", "/finish_weight_update", json={})
 
     async def close(self, workers: Rank0) -> None:

@@ -16,7 +16,7 @@ from tests.e2e.helpers import (
 )
 
 
-@pytest.mark.parametrize("transport", ["disk", "broadcast"])
+@pytest.mark.parametrize("transport", ["disk", "gloo"])
 def test_a_slow_transfer_does_not_stall_the_event_loop(tmp_path, transport):
     marker = new_marker()
     proc = run_trainer(
@@ -40,7 +40,7 @@ def test_a_hung_group_init_ends_with_checkpoint_engine_init_error_and_no_process
     marker = new_marker()
     proc = run_trainer(
         "trainer.max_steps=3",
-        "sync.transport=broadcast",
+        "sync.transport=gloo",
         "sync.group_init_timeout_s=10",
         "faults=init_process_group:hang",
         f"trainer.run_dir={tmp_path}",
@@ -62,7 +62,7 @@ def test_a_hung_transfer_is_abandoned_at_budget_plus_grace_and_leaves_no_process
     marker = new_marker()
     proc = run_trainer(
         "trainer.max_steps=3",
-        "sync.transport=broadcast",
+        "sync.transport=gloo",
         "faults=broadcast_to_inference_engines:hang@2",
         "trainer.weight_sync_timeout_s=4",
         "trainer.step_timeout_s=30",

@@ -18,21 +18,32 @@ def test_group_init_timeout_defaults_to_600_and_the_env_var_sets_it(monkeypatch)
     assert load_config(None, []).sync.group_init_timeout_s == 7.0
 
 
-def test_broadcast_loads_with_either_worker_backend():
+@pytest.mark.parametrize("transport", ["gloo", "nccl", "ipc"])
+def test_the_vllm_shaped_transports_load_with_either_worker_backend(transport):
     for backend in ("local", "ray"):
-        cfg = load_config(None, ["sync.transport=broadcast", f"workers.backend={backend}"])
-        assert (cfg.sync.transport, cfg.workers.backend) == ("broadcast", backend)
+        cfg = load_config(None, [f"sync.transport={transport}", f"workers.backend={backend}"])
+        assert (cfg.sync.transport, cfg.workers.backend) == (transport, backend)
+        assert cfg.sync.packed is None  # nccl: packed (vLLM's default); gloo: unpacked
 
 
-def test_broadcast_to_the_in_process_engine_is_refused_saying_why():
+def test_the_old_broadcast_value_is_refused_saying_what_to_write():
     with pytest.raises(ConfigError) as info:
-        load_config(None, ["sync.transport=broadcast", "engine.backend=inprocess"])
+        load_config(None, ["sync.transport=broadcast"])
+    assert str(info.value).startswith(
+        "config: sync.transport='broadcast' was renamed: write sync.transport=gloo"
+    )
+
+
+@pytest.mark.parametrize("transport", ["gloo", "nccl", "ipc"])
+def test_a_server_transport_to_the_in_process_engine_is_refused_saying_why(transport):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"sync.transport={transport}", "engine.backend=inprocess"])
     assert "engine.backend='inprocess' has none" in str(info.value)
     assert load_config(None, ["engine.backend=inprocess"]).sync.transport == "disk"
 
 
-def test_a_group_init_fault_needs_the_broadcast_transport():
-    with pytest.raises(ConfigError, match=r"set sync\.transport=broadcast to reach it"):
+def test_a_group_init_fault_needs_a_group_transport():
+    with pytest.raises(ConfigError, match=r"set sync\.transport=gloo \(or nccl\) to reach it"):
         load_config(None, ["faults=init_process_group:hang"])
-    cfg = load_config(None, ["faults=init_process_group:hang", "sync.transport=broadcast"])
+    cfg = load_config(None, ["faults=init_process_group:hang", "sync.transport=gloo"])
     assert cfg.faults == "init_process_group:hang"

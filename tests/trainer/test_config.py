@@ -108,7 +108,7 @@ def test_bad_fault_spec_is_rejected_at_load():
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        (["faults=init_process_group:hang"], "set sync.transport=broadcast to reach it"),
+        (["faults=init_process_group:hang"], "set sync.transport=gloo (or nccl) to reach it"),
         (
             ["faults=/sleep:hang@2"],
             "set engine.offload_kv_for_weight_sync=true or engine.colocated=true",
@@ -135,7 +135,7 @@ def test_a_fault_the_run_can_never_reach_is_refused_naming_the_setting_that_woul
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["faults=init_process_group:hang", "sync.transport=broadcast"],
+        ["faults=init_process_group:hang", "sync.transport=gloo"],
         ["faults=/sleep:hang@2", "engine.offload_kv_for_weight_sync=true"],
         ["faults=/pause:hang@2,forward:hang@10", "trainer.max_steps=10"],
         ["faults=save_checkpoint:error=disk full", "trainer.ckpt_interval=5"],
@@ -167,7 +167,7 @@ def test_yaml_file_problems_are_config_errors(tmp_path):
         load_config(typo)
 
 
-@pytest.mark.parametrize("collectives", ["workers.backend=ray", "sync.transport=broadcast"])
+@pytest.mark.parametrize("collectives", ["workers.backend=ray", "sync.transport=gloo"])
 def test_budget_below_collective_timeout_warns_where_a_collective_runs(collectives):
     with pytest.warns(
         ConfigWarning, match=r"trainer.step_timeout_s=20 is below the collective timeout"

@@ -89,6 +89,7 @@ PUBLIC = {
         "GeneratorConfig",
         "ModelConfig",
         "OptimConfig",
+        "RENAMED_VALUES",
         "SamplingConfig",
         "SyncConfig",
         "TrainerConfig",
