@@ -42,6 +42,8 @@ def shard_model(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            # a plain SUM (gloo has no PREMUL_SUM, and with factor 1 there is nothing to scale)
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

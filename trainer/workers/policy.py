@@ -47,6 +47,16 @@ def _load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
     return torch.nn.Module.to(model, device)
 
 
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers >= 5.x names it ``activation_checkpointing_enable`` (the old name warns)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
 class RefWorker:
     """A frozen copy of the initial policy; computes reference logprobs for the KL penalty."""
 
@@ -135,9 +145,7 @@ class PolicyWorker:
         self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
         self.model.train()
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(  # type: ignore[operator]
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
+            _enable_activation_checkpointing(self.model)
         self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
         self._warmup_steps = warmup_steps
         self._make_optimizer()
