@@ -7,6 +7,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -36,7 +37,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_group import RayWorkerGroup, gpus_for, shards
 
-POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
+POLICY_KWARGS: dict[str, Any] = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
 
 
 @pytest.fixture(scope="module")
