@@ -201,10 +201,13 @@ async def open_engine_processes(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    devices: Sequence[str] = (),
 ) -> AsyncIterator[list[EngineProcess]]:
     """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
 
-    Server ``I`` gets seed ``seed + I`` and logs to ``log_dir/engine-I.log`` (appended).
+    Server ``I`` gets seed ``seed + I``, ``--device devices[I % len(devices)]`` (none when
+    ``devices`` is empty: the server's default, ``auto``) and logs to ``log_dir/engine-I.log``
+    (appended).
     ``model_dir=None`` serves the built-in tiny model. Raises ``EngineStartError`` (with the
     log tail) when a server exits during start-up or is not healthy within
     ``startup_timeout_s``; several failures raise the first, the others as notes. ``ValueError``
@@ -219,7 +222,8 @@ async def open_engine_processes(
     engines: list[EngineProcess] = []
     try:
         for i in range(num_engines):
-            cmd = server_command(model_dir, host, seed + i, extra_args)
+            device = ["--device", devices[i % len(devices)]] if devices else []
+            cmd = server_command(model_dir, host, seed + i, [*extra_args, *device])
             engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", child_env))
         async with httpx.AsyncClient(timeout=5.0) as http:
             with trio.move_on_after(startup_timeout_s) as scope:
@@ -257,6 +261,7 @@ async def launch_local_engines(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     extra_args: Sequence[str] = (),
+    devices: Sequence[str] = (),
 ) -> AsyncIterator[list[str]]:
     """:func:`open_engine_processes`, yielding the servers' base URLs (``http://HOST:PORT``)."""
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
@@ -271,5 +276,6 @@ async def launch_local_engines(
         startup_timeout_s=startup_timeout_s,
         shutdown_timeout_s=shutdown_timeout_s,
         extra_args=extra_args,
+        devices=devices,
     ) as engines:
         yield [e.url for e in engines]

@@ -298,6 +298,12 @@ def validate_cfg(cfg: Config) -> None:
             "workers.backend='local' runs exactly 1 policy worker (use workers.backend=ray for "
             "data parallel)"
         )
+    if w.data_parallel == "fsdp2" and (t.ckpt_interval > 0 or t.resume_mode != "none"):
+        raise ConfigError(
+            "config: workers.data_parallel='fsdp2' cannot save or resume checkpoints yet "
+            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
+            "use workers.data_parallel=replicate for a run with checkpoints"
+        )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
     if cfg.faults:

@@ -1,19 +1,23 @@
 """The configuration schema: one attrs class per section, one documented field per key.
 
-Each field is made with ``_field(default, doc, check=..., env=...)``: ``doc`` is what
-``python -m trainer --help`` and docs/configuration.md show, ``check`` returns what is wrong
-with a value (or None), ``env`` names an environment variable that overrides the key.
-Loading and validation live in :mod:`trainer.config`.
+Each field is made with ``_field(default, doc, check=..., env=...)``
+(:func:`trainer.config_fields.config_field`): ``doc`` is what ``python -m trainer --help`` and
+docs/configuration.md show, ``check`` returns what is wrong with a value (or None), ``env``
+names an environment variable that overrides the key. ``workers`` lives in
+:mod:`trainer.config_workers`. Loading and validation live in :mod:`trainer.config`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 import attrs
 
 from engines.types import PauseMode
+from trainer.config_fields import ConfigWarning, at_least, in_range, module_attr, positive
+from trainer.config_fields import config_field as _field
+from trainer.config_fields import config_section as _section
+from trainer.config_workers import WorkersConfig
 
 __all__ = [
     "RENAMED_VALUES",
@@ -33,13 +37,6 @@ __all__ = [
     "WorkersConfig",
 ]
 
-Check = Callable[[Any], str | None]
-
-
-class ConfigWarning(UserWarning):
-    """A configuration that works but is probably not what was meant."""
-
-
 #: Values that were renamed: (key, old value) -> what to write instead (a ConfigError says so).
 RENAMED_VALUES: dict[tuple[str, str], str] = {
     (
@@ -47,32 +44,6 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
         "broadcast",
     ): "gloo (the CPU stand-in for vLLM's nccl backend; nccl on GPUs)",
 }
-
-
-def _field(default: Any, doc: str, *, check: Check | None = None, env: str | None = None) -> Any:
-    return attrs.field(default=default, metadata={"doc": doc, "check": check, "env": env})
-
-
-def _section(cls: type, doc: str) -> Any:
-    return attrs.field(factory=cls, metadata={"doc": doc})
-
-
-def at_least(lo: float) -> Check:
-    return lambda v: None if v is None or v >= lo else f"must be >= {lo:g}"
-
-
-def positive(v: Any) -> str | None:
-    return None if v is None or v > 0 else "must be > 0"
-
-
-def in_range(lo: float, hi: float) -> Check:
-    return lambda v: None if v is None or lo <= v <= hi else f"must be in [{lo:g}, {hi:g}]"
-
-
-def module_attr(v: Any) -> str | None:
-    if v is None or (isinstance(v, str) and v.count(":") == 1 and all(v.split(":"))):
-        return None
-    return "must be 'package.module:Name'"
 
 
 def _loggers(v: Any) -> str | None:
@@ -314,6 +285,18 @@ class EngineConfig:
         "inside or outside a step; <= 0 disables. Generation requests are not bounded by it.",
         env="TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S",
     )
+    device: Literal["auto", "cpu", "cuda"] = _field(
+        "auto",
+        "Where the reference engines the trainer runs (backend=local or inprocess) hold their "
+        "model: 'auto' is CUDA when the engine's process sees a GPU, else the CPU; 'cuda' "
+        "refuses to start where there is none. On CUDA the model is bfloat16 (see docs/gpus.md).",
+    )
+    gpu_ids: tuple[int, ...] = _field(
+        (),
+        "engine.device=cuda with placement=process: the GPU of each started engine, engine i "
+        "on cuda:gpu_ids[i % len] (e.g. [1,2,3] leaves GPU 0 to the policy); empty: every "
+        "engine on the first GPU, colocated with the policy.",
+    )
 
 
 @attrs.define
@@ -353,36 +336,6 @@ class SyncConfig:
         "else the step's) before the run abandons it: the engines are left paused (their "
         "weights may be partial) and the run ends with WeightSyncTimeoutError saying so.",
         check=at_least(0),
-    )
-
-
-@attrs.define
-class WorkersConfig:
-    backend: Literal["local", "ray"] = _field(
-        "local",
-        "Where policy/ref workers run: 'local' (threads in this process) or 'ray' (Ray actors, "
-        "data parallel over num_policy_workers; see docs/scaling.md).",
-    )
-    num_policy_workers: int = _field(
-        1,
-        "Data-parallel policy workers (backend=ray; the local backend runs exactly one).",
-        check=at_least(1),
-    )
-    ray_address: str | None = _field(
-        None,
-        "workers.backend=ray or engine.placement=ray: the cluster to join ('auto' or "
-        "HOST:PORT); None starts a local cluster for this run and stops it at exit.",
-    )
-    ray_init_retries: int = _field(
-        3,
-        "workers.backend=ray or engine.placement=ray: extra attempts to start the local "
-        "cluster when ray.init fails (cluster start-up only; never retries a step).",
-        check=at_least(0),
-    )
-    collective_timeout_s: float = _field(
-        1800.0,
-        "Timeout of torch.distributed collectives (the process group's own watchdog).",
-        check=positive,
     )
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from engines.client import InferenceClient
+from engines.devices import resolve_device
 from engines.launch import launch_local_engines
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
 from sync.transports import (
@@ -54,10 +55,16 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     Servers the trainer starts are stopped when the block exits, whatever the error.
     """
     e = cfg.engine
+    devices = [f"cuda:{i}" for i in e.gpu_ids] if e.device == "cuda" and e.gpu_ids else [e.device]
+    if e.backend == "inprocess" or e.placement == "process":
+        for device in devices:  # here, before a server starts: a clear ConfigError
+            resolve_device(device, key="engine.device")
     if e.backend == "inprocess":
         from engines.local.inprocess import open_inprocess_client
 
-        async with open_inprocess_client(model_dir, seed=cfg.trainer.seed) as client:
+        async with open_inprocess_client(
+            model_dir, seed=cfg.trainer.seed, device=devices[0]
+        ) as client:
             yield client
         return
     async with AsyncExitStack() as stack:
@@ -78,6 +85,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
                     log_dir,
                     num_cpus=e.ray_num_cpus,
                     env=actor_env(),
+                    extra_args=["--device", e.device],
                     **started,
                 )
             )
@@ -85,7 +93,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
         elif e.backend == "local":
             urls = await stack.enter_async_context(
-                launch_local_engines(e.num_engines, model_dir, log_dir, **started)
+                launch_local_engines(e.num_engines, model_dir, log_dir, devices=devices, **started)
             )
         else:
             urls = list(e.urls)
@@ -152,8 +160,9 @@ async def open_workers(
 
     ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`). Each policy
     worker gets ``policy_kwargs`` plus the loss's off-policy settings from ``cfg``
-    (``algorithm.off_policy_correction``, ``algorithm.tis_cap``), so the workers of every
-    strategy get them whoever builds the rest.
+    (``algorithm.off_policy_correction``, ``algorithm.tis_cap``) and the device settings
+    (``workers.device``, ``workers.dtype``, ``workers.gradient_checkpointing``; offload when
+    ``engine.colocated``), so the workers of every strategy get them whoever builds the rest.
     """
     w = cfg.workers
     with_ref = cfg.algorithm.use_kl_loss
@@ -163,6 +172,10 @@ async def open_workers(
             cfg.algorithm.off_policy_correction, cfg.trainer.strategy
         ),
         "tis_cap": cfg.algorithm.tis_cap,
+        "device": w.device,
+        "dtype": w.dtype,
+        "gradient_checkpointing": w.gradient_checkpointing,
+        "offload": cfg.engine.colocated,  # free the GPU for an engine that shares it
     }
     if w.backend == "local":
         workers = await LocalWorkerGroup.create(
@@ -177,6 +190,8 @@ async def open_workers(
             with_ref=with_ref,
             num_workers=w.num_policy_workers,
             collective_timeout_s=w.collective_timeout_s,
+            data_parallel=w.data_parallel,
+            gpus_per_worker=w.gpus_per_worker,
         )
     try:
         yield workers

@@ -127,12 +127,13 @@ def advantages_for(ctx: RunContext, out: GeneratorOutput) -> torch.Tensor:
 async def train_policy(
     ctx: RunContext, batch: TrainBatch, group_ids: list[int]
 ) -> dict[str, float]:
-    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups."""
+    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups, between
+    ``backload_to_gpu`` and ``offload_to_cpu`` (their bytes join the metrics)."""
     t = ctx.cfg.trainer
     prompts_per_mini = t.policy_mini_batch_size or t.train_batch_size
     groups = sorted(set(group_ids))
     metrics: dict[str, list[float]] = {}
-    await ctx.workers.backload_to_gpu()
+    moved = await ctx.workers.backload_to_gpu()
     for _epoch in range(t.update_epochs):
         for start in range(0, len(groups), prompts_per_mini):
             chosen = set(groups[start : start + prompts_per_mini])
@@ -142,8 +143,8 @@ async def train_policy(
             step_metrics |= await ctx.workers.optim_step()
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
-    await ctx.workers.offload_to_cpu()
-    return {k: statistics.fmean(v) for k, v in metrics.items()}
+    moved |= await ctx.workers.offload_to_cpu()
+    return {k: statistics.fmean(v) for k, v in metrics.items()} | moved
 
 
 async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,12 @@
 
     python -m engines.local serve [--model DIR] [--host 127.0.0.1] [--port 8000]
                                   [--api-key KEY] [--seed N] [--exit-on-stdin-eof]
-                                  [--no-weight-transfer]
+                                  [--no-weight-transfer] [--device auto|cpu|cuda|cuda:N]
+                                  [--dtype auto|float32|bfloat16]
+
+``--device auto`` (the default) runs on CUDA when this process sees a GPU, else on the CPU;
+``--device cuda`` on a machine without one exits at once with a line saying what to do. On
+CUDA the model is bfloat16 unless ``--dtype`` says otherwise; sampling stays on the CPU.
 
 Once listening it prints one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
 (``--port 0`` picks a free port; launchers read the port from this line). SIGTERM/SIGINT
@@ -30,6 +35,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
+from engines.devices import DTYPES, resolve_device
 from engines.local.engine import DEFAULT_BATCH_WAIT_S, open_local_engine
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
@@ -103,6 +109,18 @@ def _parser() -> argparse.ArgumentParser:
         "must wait for a core makes each small forward pass many times slower)",
     )
     s.add_argument(
+        "--device",
+        default="auto",
+        help="where the model and KV caches live: auto (CUDA when available, else the CPU), "
+        "cpu, cuda or cuda:N (default auto)",
+    )
+    s.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="model dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16",
+    )
+    s.add_argument(
         "--no-weight-transfer",
         dest="weight_transfer_routes",
         action="store_false",
@@ -151,6 +169,7 @@ async def serve(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    resolve_device(args.device, key="--device")  # refuse CUDA where there is none, at once
     model_dir = await trio.to_thread.run_sync(resolve_model_path, args.model)
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -162,6 +181,8 @@ async def serve(args: argparse.Namespace) -> None:
             seed=args.seed,
             max_num_seqs=args.max_num_seqs,
             batch_wait_s=args.batch_wait_ms / 1000,
+            device=args.device,
+            dtype=args.dtype,
         ) as engine:
             app = ServerApp(
                 engine,

@@ -16,7 +16,8 @@ passes (pure functions of the requests, run in a worker thread by the engine):
   and left-padded to a common width. The step's output cache is their new packed cache.
 
 So a step costs a few tensor operations per layer whatever the batch size, not a few per
-request. Positions are passed explicitly, so padding never shifts a token's rotary
+request. The model and the caches live on the model's device (CPU or CUDA); the step's
+logits come back to the CPU, where sampling runs, so a seed draws the same tokens on either. Positions are passed explicitly, so padding never shifts a token's rotary
 position: batched results equal per-request ones up to floating-point noise.
 
 Sampling is batched too (:func:`sample_tokens`): temperature and top-p per row, then
@@ -121,6 +122,10 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
 def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cast(Any, cache.layers)]
 
@@ -136,20 +141,22 @@ def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Te
         ids[i, width - len(s) :] = torch.tensor(s)
         mask[i, width - len(s) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    device = _device(model)
     cache = DynamicCache(config=model.config)
     out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=positions,
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=positions.to(device),
         use_cache=True,
         logits_to_keep=1,
         **{_cache_kwarg(model): cache},
     )
-    logits = out.logits[:, -1, :].float()
+    logits = out.logits[:, -1, :].float().cpu()
     layers = _layers(cache)
     if len(distinct) < len(seqs):  # copy the shared rows out to one row per request
         rows = torch.tensor(source)
-        layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in layers]
+        on_device = rows.to(device)
+        layers = [(k.index_select(0, on_device), v.index_select(0, on_device)) for k, v in layers]
         logits = logits.index_select(0, rows)
     packed = PackedKV(layers, torch.tensor([len(s) for s in seqs]))
     for i, r in enumerate(reqs):
@@ -174,12 +181,17 @@ def _gather(reqs: Sequence[DecodeRequest]) -> PackedKV:
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
     lengths: list[torch.Tensor] = []
     placed: list[int] = []
+    device = first.layers[0][0].device
     for cache, rows, positions in sources.values():
         index = torch.tensor(rows)
+        on_device = index.to(device)
         pad = (0, 0, width - cache.width, 0)  # left-pad the token axis
         parts.append(
             [
-                (F.pad(k.index_select(0, index), pad), F.pad(v.index_select(0, index), pad))
+                (
+                    F.pad(k.index_select(0, on_device), pad),
+                    F.pad(v.index_select(0, on_device), pad),
+                )
                 for k, v in cache.layers
             ]
         )
@@ -187,10 +199,11 @@ def _gather(reqs: Sequence[DecodeRequest]) -> PackedKV:
         placed += positions
     order = torch.empty(len(placed), dtype=torch.long)
     order[torch.tensor(placed)] = torch.arange(len(placed))  # row of each request in the cat
+    order_on_device = order.to(device)
     layers = [
         (
-            torch.cat([p[layer][0] for p in parts]).index_select(0, order),
-            torch.cat([p[layer][1] for p in parts]).index_select(0, order),
+            torch.cat([p[layer][0] for p in parts]).index_select(0, order_on_device),
+            torch.cat([p[layer][1] for p in parts]).index_select(0, order_on_device),
         )
         for layer in range(len(first.layers))
     ]
@@ -205,18 +218,19 @@ def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
     ids = torch.tensor(
         [[r.out_ids[-1] if r.out_ids else r.prompt_ids[-1]] for r in reqs], dtype=torch.long
     )
+    device = packed.layers[0][0].device
     cache = DynamicCache(ddp_cache_data=packed.layers, config=model.config)
     out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=lengths[:, None],
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        position_ids=lengths[:, None].to(device),
         use_cache=True,
         **{_cache_kwarg(model): cache},
     )
     grown = PackedKV(_layers(cache), lengths + 1)
     for i, r in enumerate(reqs):
         r.kv = KVRef(grown, i)
-    return out.logits[:, -1, :].float()
+    return out.logits[:, -1, :].float().cpu()
 
 
 @attrs.frozen

@@ -36,6 +36,7 @@ import attrs
 import torch
 import trio
 
+from engines.devices import resolve_device, resolve_dtype
 from engines.local.decode import KVRef, StepResult, decode_step
 from engines.local.text import first_stop
 from engines.models import load_tokenizer
@@ -97,12 +98,18 @@ class LocalEngine:
         seed: int = 0,
         max_num_seqs: int = 256,
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+        device: str = "auto",
+        dtype: str = "auto",
     ) -> None:
         # heavy (transformers' auto-model registry): loaded with the first engine only
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        #: Where the model and the KV caches live (``--device``; sampling stays on the CPU).
+        self.device = resolve_device(device, key="--device")
+        self.dtype = resolve_dtype(dtype, self.device, key="--dtype")
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+        torch.nn.Module.to(self.model, self.device)
         self.model.eval()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.vocab_size = int(self.model.config.vocab_size)
@@ -364,7 +371,7 @@ class LocalEngine:
         """sha256 of each parameter's float32 bytes, by name (vLLM ``/weight_checker`` shape)."""
         return {
             name: hashlib.sha256(
-                p.detach().to(torch.float32).contiguous().numpy().tobytes()
+                p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
             ).hexdigest()
             for name, p in sorted(self.model.named_parameters())
         }
@@ -486,7 +493,7 @@ def state_checksum(named: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for name in sorted(named):
         h.update(name.encode())
-        h.update(named[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+        h.update(named[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -497,11 +504,23 @@ async def open_local_engine(
     seed: int = 0,
     max_num_seqs: int = 256,
     batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
+    device: str = "auto",
+    dtype: str = "auto",
 ) -> AsyncIterator[LocalEngine]:
-    """Load the model (in a thread) and run the scheduler in a nursery for the block's life."""
+    """Load the model (in a thread) and run the scheduler in a nursery for the block's life.
+
+    ``device``/``dtype`` as :mod:`engines.devices` resolves them (``auto``: CUDA in bfloat16
+    when this process sees a GPU, else the CPU in float32); ``ConfigError`` for CUDA where
+    there is none.
+    """
     engine = await trio.to_thread.run_sync(
         lambda: LocalEngine(
-            model_dir, seed=seed, max_num_seqs=max_num_seqs, batch_wait_s=batch_wait_s
+            model_dir,
+            seed=seed,
+            max_num_seqs=max_num_seqs,
+            batch_wait_s=batch_wait_s,
+            device=device,
+            dtype=dtype,
         )
     )
     async with open_owner_nursery() as nursery:

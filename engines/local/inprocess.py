@@ -90,7 +90,7 @@ class InProcessClient:
 
 @asynccontextmanager
 async def open_inprocess_client(
-    model_dir: str | Path, *, seed: int = 0
+    model_dir: str | Path, *, seed: int = 0, device: str = "auto"
 ) -> AsyncIterator[InProcessClient]:
-    async with open_local_engine(model_dir, seed=seed) as engine:
+    async with open_local_engine(model_dir, seed=seed, device=device) as engine:
         yield InProcessClient(engine)

@@ -8,6 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 import trio
 
 from engines.client import InferenceClient
@@ -130,3 +131,20 @@ async def test_a_second_launch_in_the_same_log_dir_ignores_the_first_servers_rea
     assert completion.finish_reason == "length"
     assert (tmp_path / "engine-0.log").read_text().count("ENGINE_READY") == 2
     del first
+
+
+async def test_each_started_server_gets_its_device_and_a_cuda_one_refuses_here(
+    tmp_path: Path,
+) -> None:
+    """``devices`` gives server I ``--device devices[I % len]``: a ``cpu`` one serves, and
+    (on a machine without CUDA) a ``cuda:1`` one exits at once saying why."""
+    if torch.cuda.device_count() > 1:
+        pytest.skip("checks the refusal on a machine without a second GPU")
+    devices = ["cpu", "cuda:1"]
+    with pytest.raises(EngineStartError) as info:
+        async with open_engine_processes(
+            2, None, tmp_path, startup_timeout_s=STARTUP_S, devices=devices
+        ):
+            pytest.fail("a server on a CUDA device this machine lacks started")
+    assert info.value.url.startswith("engine-1 ")
+    assert "ConfigError: --device cuda:1 but " in info.value.log_tail

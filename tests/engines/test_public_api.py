@@ -39,6 +39,15 @@ PUBLIC_API: dict[str, list[str]] = {
         "decode_json",
         "send",
     ],
+    "engines.devices": [
+        "DEVICES",
+        "DTYPES",
+        "DeviceName",
+        "DtypeName",
+        "cuda_unavailable_reason",
+        "resolve_device",
+        "resolve_dtype",
+    ],
     "engines.launch": [
         "DEFAULT_SHUTDOWN_TIMEOUT_S",
         "DEFAULT_STARTUP_TIMEOUT_S",

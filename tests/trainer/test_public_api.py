@@ -79,6 +79,16 @@ PUBLIC = {
         "type_name",
         "validate_cfg",
     ],
+    "trainer.config_fields": [
+        "Check",
+        "ConfigWarning",
+        "at_least",
+        "config_field",
+        "config_section",
+        "in_range",
+        "module_attr",
+        "positive",
+    ],
     "trainer.config_schema": [
         "AlgorithmConfig",
         "Config",
@@ -282,10 +292,24 @@ PUBLIC = {
         "wait_result",
     ],
     "trainer.workers": [],
+    "trainer.config_workers": ["WorkersConfig"],
     "trainer.workers.batch": ["TrainBatch"],
+    "trainer.workers.device": ["collective_backend"],
+    "trainer.workers.fsdp": ["GatheredModel", "gathered_model", "is_sharded", "shard_model"],
     "trainer.workers.group": ["WorkerGroup"],
     "trainer.workers.local": ["LocalWorkerGroup", "SHUTDOWN_WAIT_S"],
-    "trainer.workers.policy": ["PolicyWorker", "RefWorker", "preload_model_code"],
+    "trainer.workers.offload": [
+        "Offloaded",
+        "offload_training_state",
+        "restore_training_state",
+        "tensor_bytes",
+    ],
+    "trainer.workers.policy": [
+        "OFFLOAD_METRICS",
+        "PolicyWorker",
+        "RefWorker",
+        "preload_model_code",
+    ],
     "trainer.workers.ray_actor": ["PolicyActor", "RefActor"],
     "trainer.workers.ray_cluster": [
         "ACTOR_ENV_VARS",
@@ -296,7 +320,7 @@ PUBLIC = {
         "start_cluster",
         "stop_cluster",
     ],
-    "trainer.workers.ray_group": ["RayWorkerGroup", "shards"],
+    "trainer.workers.ray_group": ["RayWorkerGroup", "gpus_for", "padded_shard", "shards"],
 }
 
 

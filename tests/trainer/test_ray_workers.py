@@ -7,6 +7,7 @@ import os
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
@@ -34,9 +35,9 @@ from trainer.errors import (
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline, wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_group import RayWorkerGroup, shards
+from trainer.workers.ray_group import RayWorkerGroup, gpus_for, shards
 
-POLICY_KWARGS = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
+POLICY_KWARGS: dict[str, Any] = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +305,45 @@ async def test_remote_foreign_error_becomes_worker_error_with_traceback(ray_clus
     finally:
         await group.shutdown()
     assert os.environ.get(FAULTS_ENV) is None
+
+
+def test_gpus_per_worker_follows_the_key_then_the_device():
+    assert gpus_for(0.5, "cpu") == 0.5
+    assert gpus_for(None, "cuda") == 1.0
+    assert gpus_for(None, "cpu") == 0.0
+
+
+async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights(
+    ray_cluster, model_dir
+):
+    """workers.data_parallel=fsdp2 on the CPU (gloo): 5 rows over 2 ranks, padded to 3 each."""
+    batch = make_batch(model_dir)
+    single = PolicyWorker(model_dir, **POLICY_KWARGS)
+    expected_logprobs = single.compute_logprobs(batch)
+    batch.old_logprobs = expected_logprobs
+    single.forward_backward(batch, batch.num_tokens)
+    single.optim_step()
+    expected = {n: p.detach() for n, p in single.model.named_parameters()}
+
+    group = await RayWorkerGroup.create(
+        model_dir,
+        policy_kwargs=POLICY_KWARGS,
+        with_ref=False,
+        num_workers=2,
+        data_parallel="fsdp2",
+    )
+    try:
+        assert group.sharded
+        logprobs = await group.compute_logprobs(batch)
+        torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
+        assert await group.backload_to_gpu() == {"workers/backload_bytes": 0.0}
+        await group.forward_backward(batch, batch.num_tokens)
+        await group.optim_step()
+        assert await group.offload_to_cpu() == {"workers/offload_bytes": 0.0}
+        full = await group.run_on_rank0(copy_weights)
+        assert set(full) == set(expected)
+        for name, w in expected.items():
+            torch.testing.assert_close(full[name], w, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []

@@ -40,6 +40,18 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
+    def to(self, device: torch.device) -> TrainBatch:
+        """This batch with every tensor that is set on ``device`` (itself when already there)."""
+        if self.input_ids.device == device:
+            return self
+        return attrs.evolve(
+            self,
+            **{
+                f.name: None if (t := getattr(self, f.name)) is None else t.to(device)
+                for f in attrs.fields(TrainBatch)
+            },
+        )
+
     def select(self, index: Sequence[int] | slice) -> TrainBatch:
         """The rows ``index`` (tensors that are set are sliced alike)."""
         idx = index if isinstance(index, slice) else torch.as_tensor(list(index), dtype=torch.long)

@@ -40,9 +40,15 @@ class WorkerGroup(Protocol):
         """Apply accumulated gradients (operation ``optim_step``)."""
         ...
 
-    async def offload_to_cpu(self) -> None: ...
+    async def offload_to_cpu(self) -> dict[str, float]:
+        """Free the policy's device memory for a colocated engine (operation
+        ``offload_to_cpu``); ``workers/offload_bytes``, 0 where nothing moves (the CPU)."""
+        ...
 
-    async def backload_to_gpu(self) -> None: ...
+    async def backload_to_gpu(self) -> dict[str, float]:
+        """Bring the offloaded policy back (operation ``backload_to_gpu``);
+        ``workers/backload_bytes``."""
+        ...
 
     async def run_on_rank0(
         self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False

@@ -85,6 +85,8 @@ class LocalWorkerGroup:
                     model_dir,
                     temperature=policy_kwargs.get("temperature", 1.0),
                     micro_batch_size=policy_kwargs.get("micro_batch_size"),
+                    device=policy_kwargs.get("device", "auto"),
+                    dtype=policy_kwargs.get("dtype", "auto"),
                 )
             )
         return cls(policy, ref)
@@ -125,11 +127,13 @@ class LocalWorkerGroup:
     async def optim_step(self) -> dict[str, float]:
         return await self._call("optim_step", self._policy_limiter, self.policy.optim_step)
 
-    async def offload_to_cpu(self) -> None:
-        await self._call("offload_to_cpu", self._policy_limiter, self.policy.offload_to_cpu)
+    async def offload_to_cpu(self) -> dict[str, float]:
+        return await self._call("offload_to_cpu", self._policy_limiter, self.policy.offload_to_cpu)
 
-    async def backload_to_gpu(self) -> None:
-        await self._call("backload_to_gpu", self._policy_limiter, self.policy.backload_to_gpu)
+    async def backload_to_gpu(self) -> dict[str, float]:
+        return await self._call(
+            "backload_to_gpu", self._policy_limiter, self.policy.backload_to_gpu
+        )
 
     async def run_on_rank0(
         self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False

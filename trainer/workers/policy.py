@@ -2,6 +2,13 @@
 
 They know nothing of trio: a worker group calls their methods from a worker thread (local
 backend) or inside an actor process (Ray backend), so every method may block.
+
+Device and dtype (``workers.device``, ``workers.dtype``) are resolved here, in the process that
+holds the model (:mod:`trainer.workers.device`); batches move to the model's device and
+logprobs come back on the CPU. With ``offload=True`` (an engine colocated on the same GPU)
+``offload_to_cpu`` moves parameters, gradients and optimizer state to host memory and
+``backload_to_gpu`` brings them back (:mod:`trainer.workers.offload`); a compute call on an
+offloaded policy brings it back first. On the CPU both are no-ops that report 0 bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from engines.devices import resolve_device, resolve_dtype
 from trainer import algorithms
 from trainer.checkpoint_io import (
     load_model,
@@ -22,8 +30,14 @@ from trainer.checkpoint_io import (
 )
 from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
+from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
+from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
 
-__all__ = ["PolicyWorker", "RefWorker", "preload_model_code"]
+__all__ = ["OFFLOAD_METRICS", "PolicyWorker", "RefWorker", "preload_model_code"]
+
+#: The step metrics of offload and backload: bytes moved off and back onto the device.
+OFFLOAD_METRICS = ("workers/offload_bytes", "workers/backload_bytes")
+_CPU = torch.device("cpu")
 
 
 def preload_model_code(model_dir: str | Path) -> None:
@@ -37,10 +51,21 @@ def preload_model_code(model_dir: str | Path) -> None:
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the architecture's modeling module
 
 
-def _load_model(model_dir: str | Path) -> torch.nn.Module:
+def _load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return torch.nn.Module.to(model, device)
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """transformers >= 5.x names it ``activation_checkpointing_enable`` (the old name warns)."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
 class RefWorker:
@@ -52,8 +77,11 @@ class RefWorker:
         *,
         temperature: float = 1.0,
         micro_batch_size: int | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
     ) -> None:
-        self.model = _load_model(model_dir)
+        self.device = resolve_device(device)
+        self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
         self.model.eval()
         self.model.requires_grad_(False)
         self.temperature = temperature
@@ -61,8 +89,8 @@ class RefWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprob of each next token, ``[B, L - 1]``."""
-        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size)
+        """Logprob of each next token, ``[B, L - 1]``, on the CPU."""
+        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
 
 
 def _micro_batches(n: int, size: int | None) -> list[slice]:
@@ -78,17 +106,27 @@ def _forward_logprobs(
 
 
 def _logprobs(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float, micro: int | None
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    temperature: float,
+    micro: int | None,
+    device: torch.device,
 ) -> torch.Tensor:
+    """Float32 logprobs on the CPU, computed on ``device`` micro-batch by micro-batch."""
     parts = [
-        _forward_logprobs(model, batch.select(s), temperature)
+        _forward_logprobs(model, batch.select(s).to(device), temperature).float().cpu()
         for s in _micro_batches(len(batch), micro)
     ]
     return torch.cat(parts, dim=0)
 
 
 class PolicyWorker:
-    """The trained policy: model, AdamW optimizer and warm-up scheduler."""
+    """The trained policy: model, AdamW optimizer and warm-up scheduler.
+
+    ``gradient_checkpointing`` recomputes each layer's activations in the backward pass
+    (less memory, about a third more compute). ``offload`` makes ``offload_to_cpu`` real
+    on an accelerator (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -108,17 +146,24 @@ class PolicyWorker:
         seed: int = 0,
         off_policy_correction: OffPolicyCorrection = "none",
         tis_cap: float | None = DEFAULT_TIS_CAP,
+        device: str = "auto",
+        dtype: str = "auto",
+        gradient_checkpointing: bool = False,
+        offload: bool = False,
     ) -> None:
         torch.manual_seed(seed)
-        self.model = _load_model(model_dir)
+        self.device = resolve_device(device)
+        self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: min(1.0, (s + 1) / (warmup_steps + 1)) if warmup_steps else 1.0,
-        )
+        if gradient_checkpointing:
+            _enable_activation_checkpointing(self.model)
+        self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
+        self._warmup_steps = warmup_steps
+        self._make_optimizer()
+        self.offload = offload
+        self._offloaded: Offloaded | None = None
+        #: Bytes a compute call brought back implicitly, reported by the next backload.
+        self._restored_unreported = 0
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.clip_ratio_low = clip_ratio_low
@@ -129,10 +174,40 @@ class PolicyWorker:
         self.off_policy_correction: OffPolicyCorrection = off_policy_correction
         self.tis_cap = tis_cap
 
+    def _make_optimizer(self) -> None:
+        warmup = self._warmup_steps
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._adamw)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
+        )
+
+    def shard(self) -> None:
+        """Shard the model with FSDP2 over the default process group (data parallel on
+        GPUs; :mod:`trainer.workers.fsdp`), then rebuild optimizer and scheduler over the
+        shards. Call it once, before the first step, on every rank."""
+        shard_model(self.model)
+        self._make_optimizer()
+
+    def readable_model(self, *, keep: bool = True) -> torch.nn.Module:
+        """The model whose ``named_parameters`` are the full weights (what a weight
+        transport reads). Sharded (FSDP2), the weights are gathered first, a collective
+        every rank joins (``keep`` False on the ranks that do not read them)."""
+        if not is_sharded(self.model):
+            return self.model
+        self._resident()
+        return gathered_model(self.model, keep=keep)
+
+    def _resident(self) -> None:
+        """Bring an offloaded policy back before it computes."""
+        if self._offloaded is not None:
+            self._restored_unreported += restore_training_state(self._offloaded)
+            self._offloaded = None
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The current policy's logprob of each next token, ``[B, L - 1]`` (no grad)."""
-        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size)
+        """The current policy's logprob of each next token, ``[B, L - 1]`` (no grad), on the CPU."""
+        self._resident()
+        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
 
     def forward_backward(
         self, batch: TrainBatch, num_tokens: int | None = None
@@ -154,10 +229,12 @@ class PolicyWorker:
                 f"off_policy_correction={self.off_policy_correction!r} needs the batch's "
                 "rollout_logprobs (the sampler's logprobs); this batch has none"
             )
+        self._resident()
         num_tokens = num_tokens or max(1, batch.num_tokens)
         totals: dict[str, float] = {}
         for s in _micro_batches(len(batch), self.micro_batch_size):
-            mb = batch.select(s)
+            mb = batch.select(s).to(self.device)
+            padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
             assert mb.old_logprobs is not None and mb.advantages is not None
             weights, is_metrics = None, {}
             if mb.rollout_logprobs is not None:
@@ -187,6 +264,8 @@ class PolicyWorker:
                 loss = loss + self.kl_loss_coef * kl_loss
                 totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss.detach())
             loss.backward()
+            if padding:
+                continue
             totals["policy/loss"] = totals.get("policy/loss", 0.0) + float(loss.detach())
             for k, v in metrics.items():
                 key = f"policy/{k}"
@@ -202,6 +281,7 @@ class PolicyWorker:
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step optimizer and scheduler, zero gradients."""
+        self._resident()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
@@ -211,11 +291,26 @@ class PolicyWorker:
             "policy/lr": float(self.scheduler.get_last_lr()[0]),
         }
 
-    def offload_to_cpu(self) -> None:
-        """Move optimizer state and gradients to host memory (a no-op on a CPU-only run)."""
+    def offload_to_cpu(self) -> dict[str, float]:
+        """Move parameters, gradients and optimizer state to (pinned) host memory and free
+        the device's cache; ``workers/offload_bytes`` is what moved. A no-op reporting 0
+        on the CPU, without ``offload``, or when already offloaded."""
+        moved = 0
+        if self.offload and self.device.type != "cpu" and self._offloaded is None:
+            self._offloaded = offload_training_state(
+                self.model, self.optimizer, self.device, _CPU, pin_memory=True
+            )
+            moved = self._offloaded.nbytes
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        return {"workers/offload_bytes": float(moved)}
 
-    def backload_to_gpu(self) -> None:
-        """Bring optimizer state back to the accelerator (a no-op on a CPU-only run)."""
+    def backload_to_gpu(self) -> dict[str, float]:
+        """Bring what ``offload_to_cpu`` moved back to the device; ``workers/backload_bytes``
+        counts it (and what a compute call brought back since the last report)."""
+        self._resident()
+        moved, self._restored_unreported = self._restored_unreported, 0
+        return {"workers/backload_bytes": float(moved)}
 
     def save_checkpoint(self, directory: Path) -> None:
         """Write model (HF-loadable), optimizer, scheduler and RNG states into ``directory``."""
@@ -225,6 +320,7 @@ class PolicyWorker:
         save_state(rng_state(), directory / "rng.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
+        self._resident()
         load_model(self.model, directory / "policy")
         self.optimizer.load_state_dict(load_state(directory / "optimizer.pt"))
         self.scheduler.load_state_dict(load_state(directory / "scheduler.pt"))

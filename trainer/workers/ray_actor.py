@@ -4,11 +4,20 @@ The actor process knows nothing of trio. Each call names its operation and carri
 driver's step explicitly (contextvars do not cross processes) so a fault fires here, where
 the operation really runs: a ``hang`` really blocks this actor.
 
-Data parallelism: every rank holds the full model; the driver gives each rank its shard of
-a batch together with the *global* token count, so each rank's loss is its share of the
-global token mean and the sum of the ranks' gradients (an all-reduce SUM in ``optim_step``)
-is exactly the single-worker gradient of the whole batch. After the all-reduce every rank
-clips and steps the same gradient, so weights stay identical across ranks.
+Data parallelism: the driver gives each rank its shard of a batch together with the
+*global* token count, so each rank's loss is its share of the global token mean and the sum
+of the ranks' gradients is exactly the single-worker gradient of the whole batch. Two ways
+(``workers.data_parallel``):
+
+- replicate: every rank holds the full model; ``optim_step`` all-reduces (SUM) the
+  gradients, then every rank clips and steps the same gradient, so weights stay identical;
+- fsdp2 (``auto`` on CUDA): the model is sharded with FSDP2 (:mod:`trainer.workers.fsdp`),
+  gradients are reduce-scattered (summed) in the backward pass, each rank steps its shard.
+  Reading the weights (``run``) gathers them, a collective every rank joins
+  (``gather_weights`` on the others). Checkpoints of a sharded policy are not supported yet.
+
+The group's backend follows the model's device (:func:`trainer.workers.device.collective_backend`):
+NCCL for CUDA tensors, gloo for CPU ones.
 """
 
 from __future__ import annotations
@@ -25,8 +34,10 @@ import torch.distributed as dist
 
 from engines.process_group import free_port
 from trainer.checkpoint import CheckpointManager
+from trainer.errors import WorkerError
 from trainer.vocabulary import at_step, fire_fault_sync
 from trainer.workers.batch import TrainBatch
+from trainer.workers.device import collective_backend
 from trainer.workers.policy import PolicyWorker, RefWorker
 
 __all__ = ["PolicyActor", "RefActor"]
@@ -45,10 +56,21 @@ class _Actor:
 class RefActor(_Actor):
     """A frozen reference model (one per run; it computes logprobs only)."""
 
-    def __init__(self, model_dir: str, temperature: float, micro_batch_size: int | None) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        temperature: float,
+        micro_batch_size: int | None,
+        device: str = "auto",
+        dtype: str = "auto",
+    ) -> None:
         torch.set_num_threads(1)
         self.worker = RefWorker(
-            model_dir, temperature=temperature, micro_batch_size=micro_batch_size
+            model_dir,
+            temperature=temperature,
+            micro_batch_size=micro_batch_size,
+            device=device,
+            dtype=dtype,
         )
 
     def compute_logprobs(self, op: str, step: int | None, batch: TrainBatch) -> torch.Tensor:
@@ -60,11 +82,19 @@ class PolicyActor(_Actor):
     """One data-parallel rank of the policy."""
 
     def __init__(
-        self, model_dir: str, rank: int, world_size: int, policy_kwargs: dict[str, Any]
+        self,
+        model_dir: str,
+        rank: int,
+        world_size: int,
+        policy_kwargs: dict[str, Any],
+        data_parallel: str = "replicate",
     ) -> None:
         torch.set_num_threads(1)
         self.rank = rank
         self.world_size = world_size
+        self.data_parallel = data_parallel
+        #: Whether the model is FSDP2-sharded (decided in ``init_group``).
+        self.sharded = False
         self._reduced = False
         self.worker = PolicyWorker(model_dir, **policy_kwargs)
 
@@ -73,17 +103,27 @@ class PolicyActor(_Actor):
         host = ray.util.get_node_ip_address()
         return host, free_port(host)
 
-    def init_group(self, host: str, port: int, timeout_s: float) -> None:
-        """Join the data-parallel group: gloo on CPU, NCCL on GPU (a collective; all ranks)."""
+    def init_group(self, host: str, port: int, timeout_s: float) -> bool:
+        """Join the data-parallel group (a collective; all ranks): NCCL when the model is on
+        CUDA, gloo on the CPU. Shards the model with FSDP2 for ``data_parallel=fsdp2`` (or
+        ``auto`` on CUDA). Returns whether it did; never at world size 1."""
         if self.world_size == 1:
-            return
+            return False
+        device = self.worker.device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            "nccl" if torch.cuda.is_available() else "gloo",
+            collective_backend(device),
             init_method=f"tcp://{host}:{port}",
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        mode = self.data_parallel
+        if mode == "fsdp2" or (mode == "auto" and device.type == "cuda"):
+            self.worker.shard()
+            self.sharded = True
+        return self.sharded
 
     def compute_logprobs(self, op: str, step: int | None, batch: TrainBatch) -> torch.Tensor:
         self.fire(op, step)
@@ -101,9 +141,14 @@ class PolicyActor(_Actor):
     def reduce_gradients(self) -> torch.Tensor:
         """Sum the ranks' gradients in place (once per optimizer step; a collective).
 
-        Returns the flat reduced gradient (tests compare it with a single worker's).
+        Returns the flat reduced gradient on the CPU (tests compare it with a single
+        worker's). Sharded, FSDP2 already summed them: the full gradient is gathered.
         """
         params = [p for p in self.worker.model.parameters() if p.requires_grad]
+        if self.sharded:
+            self._reduced = True
+            full = [p.grad.full_tensor() for p in params]  # type: ignore[union-attr]
+            return torch.cat([g.reshape(-1) for g in full]).cpu()
         for p in params:
             if p.grad is None:  # a rank with no rows this mini-batch
                 p.grad = torch.zeros_like(p)
@@ -116,27 +161,36 @@ class PolicyActor(_Actor):
                 p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
                 offset += n
         self._reduced = True
-        return flat
+        return flat.cpu()
 
     def optim_step(self, op: str, step: int | None) -> dict[str, float]:
-        """All-reduce (sum) the gradients, then clip and step like a single worker."""
+        """All-reduce (sum) the gradients unless FSDP2 did, then clip and step."""
         self.fire(op, step)
-        self.reduce_gradients()
+        if not self.sharded:
+            self.reduce_gradients()
         self._reduced = False
         return self.worker.optim_step()
 
-    def offload_to_cpu(self, op: str, step: int | None) -> None:
+    def offload_to_cpu(self, op: str, step: int | None) -> dict[str, float]:
         self.fire(op, step)
-        self.worker.offload_to_cpu()
+        return self.worker.offload_to_cpu()
 
-    def backload_to_gpu(self, op: str, step: int | None) -> None:
+    def backload_to_gpu(self, op: str, step: int | None) -> dict[str, float]:
         self.fire(op, step)
-        self.worker.backload_to_gpu()
+        return self.worker.backload_to_gpu()
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], step: int | None) -> T:
-        """``fn(model, *args)`` at the driver's ``step`` (``RayWorkerGroup.run_on_rank0``)."""
+        """``fn(model, *args)`` at the driver's ``step`` (``RayWorkerGroup.run_on_rank0``).
+
+        Sharded, ``model`` holds the gathered full weights: every other rank must join
+        with ``gather_weights`` (or ``run``) at the same time.
+        """
         with at_step(step):
-            return fn(self.worker.model, *args)
+            return fn(self.worker.readable_model(keep=True), *args)
+
+    def gather_weights(self) -> None:
+        """Join rank 0's gather of the full weights (sharded only; drops what it gathers)."""
+        self.worker.readable_model(keep=False)
 
     def save_checkpoint(
         self,
@@ -147,10 +201,23 @@ class PolicyActor(_Actor):
         trainer_state: dict[str, Any],
     ) -> Path:
         self.fire(op, step)
+        self._refuse_sharded_checkpoint()
         return ckpt.save(global_step, self.worker.save_checkpoint, trainer_state)
 
     def load_checkpoint(self, directory: str) -> None:
+        self._refuse_sharded_checkpoint()
         self.worker.load_checkpoint(Path(directory))
+
+    def _refuse_sharded_checkpoint(self) -> None:
+        if self.sharded:
+            raise WorkerError(
+                "policy",
+                self.rank,
+                None,
+                "checkpoints of an FSDP2-sharded policy are not supported yet; set "
+                "workers.data_parallel=replicate to save and resume (each rank then holds "
+                "the whole model)",
+            )
 
     def shutdown(self) -> None:
         if dist.is_initialized():

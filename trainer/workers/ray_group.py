@@ -3,8 +3,13 @@
 ``RayWorkerGroup`` implements :class:`trainer.workers.group.WorkerGroup`. The policy runs
 as ``num_policy_workers`` actors (ranks) in one placement group (one bundle per rank,
 ``PACK``: a multi-node cluster spreads them only when a node is full), joined by a
-torch.distributed group (gloo on CPU, NCCL on GPU); the reference model, when the KL loss
-is on, is one more actor. See :mod:`trainer.workers.ray_actor` for the rank's side.
+torch.distributed group (gloo for CPU tensors, NCCL for CUDA ones); the reference model, when
+the KL loss is on, is one more actor. Each policy actor (and the reference actor) asks Ray
+for ``gpus_per_worker`` GPUs (None: 1 when the workers' device is CUDA, or ``auto`` on a
+cluster with GPUs; else 0). With FSDP2 (:mod:`trainer.workers.fsdp`) every rank must run
+the same passes: each rank's shard is padded to the same rows with masked copies (they add
+nothing to the loss), and reading the weights on rank 0 makes every rank join the gather.
+See :mod:`trainer.workers.ray_actor` for the rank's side.
 
 Waiting: the trio thread never blocks on Ray. Every wait runs in a thread through
 :func:`trainer.deadline.wait_refs` with ``timeout=remaining()``, inside
@@ -48,7 +53,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
 from trainer.workers.ray_cluster import actor_env
 
-__all__ = ["RayWorkerGroup", "shards"]
+__all__ = ["RayWorkerGroup", "gpus_for", "padded_shard", "shards"]
 
 T = TypeVar("T")
 
@@ -78,9 +83,37 @@ def _translate(error: BaseException, worker: str, rank: int) -> BaseException:
     return WorkerError(worker, rank, stage, f"{type(error).__name__}: {error}")
 
 
+def _summed(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metrics in per_rank:
+        for k, v in metrics.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of ``model``'s parameters (run on each rank by ``rank_weights``)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def padded_shard(batch: TrainBatch, rows: slice, size: int) -> TrainBatch:
+    """``batch``'s ``rows``, padded to ``size`` rows with copies of row 0 whose loss mask is 0."""
+    real = list(range(rows.start, rows.stop))
+    part = batch.select(real + [0] * (size - len(real)))
+    part.loss_mask[len(real) :] = 0.0
+    return part
+
+
+def gpus_for(requested: float | None, device: str) -> float:
+    """GPUs each actor asks Ray for: ``requested``, or (None) 1 for ``device=cuda``, 1 for
+    ``auto`` on a cluster with GPUs, else 0 (asks the cluster: off the trio thread)."""
+    if requested is not None:
+        return requested
+    if device == "cuda":
+        return 1.0
+    if device == "auto" and ray.cluster_resources().get("GPU", 0) > 0:
+        return 1.0
+    return 0.0
 
 
 def shards(n: int, world: int) -> list[slice]:
@@ -110,6 +143,8 @@ class RayWorkerGroup:
         #: ``"policy:0"`` / ``"ref:0"`` -> the actor's process id (to prove they are gone)
         self.pids = pids
         self._closed = False
+        #: Whether the policy is FSDP2-sharded (every rank runs every pass).
+        self.sharded = False
 
     @property
     def world_size(self) -> int:
@@ -124,14 +159,23 @@ class RayWorkerGroup:
         with_ref: bool,
         num_workers: int,
         collective_timeout_s: float = 1800.0,
+        data_parallel: str = "auto",
+        gpus_per_worker: float | None = None,
     ) -> RayWorkerGroup:
-        """Place and start the actors, then form the data-parallel group (bounded)."""
+        """Place and start the actors, then form the data-parallel group (bounded).
+
+        ``policy_kwargs["device"]`` (default ``auto``) decides, with ``gpus_per_worker``,
+        the GPUs each actor asks for (:func:`gpus_for`).
+        """
         env = actor_env()
-        gpus = 1.0 if torch.cuda.is_available() else 0.0
-        bundle = {"CPU": 1.0, "GPU": gpus} if gpus else {"CPU": 1.0}
+        device = str(policy_kwargs.get("device", "auto"))
+        bundle: dict[str, float] = {"CPU": 1.0}
         group = cls([], None, None, {})
 
         def spawn() -> None:  # GCS round-trips: off the trio thread
+            gpus = gpus_for(gpus_per_worker, device)
+            if gpus:
+                bundle["GPU"] = gpus
             group._pg = pg = placement_group([bundle] * num_workers, strategy="PACK")
             ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
             for rank in range(num_workers):
@@ -145,16 +189,18 @@ class RayWorkerGroup:
                         ),
                         runtime_env={"env_vars": env},
                     )
-                    .remote(str(model_dir), rank, num_workers, policy_kwargs)
+                    .remote(str(model_dir), rank, num_workers, policy_kwargs, data_parallel)
                 )
             if with_ref:
                 group.ref = (
                     ray.remote(RefActor)
-                    .options(num_cpus=0, runtime_env={"env_vars": env})
+                    .options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env})
                     .remote(
                         str(model_dir),
                         policy_kwargs.get("temperature", 1.0),
                         policy_kwargs.get("micro_batch_size"),
+                        device,
+                        str(policy_kwargs.get("dtype", "auto")),
                     )
                 )
 
@@ -165,12 +211,13 @@ class RayWorkerGroup:
                 group.pids = {f"{w}:{r}": pid for (w, r), pid in zip(group._names(), pids)}
                 host, port = (await group._wait([group.policy[0].master_address.remote()]))[0]
                 with operation("init_process_group"):
-                    await group._wait(
+                    sharded = await group._wait(
                         [
                             a.init_group.remote(host, port, collective_timeout_s)
                             for a in group.policy
                         ]
                     )
+                group.sharded = any(sharded)
         except (trio.TooSlowError, GetTimeoutError):
             with trio.CancelScope(shield=True):
                 await group.shutdown()
@@ -220,16 +267,26 @@ class RayWorkerGroup:
             ]
             return await self._wait(refs)
 
+    def _rank_batches(self, batch: TrainBatch) -> list[TrainBatch | None]:
+        """Each rank's rows (None: none); sharded, every rank gets the same number."""
+        parts = shards(len(batch), self.world_size)
+        if self.sharded:
+            size = max(s.stop - s.start for s in parts)
+            return [padded_shard(batch, s, size) for s in parts]
+        return [batch.select(s) if s.stop > s.start else None for s in parts]
+
     async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Each rank computes its shard; the rows come back in order."""
-        rows = [s for s in shards(len(batch), self.world_size) if s.stop > s.start]
+        """Each rank computes its shard; the rows come back in order (padding dropped)."""
+        parts = shards(len(batch), self.world_size)
         step = current_step()
         with operation("forward"):
             refs = [
-                self.policy[r].compute_logprobs.remote("forward", step, batch.select(s))
-                for r, s in enumerate(rows)
+                self.policy[r].compute_logprobs.remote("forward", step, b)
+                for r, b in enumerate(self._rank_batches(batch))
+                if b is not None
             ]
-            return torch.cat(await self._wait(refs), dim=0)
+            out = await self._wait(refs)
+        return torch.cat([o[: s.stop - s.start] for o, s in zip(out, parts)], dim=0)
 
     async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref is None:
@@ -240,11 +297,10 @@ class RayWorkerGroup:
 
     async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
         """Each rank accumulates its shard's share of the global token mean; metrics merged."""
-        parts = shards(len(batch), self.world_size)
+        parts = self._rank_batches(batch)
 
         def args(rank: int) -> tuple[Any, ...]:
-            s = parts[rank]
-            return (batch.select(s) if s.stop > s.start else None, num_tokens)
+            return (parts[rank], num_tokens)
 
         per_rank = await self._call_policy("forward_backward", "forward_backward", args)
         merged: dict[str, float] = {}
@@ -262,14 +318,15 @@ class RayWorkerGroup:
         """All ranks step the same all-reduced gradient; rank 0's metrics."""
         return (await self._call_policy("optim_step", "optim_step"))[0]
 
-    async def offload_to_cpu(self) -> None:
-        await self._call_policy("offload_to_cpu", "offload_to_cpu")
+    async def offload_to_cpu(self) -> dict[str, float]:
+        """Every rank offloads; the bytes are summed over the ranks."""
+        return _summed(await self._call_policy("offload_to_cpu", "offload_to_cpu"))
 
-    async def backload_to_gpu(self) -> None:
-        await self._call_policy("backload_to_gpu", "backload_to_gpu")
+    async def backload_to_gpu(self) -> dict[str, float]:
+        return _summed(await self._call_policy("backload_to_gpu", "backload_to_gpu"))
 
     async def rank_weights(self) -> list[dict[str, torch.Tensor]]:
-        """Every rank's weights (for checks that the ranks agree)."""
+        """Every rank's weights (for checks that the ranks agree; sharded: each gathers)."""
         return await self._wait([a.run.remote(parameters_of, (), None) for a in self.policy])
 
     async def run_on_rank0(
@@ -283,14 +340,16 @@ class RayWorkerGroup:
         then ``WorkerError``; without a deadline, until the actor answers.
         """
         ref = self.policy[0].run.remote(fn, args, current_step())
+        # sharded, the other ranks join the gather of the full weights
+        refs = [ref, *(a.gather_weights.remote() for a in self.policy[1:] if self.sharded)]
         if abandon_on_cancel:
-            return (await self._wait([ref]))[0]
+            return (await self._wait(refs))[0]
         left = remaining()
         bound = None if left is None else left + RANK0_GRACE_S
         try:
-            return (await trio.to_thread.run_sync(get_refs_as_completed, [ref], bound))[0]
-        except RefFailed as failure:
-            raise _translate(failure.error, "policy", 0) from None
+            return (await trio.to_thread.run_sync(get_refs_as_completed, refs, bound))[0]
+        except RefFailed as failure:  # refs are in rank order
+            raise _translate(failure.error, "policy", failure.index) from None
         except GetTimeoutError:
             raise WorkerError(
                 "policy",
