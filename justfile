@@ -24,4 +24,9 @@ lint: setup
 
 # Measured comparisons (never part of the tests).
 bench: setup
-    for b in benchmarks/*.py; do echo "== $b"; {{py}} "$b"; done
+    for b in benchmarks/*.py; do [ "$b" = benchmarks/gpu_check.py ] || { echo "== $b"; {{py}} "$b"; }; done
+
+# The one-command GPU check (one NVIDIA GPU, at most about 6 minutes; see its docstring).
+# GPU images often have no .venv: then the image's python3, with the dependencies installed.
+gpu-check *ARGS:
+    {{ if path_exists(".venv/bin/python") == "true" { py } else { "python3" } }} benchmarks/gpu_check.py "$@"
