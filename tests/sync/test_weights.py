@@ -15,8 +15,8 @@ import time
 import pytest
 import trio
 
-from sync.weights import save_weights_for_sampler
-from trainer.errors import WeightSyncTimeoutError
+from sync.weights import abandoned_detail, save_weights_for_sampler
+from trainer.errors import StepTimeoutError, WeightSyncTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 
 
@@ -214,3 +214,26 @@ def _no_raise():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize(("sync_s", "step_s"), [(20.0, 30.0), (20.0, 25.0)])
+async def test_an_abandoned_transfer_names_the_deadline_that_fired_first(
+    autojump_clock, sync_s, step_s
+):
+    """Issue 16's own numbers: a weight sync of 20 s inside a step of 30 s, the default 10 s
+    grace. The transfer is abandoned at 20 + 10 s, after the step's deadline has also fired;
+    the error is still the sync's, the budget that ran out first (it was the step's)."""
+    events: list[str] = []
+    install_faults("broadcast_to_inference_engines:hang")  # the thread never returns
+    t0 = trio.current_time()
+    with pytest.raises(StepTimeoutError) as info:
+        with step_deadline(2, step_s, StepTimeoutError):
+            await trio.sleep(1.0)  # the step's stages before its sync
+            with step_deadline(2, sync_s, WeightSyncTimeoutError):
+                await save_weights_for_sampler(
+                    RecordingEngine(events), None, BlockingTransport(events, 0), grace_s=10.0
+                )
+    assert type(info.value) is WeightSyncTimeoutError
+    assert info.value.budget_s == sync_s and info.value.detail == abandoned_detail(10.0)
+    assert trio.current_time() - t0 == pytest.approx(1.0 + sync_s + 10.0)
+    assert events == ["paused"]  # no resume onto partial weights

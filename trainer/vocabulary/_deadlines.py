@@ -157,15 +157,19 @@ def pending_deadline_error(
 
     For code that had to finish (a shielded transfer) after its deadline fired: the error
     names the current stage and ``operation``, and ``detail`` says what was done about it.
-    ``None`` when no deadline has fired (the cancellation came from elsewhere). Outermost
-    first: ties go to the parent.
+    ``None`` when no deadline has fired (the cancellation came from elsewhere). Of several
+    that fired while the shielded code ran, the one that fired first (a weight sync's
+    budget before its step's); ties go to the parent.
     """
-    for d in _deadlines.get():
-        if d.scope.cancel_called:
-            error = d.error(where()[0], operation, detail)
-            error.__cause__ = cause
-            return error
-    return None
+    fired: _Deadline | None = None
+    for d in _deadlines.get():  # outermost first: a later one must fire strictly earlier
+        if d.scope.cancel_called and (fired is None or d.deadline < fired.deadline):
+            fired = d
+    if fired is None:
+        return None
+    error = fired.error(where()[0], operation, detail)
+    error.__cause__ = cause
+    return error
 
 
 async def wait_result(
