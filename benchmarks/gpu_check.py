@@ -213,7 +213,7 @@ def sync_numbers(rows: list[dict], nbytes: int) -> dict[str, float]:
             nbytes / r["sync/last_weight_sync_seconds"] / 1e9 for r in later
         ),
         "sync_ms": statistics.median(r["timing/sync_weights"] * 1e3 for r in later),
-        "stall_ms": max(r["loop/max_stall_ms"] for r in later),
+        "stall_ms": max(r["sync/max_stall_ms"] for r in later),
     }
 
 

@@ -58,12 +58,15 @@ def _where(key: str, name: str) -> str:
 def resolve_device(name: str, *, key: str = "workers.device") -> torch.device:
     """``auto`` -> CUDA if this process sees one, else CPU; ``cpu``; ``cuda`` or ``cuda:N``.
 
+    A CUDA device always comes back with its index (``cuda`` is this process's current
+    device), so it compares equal to the device its tensors report.
+
     Raises ``ConfigError`` naming ``key`` (a config key or a ``--flag``) for CUDA on a
     process without it (saying what to do), a device index it does not have, or an unknown
     name.
     """
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return _indexed(torch.device("cuda")) if torch.cuda.is_available() else torch.device("cpu")
     if name == "cpu":
         return torch.device("cpu")
     if name == "cuda" or name.startswith("cuda:"):
@@ -79,10 +82,18 @@ def resolve_device(name: str, *, key: str = "workers.device") -> torch.device:
                 f"{_where(key, name)} but this process sees {torch.cuda.device_count()} "
                 "CUDA device(s)"
             )
-        return device
+        return _indexed(device)
     raise ConfigError(
         f"{_where(key, name)} is not allowed: choose one of 'auto', 'cpu', 'cuda', 'cuda:N'"
     )
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:N`` (this process's current device): tensors report their device with
+    an index, ``torch.device("cuda") != torch.device("cuda:0")``, and ``set_device`` needs one."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device, *, key: str = "workers.dtype") -> torch.dtype:

@@ -48,6 +48,7 @@ __all__ = [
     "launch_local_engines",
     "open_engine_processes",
     "server_command",
+    "server_device",
     "server_env",
 ]
 
@@ -207,7 +208,9 @@ async def open_engine_processes(
 
     Server ``I`` gets seed ``seed + I``, ``--device devices[I % len(devices)]`` (none when
     ``devices`` is empty: the server's default, ``auto``) and logs to ``log_dir/engine-I.log``
-    (appended).
+    (appended). A server on ``cuda:N`` sees that GPU alone (``CUDA_VISIBLE_DEVICES``, as vLLM's
+    servers are started), so everything it puts on CUDA, weight-transfer groups and buffers
+    included, lands on that GPU.
     ``model_dir=None`` serves the built-in tiny model. Raises ``EngineStartError`` (with the
     log tail) when a server exits during start-up or is not healthy within
     ``startup_timeout_s``; several failures raise the first, the others as notes. ``ValueError``
@@ -222,9 +225,9 @@ async def open_engine_processes(
     engines: list[EngineProcess] = []
     try:
         for i in range(num_engines):
-            device = ["--device", devices[i % len(devices)]] if devices else []
+            device, env_i = server_device(devices[i % len(devices)] if devices else None, child_env)
             cmd = server_command(model_dir, host, seed + i, [*extra_args, *device])
-            engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", child_env))
+            engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", env_i))
         async with httpx.AsyncClient(timeout=5.0) as http:
             with trio.move_on_after(startup_timeout_s) as scope:
                 try:
@@ -247,6 +250,19 @@ async def open_engine_processes(
             async with trio.open_nursery() as nursery:
                 for engine in engines:
                     nursery.start_soon(_stop, engine, shutdown_timeout_s)
+
+
+def server_device(device: str | None, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The ``--device`` flag and environment of a server on ``device``: ``cuda:N`` becomes
+    ``--device cuda`` with GPU ``N`` (of those this process sees) its only visible GPU."""
+    if device is None:
+        return [], env
+    if not device.startswith("cuda:"):
+        return ["--device", device], env
+    index = int(device.split(":", 1)[1])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    physical = visible.split(",")[index].strip() if visible else str(index)
+    return ["--device", "cuda"], {**env, "CUDA_VISIBLE_DEVICES": physical}
 
 
 @asynccontextmanager

@@ -92,23 +92,24 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
         if versions is not None:
             versions.syncing = True
         try:
-            result = await save_weights_for_sampler(
-                ctx.engine,
-                ctx.workers,
-                ctx.transport,
-                pause_mode=e.pause_mode,
-                colocated=e.colocated,
-                offload_kv=e.offload_kv_for_weight_sync,
-                fully_async=versions is not None,
-                grace_s=ctx.cfg.sync.transfer_grace_s,
-            )
+            with ctx.stalls.window() as stall:
+                result = await save_weights_for_sampler(
+                    ctx.engine,
+                    ctx.workers,
+                    ctx.transport,
+                    pause_mode=e.pause_mode,
+                    colocated=e.colocated,
+                    offload_kv=e.offload_kv_for_weight_sync,
+                    fully_async=versions is not None,
+                    grace_s=ctx.cfg.sync.transfer_grace_s,
+                )
         finally:
             if versions is not None:
                 versions.syncing = False
     ctx.weight_version += 1
     if versions is not None:
         versions.current = ctx.weight_version
-    return {**result, "sync/weight_version": ctx.weight_version}
+    return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": ctx.weight_version}
 
 
 async def run_eval(ctx: RunContext, step: int) -> dict[str, float]:

@@ -22,9 +22,14 @@ calls go out one bucket at a time beside it (each engine receives a bucket's bro
 during its call). ``packed`` (vLLM's default): a bucket of at most ``bucket_bytes`` travels
 as one ``uint8`` buffer, packed into one of two buffers allocated once and reused by every
 sync (the next bucket is packed while the previous one is on the wire); unpacked: each
-parameter is broadcast from its own storage (no copy on rank 0). Rank 0's collective waits
-are bounded by the step's remaining budget (``remaining()``) or, without one, by
-``timeout_s``; none of it holds the GIL while it waits or copies.
+parameter is broadcast from its own storage (no copy on rank 0). With gloo, rank 0's
+collective waits are bounded by the step's remaining budget (``remaining()``) or, without
+one, by ``timeout_s``; none of it holds the GIL while it waits or copies. With nccl they are
+not bounded here: torch's ``ProcessGroupNCCL`` enforces a per-collective timeout through its
+watchdog (which ends the process, not with a typed error), and vLLM's ``PyNcclCommunicator``
+has none. What bounds an nccl transfer is ``sync.transfer_grace_s`` past the deadline, when
+the run abandons it (``sync.weights``); the communicator is not aborted then, the process's
+exit ends it.
 
 Both halves: the functions below marked "rank 0" run where rank 0 runs (through
 ``workers.run_on_rank0``); the engine side is ``engines/local/weight_routes.py``. The groups

@@ -31,6 +31,7 @@ from typing import Any
 
 import attrs
 import torch
+import trio
 
 from engines.process_group import require_cuda
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
@@ -38,6 +39,9 @@ from sync.transports.base import Rank0
 from sync.transports.buckets import plan_buckets
 
 __all__ = ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"]
+
+#: How long releasing rank 0's buffer after a failed init may take.
+RELEASE_TIMEOUT_S = 30.0
 
 
 @attrs.define(eq=False)
@@ -122,10 +126,16 @@ class IpcTransport:
         Raises ``RuntimeError`` at once where rank 0 has no CUDA, and the engines' 400 where
         they have none.
         """
-        await workers.run_on_rank0(ipc_plan, self.transport_id, self.bucket_bytes)
-        await engine.control(
-            "POST", "/init_weight_transfer_engine", json={"init_info": ipc_init_info(True)}
-        )
+        try:
+            await workers.run_on_rank0(ipc_plan, self.transport_id, self.bucket_bytes)
+            await engine.control(
+                "POST", "/init_weight_transfer_engine", json={"init_info": ipc_init_info(True)}
+            )
+        except BaseException:
+            # the buffer may be exported already (a refused init, an oversize parameter)
+            with trio.move_on_after(RELEASE_TIMEOUT_S, shield=True):
+                await workers.run_on_rank0(release_ipc_buffer, self.transport_id)
+            raise
         self.initialized = True
 
     async def transfer(self, engine: Any, workers: Rank0) -> None:

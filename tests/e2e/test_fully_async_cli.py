@@ -120,6 +120,7 @@ def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(tmp_
     # the transfer really took its 5 s, and not one environment call timed out meanwhile
     rows = read_metrics(tmp_path / "thread")
     assert rows[1]["sync/last_weight_sync_seconds"] >= 5.0
+    assert rows[1]["sync/max_stall_ms"] < 1000  # the loop kept turning during the sync
     assert _timeouts(tmp_path / "thread") == 0
 
     # the same run with the transfer's 5 s blocking the event loop: calls in flight time out
@@ -127,6 +128,7 @@ def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(tmp_
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _timeouts(tmp_path / "loop") > 0
     assert max(r["loop/max_stall_ms"] for r in read_metrics(tmp_path / "loop")) >= 5000
+    assert read_metrics(tmp_path / "loop")[1]["sync/max_stall_ms"] >= 5000  # inside the sync
 
 
 # ---------------------------------------------------------------- how a run ends

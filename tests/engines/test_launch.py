@@ -12,7 +12,7 @@ import torch
 import trio
 
 from engines.client import InferenceClient
-from engines.launch import launch_local_engines, open_engine_processes
+from engines.launch import launch_local_engines, open_engine_processes, server_device
 from engines.types import SamplingParams
 from tests.e2e.helpers import pid_alive
 from tests.engines.helpers import wait_running
@@ -136,8 +136,8 @@ async def test_a_second_launch_in_the_same_log_dir_ignores_the_first_servers_rea
 async def test_each_started_server_gets_its_device_and_a_cuda_one_refuses_here(
     tmp_path: Path,
 ) -> None:
-    """``devices`` gives server I ``--device devices[I % len]``: a ``cpu`` one serves, and
-    (on a machine without CUDA) a ``cuda:1`` one exits at once saying why."""
+    """``devices`` gives server I its device: a ``cpu`` one serves, and (on a machine without
+    CUDA) a ``cuda:1`` one (``--device cuda``, seeing GPU 1 alone) exits at once saying why."""
     if torch.cuda.device_count() > 1:
         pytest.skip("checks the refusal on a machine without a second GPU")
     devices = ["cpu", "cuda:1"]
@@ -147,4 +147,18 @@ async def test_each_started_server_gets_its_device_and_a_cuda_one_refuses_here(
         ):
             pytest.fail("a server on a CUDA device this machine lacks started")
     assert info.value.url.startswith("engine-1 ")
-    assert "ConfigError: --device cuda:1 but " in info.value.log_tail
+    assert "ConfigError: --device cuda but " in info.value.log_tail, info.value.log_tail
+
+
+def test_a_server_on_gpu_n_sees_that_gpu_alone() -> None:
+    """vLLM's way: CUDA_VISIBLE_DEVICES, so the server's weight-transfer group and buffers
+    land on its GPU (an index-less CUDA device in the server means its only GPU)."""
+    assert server_device(None, {}) == ([], {})
+    assert server_device("cpu", {"A": "1"}) == (["--device", "cpu"], {"A": "1"})
+    assert server_device("cuda", {}) == (["--device", "cuda"], {})
+    assert server_device("cuda:2", {}) == (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": "2"})
+    # the index counts the GPUs this process sees
+    assert server_device("cuda:1", {"CUDA_VISIBLE_DEVICES": "4,6"}) == (
+        ["--device", "cuda"],
+        {"CUDA_VISIBLE_DEVICES": "6"},
+    )

@@ -55,6 +55,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "launch_local_engines",
         "open_engine_processes",
         "server_command",
+        "server_device",
         "server_env",
     ],
     "engines.local": ["EngineAsleepError", "LocalEngine", "open_local_engine"],

@@ -63,6 +63,15 @@ def _move(t: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tens
     return out
 
 
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` lives on ``device``; ``cuda`` without an index means the current one."""
+    if t.device.type != device.type:
+        return False
+    if device.type == "cuda" and device.index is None:
+        return t.device.index == torch.cuda.current_device()
+    return t.device.index == device.index
+
+
 def _synchronize(*devices: torch.device) -> None:
     if any(d.type == "cuda" for d in devices):
         torch.cuda.synchronize()
@@ -71,7 +80,7 @@ def _synchronize(*devices: torch.device) -> None:
 def _move_params(
     model: torch.nn.Module, source: torch.device, target: torch.device, pin_memory: bool
 ) -> tuple[list[torch.nn.Parameter], int]:
-    params = [p for p in model.parameters() if p.device == source]
+    params = [p for p in model.parameters() if _on(p, source)]
     nbytes = sum(
         tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0) for p in params
     )
@@ -104,7 +113,7 @@ def offload_training_state(
     entries: list[tuple[dict[str, Any], str]] = []
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device == source:
+            if isinstance(value, torch.Tensor) and _on(value, source):
                 nbytes += tensor_bytes(value)
                 state[key] = _move(value, target, pin_memory)
                 entries.append((state, key))
