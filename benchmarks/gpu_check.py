@@ -6,6 +6,7 @@
 
 What it does, on ``cuda:0``, in one sitting:
 
+0. **CUDA-only tests**: ``pytest tests/gpu`` (skipped on a CPU machine, run here).
 1. **Ceiling**: a device-to-device copy of a 4 GB buffer (GB/s).
 2. **Model**: builds a random-init Qwen2-architecture model of about 0.5B parameters locally
    (no download: the built-in tokenizer, 28 layers of width 1024, bfloat16 safetensors).
@@ -24,13 +25,13 @@ Prints one table with each issue-16 goal next to what was measured; exits 1 on a
 (a run that fails, a missing GPU) and 2 when it ran but a goal was missed.
 
 Not in a stock PyTorch GPU image (which has torch and numpy): trio, trio-asyncio, httpx,
-attrs, omegaconf, pyyaml, rich, hypercorn, and often transformers, tokenizers and
-safetensors (pyproject.toml's dependencies; Ray is not needed here, and its wheel is large).
+attrs, omegaconf, pyyaml, rich, hypercorn, pytest, pytest-trio, and often transformers,
+tokenizers and safetensors (pyproject.toml's dependencies; Ray is not needed here, and its wheel is large).
 Without network on the GPU machine, download them on a connected machine of the same Python
 (``pip download -d wheels trio trio-asyncio httpx attrs omegaconf pyyaml rich hypercorn
-transformers tokenizers safetensors``), copy ``wheels/`` over, then ``pip install --no-index
---find-links wheels trio trio-asyncio httpx attrs omegaconf pyyaml rich hypercorn
-transformers tokenizers safetensors`` and run this file from the checkout.
+pytest pytest-trio transformers tokenizers safetensors``), copy ``wheels/`` over, then
+``pip install --no-index --find-links wheels`` with the same names, and run this file from
+the checkout.
 
 Verified: not yet; no GPU was at hand when it was written (2026-12-01). Its printed table
 goes into docs/performance.md with the date and the GPU the first time it runs.
@@ -240,6 +241,14 @@ def main() -> int:
     gpu = torch.cuda.get_device_name(0)
     print(f"gpu-check on {gpu}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
 
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/gpu"],
+        cwd=REPO,
+        check=False,
+    )
+    if tests.returncode != 0:
+        print("gpu-check: the CUDA-only tests failed (above)")
+        return 1
     ceiling = copy_ceiling()
     model_dir, nbytes = build_half_b(out / "qwen2-0.5b")
     print(f"model: {nbytes / 1e9:.2f} GB of bf16 parameters; d2d copy {ceiling:.0f} GB/s")
