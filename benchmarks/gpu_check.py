@@ -49,6 +49,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import trio
@@ -61,7 +62,7 @@ from engines.models import build_tiny_model, load_tokenizer  # noqa: E402
 from engines.types import SamplingParams  # noqa: E402
 
 #: About 0.5B parameters with the built-in tokenizer's small vocabulary.
-HALF_B = dict(
+HALF_B: dict[str, Any] = dict(
     hidden_size=1024,
     intermediate_size=4864,
     num_hidden_layers=28,
@@ -106,7 +107,7 @@ def build_half_b(out: Path) -> tuple[Path, int]:
     keep = ("vocab_size", "pad_token_id", "eos_token_id", "bos_token_id")
     cfg = Qwen2Config(**{k: base[k] for k in keep}, **HALF_B)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model: Any = Qwen2ForCausalLM(cfg).to(torch.bfloat16)  # type: ignore[arg-type]
     model.save_pretrained(out, safe_serialization=True)
     for f in tiny.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")) or f.name == "chat_template.jinja":
@@ -125,7 +126,8 @@ def hf_generate_tok_s(model_dir: Path, prompts: list[list[int]], new: int) -> fl
     """One batched HF ``generate`` (left-padded, sampling, exactly ``new`` tokens each)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.cuda().eval()
     pad = int(load_tokenizer(model_dir).pad_token_id)
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device="cuda")
@@ -228,7 +230,7 @@ def met(value: float, how: str, goal: float) -> bool:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reward-steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here")
