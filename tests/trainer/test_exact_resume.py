@@ -54,6 +54,7 @@ MEASURED_KEYS = {
     "checkpoint/path",
     "checkpoint/max_stall_ms",
     "sync/last_weight_sync_seconds",
+    "sync/max_stall_ms",
     "async/generator_idle_ratio",
     "async/trainer_idle_ratio",
 }
