@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import torch
+
 from trainer.generators import (
     AgentLoopGenerator,
     Generator,
@@ -10,6 +15,7 @@ from trainer.generators import (
     Trajectory,
     TrajectoryInput,
 )
+from trainer.workers.batch import TrainBatch
 
 __all__ = ["OneCallGenerator", "Recording", "batch_of", "varied_reward", "weighted"]
 
@@ -80,3 +86,18 @@ class Recording(AgentLoopGenerator):
 def weighted(response: str, answer: str, *, extra) -> float:
     """A reward that is the row's ``weight`` field: proves the extra reached it."""
     return float(extra["weight"])
+
+
+def random_batch(model_dir: Path, rows: int, *, seed: int, width: int = 10) -> TrainBatch:
+    """A training batch of random tokens over the model's vocabulary (responses from token 3)."""
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(rows, width - 1)
+    mask[:, 3:] = 1.0
+    return TrainBatch(
+        input_ids=torch.randint(0, vocab, (rows, width), generator=g),
+        attention_mask=torch.ones(rows, width, dtype=torch.long),
+        loss_mask=mask,
+        advantages=torch.randn(rows, generator=g),
+        old_logprobs=-3.0 + 0.1 * torch.randn(rows, width - 1, generator=g),
+    )

@@ -4,7 +4,6 @@ docs/gpus.md for what was verified where)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import torch
 
 from engines.devices import resolve_device, resolve_dtype
 from engines.models import resolve_model_path
+from tests.trainer.helpers import random_batch
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.parts import open_engine
@@ -35,18 +35,8 @@ def model_dir() -> Path:
     return resolve_model_path(None)
 
 
-def make_batch(model_dir: Path, rows: int = 4, width: int = 10) -> TrainBatch:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(0)
-    mask = torch.zeros(rows, width - 1)
-    mask[:, 3:] = 1.0
-    return TrainBatch(
-        input_ids=torch.randint(0, vocab, (rows, width), generator=g),
-        attention_mask=torch.ones(rows, width, dtype=torch.long),
-        loss_mask=mask,
-        advantages=torch.randn(rows, generator=g),
-        old_logprobs=-3.0 + 0.1 * torch.randn(rows, width - 1, generator=g),
-    )
+def make_batch(model_dir: Path) -> TrainBatch:
+    return random_batch(model_dir, 4, seed=0)
 
 
 def test_auto_is_the_cpu_in_float32_on_a_machine_without_cuda():

@@ -10,7 +10,6 @@ and rank 0 reading the gathered full weights as a weight transport does.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 
 from engines.models import resolve_model_path
 from engines.process_group import free_port
+from tests.trainer.helpers import random_batch
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import GatheredModel, is_sharded
 from trainer.workers.policy import PolicyWorker
@@ -30,18 +30,8 @@ KWARGS = dict(lr=1e-2, max_grad_norm=0.5, seed=0, micro_batch_size=2)
 WORLD = 2
 
 
-def make_batch(model_dir: Path, rows: int = 5, width: int = 10) -> TrainBatch:
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    g = torch.Generator().manual_seed(1)
-    mask = torch.zeros(rows, width - 1)
-    mask[:, 3:] = 1.0
-    return TrainBatch(
-        input_ids=torch.randint(0, vocab, (rows, width), generator=g),
-        attention_mask=torch.ones(rows, width, dtype=torch.long),
-        loss_mask=mask,
-        advantages=torch.randn(rows, generator=g),
-        old_logprobs=-3.0 + 0.1 * torch.randn(rows, width - 1, generator=g),
-    )
+def make_batch(model_dir: Path) -> TrainBatch:
+    return random_batch(model_dir, 5, seed=1)
 
 
 def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
