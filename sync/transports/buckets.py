@@ -13,20 +13,13 @@ __all__ = ["Bucket", "plan_buckets", "update_info"]
 Bucket = list[tuple[str, torch.Tensor]]
 
 
-def plan_buckets(
-    params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, one_dtype: bool = False
-) -> list[Bucket]:
-    """Consecutive parameters in buckets of at most ``bucket_bytes`` (one tensor may exceed it).
-
-    ``one_dtype``: a new bucket starts wherever the dtype changes (a bucket that travels as
-    one flat buffer holds one dtype).
-    """
+def plan_buckets(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[Bucket]:
+    """Consecutive parameters in buckets of at most ``bucket_bytes`` (one tensor may exceed it)."""
     buckets: list[Bucket] = []
     size = 0
     for name, param in params:
         nbytes = param.numel() * param.element_size()
-        new_dtype = one_dtype and buckets and buckets[-1][-1][1].dtype != param.dtype
-        if not buckets or (buckets[-1] and size + nbytes > bucket_bytes) or new_dtype:
+        if not buckets or (buckets[-1] and size + nbytes > bucket_bytes):
             buckets.append([])
             size = 0
         buckets[-1].append((name, param))
