@@ -242,9 +242,12 @@ class ControlPlane:
             await self.control_json("GET", "/is_sleeping"), "/is_sleeping", "is_sleeping", bool
         )
 
-    async def reset_prefix_cache(self) -> None:
-        """``POST /reset_prefix_cache`` on every server."""
-        await self.control("POST", "/reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """``POST /reset_prefix_cache`` on every server (``reset_running_requests``: vLLM also
+        preempts the requests in flight, which it recomputes; without it, a server with
+        running requests leaves its cache as it is)."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        await self.control("POST", "/reset_prefix_cache", params)
 
     async def get_world_size(self) -> list[int]:
         """``GET /get_world_size`` of every server."""

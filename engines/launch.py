@@ -1,14 +1,19 @@
-"""Start and stop the engine servers the trainer owns.
+"""Start and stop the engine servers the trainer owns: the one launcher, whatever the server.
 
 ::
 
     async with launch_local_engines(2, model_dir, run_dir / "engines", seed=0) as urls:
         client = InferenceClient(urls)
         ...
+    async with open_engine_processes(2, VllmServers(model_dir, ...), run_dir / "engines") as engines:
+        ...
 
-Each server is ``python -m engines.local serve --port 0 --exit-on-stdin-eof`` in its own
-process group (its own session), stdout and stderr appended to ``LOG_DIR/engine-I.log``.
-Start-up waits for the server's ``ENGINE_READY`` line and then for ``GET /health``, bounded by
+What a server is comes from a :class:`ServerSpec` (command line, environment, port), made per
+server by a callable: :class:`ReferenceServers` (``python -m engines.local serve --port 0
+--exit-on-stdin-eof``) or :class:`engines.vllm_serve.VllmServers` (``vllm serve``). Each runs
+in its own process group (its own session), stdout and stderr appended to
+``LOG_DIR/engine-I.log``. Start-up waits for the server's ``ENGINE_READY`` line (a server
+given ``--port 0``) or knows its port up front, then waits for ``GET /health``, bounded by
 ``startup_timeout_s``; a server that exits first, or is not healthy in time, raises
 :class:`~trainer.errors.EngineStartError` carrying the tail of its log (and every server
 already started is stopped).
@@ -19,7 +24,8 @@ Servers never outlive the trainer:
   closed and its process group gets SIGTERM, then SIGKILL after ``shutdown_timeout_s``;
   this cleanup is shielded from the cancellation and bounded;
 - if the trainer dies without cleaning up (even SIGKILL), the write end of each server's
-  stdin pipe closes with it, and the server shuts itself down on end-of-file.
+  stdin pipe closes with it, and the server shuts itself down on end-of-file (a server
+  without that option runs under :mod:`engines.stdin_guard`, which does it for it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
 import attrs
 import httpx
@@ -45,9 +52,12 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_STARTUP_TIMEOUT_S",
     "EngineProcess",
+    "ReferenceServers",
+    "ServerSpec",
+    "ServersSpec",
+    "base_url",
     "launch_local_engines",
     "open_engine_processes",
-    "server_command",
     "server_device",
     "server_env",
 ]
@@ -80,6 +90,8 @@ class EngineProcess:
     ready: bool = False
     #: Size of the (appended) log when this process started: only what follows is its own.
     log_offset: int = 0
+    #: The port it was told to use; None: read from its ``ENGINE_READY`` line.
+    port: int | None = None
 
     @property
     def pid(self) -> int:
@@ -98,14 +110,41 @@ class EngineProcess:
         return data[self.log_offset :].decode(errors="replace")[-chars:]
 
 
-def server_command(
-    model_dir: str | Path | None, host: str, seed: int, extra: Sequence[str]
-) -> list[str]:
-    cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
-    cmd += ["--seed", str(seed), "--exit-on-stdin-eof"]
-    if model_dir is not None:
-        cmd += ["--model", str(model_dir)]
-    return [*cmd, *extra]
+@attrs.frozen
+class ServerSpec:
+    """How to start one server: its command line, what it adds to the environment, its port."""
+
+    argv: tuple[str, ...]
+    #: Set on top of the launcher's environment (``CUDA_VISIBLE_DEVICES``, ``VLLM_*``).
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    #: The port it will listen on; None: it picks one and prints ``ENGINE_READY port=N``.
+    port: int | None = None
+
+
+class ServersSpec(Protocol):
+    """Makes server ``index``'s :class:`ServerSpec`, listening on ``host`` (picklable for Ray)."""
+
+    def __call__(self, index: int, host: str) -> ServerSpec: ...
+
+
+@attrs.frozen
+class ReferenceServers:
+    """``python -m engines.local serve`` servers (the reference engine): server ``I`` gets seed
+    ``seed + I`` and ``devices[I % len(devices)]`` (none: the server's default, ``auto``)."""
+
+    model_dir: str | None = None
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+
+    def __call__(self, index: int, host: str) -> ServerSpec:
+        cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
+        cmd += ["--seed", str(self.seed + index), "--exit-on-stdin-eof"]
+        if self.model_dir is not None:
+            cmd += ["--model", str(self.model_dir)]
+        device = self.devices[index % len(self.devices)] if self.devices else None
+        flags, env = server_device(device, os.environ)
+        return ServerSpec((*cmd, *self.extra_args, *flags), env)
 
 
 def server_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
@@ -118,29 +157,36 @@ def server_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, 
     return child
 
 
-async def _spawn(index: int, cmd: list[str], log_path: Path, env: dict[str, str]) -> EngineProcess:
+async def _spawn(
+    index: int, spec: ServerSpec, host: str, log_path: Path, env: dict[str, str]
+) -> EngineProcess:
     log_file = await trio.to_thread.run_sync(lambda: open(log_path, "ab"))  # noqa: SIM115
     offset = log_file.seek(0, 2)
     try:
         process = await trio.lowlevel.open_process(
-            cmd,
+            list(spec.argv),
             stdin=subprocess.PIPE,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=env,
+            env={**env, **spec.env},
         )
     finally:
         log_file.close()  # the child holds its own descriptor
-    return EngineProcess(
-        index, process, log_path, f"engine-{index} (pid {process.pid})", log_offset=offset
-    )
+    url = f"engine-{index} (pid {process.pid})" if spec.port is None else base_url(host, spec.port)
+    return EngineProcess(index, process, log_path, url, log_offset=offset, port=spec.port)
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://HOST:PORT`` (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 async def _wait_ready(
     engine: EngineProcess, host: str, api_key: str | None, http: httpx.AsyncClient
 ) -> None:
-    """Wait for the ready line, then for ``/health`` 200; raise if the process exits first."""
+    """Wait for the ready line (a server that picks its port), then for ``/health`` 200;
+    raise if the process exits first."""
 
     async def died() -> EngineStartError:
         code = engine.process.returncode
@@ -149,15 +195,14 @@ async def _wait_ready(
             engine.url, f"exited during start-up ({how})", await engine.log_tail()
         )
 
-    while True:
+    while engine.port is None:
         if engine.process.poll() is not None:
             raise await died()
         match = READY_RE.search(await engine.log_tail(chars=1 << 20))
         if match:
+            engine.url = base_url(host, int(match.group(1)))
             break
         await trio.sleep(_POLL_S)
-    url_host = f"[{host}]" if ":" in host else host
-    engine.url = f"http://{url_host}:{match.group(1)}"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     while True:
         if engine.process.poll() is not None:
@@ -192,30 +237,24 @@ async def _stop(engine: EngineProcess, timeout_s: float) -> None:
 @asynccontextmanager
 async def open_engine_processes(
     num_engines: int,
-    model_dir: str | Path | None,
+    servers: ServersSpec,
     log_dir: str | Path,
     *,
-    seed: int = 0,
     host: str = "127.0.0.1",
     api_key: str | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
-    devices: Sequence[str] = (),
 ) -> AsyncIterator[list[EngineProcess]]:
     """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
 
-    Server ``I`` gets seed ``seed + I``, ``--device devices[I % len(devices)]`` (none when
-    ``devices`` is empty: the server's default, ``auto``) and logs to ``log_dir/engine-I.log``
-    (appended). A server on ``cuda:N`` sees that GPU alone (``CUDA_VISIBLE_DEVICES``, as vLLM's
-    servers are started), so everything it puts on CUDA, weight-transfer groups and buffers
-    included, lands on that GPU.
-    ``model_dir=None`` serves the built-in tiny model. Raises ``EngineStartError`` (with the
-    log tail) when a server exits during start-up or is not healthy within
-    ``startup_timeout_s``; several failures raise the first, the others as notes. ``ValueError``
-    for ``num_engines < 1``. Stopping is shielded and bounded by about
-    ``shutdown_timeout_s + 5`` seconds whatever the cancellation state.
+    Server ``I`` is ``servers(I, host)`` (a :class:`ServerSpec`), logs to
+    ``log_dir/engine-I.log`` (appended), and gets ``env`` (default: this process's), the
+    project on ``PYTHONPATH``, ``VLLM_API_KEY`` when ``api_key`` is set, and its spec's own
+    variables. Raises ``EngineStartError`` (with the log tail) when a server exits during
+    start-up or is not healthy within ``startup_timeout_s``; several failures raise the
+    first, the others as notes. ``ValueError`` for ``num_engines < 1``. Stopping is shielded
+    and bounded by about ``shutdown_timeout_s + 5`` seconds whatever the cancellation state.
     """
     if num_engines < 1:
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
@@ -225,9 +264,8 @@ async def open_engine_processes(
     engines: list[EngineProcess] = []
     try:
         for i in range(num_engines):
-            device, env_i = server_device(devices[i % len(devices)] if devices else None, child_env)
-            cmd = server_command(model_dir, host, seed + i, [*extra_args, *device])
-            engines.append(await _spawn(i, cmd, log_dir / f"engine-{i}.log", env_i))
+            spec = servers(i, host)
+            engines.append(await _spawn(i, spec, host, log_dir / f"engine-{i}.log", child_env))
         async with httpx.AsyncClient(timeout=5.0) as http:
             with trio.move_on_after(startup_timeout_s) as scope:
                 try:
@@ -252,17 +290,18 @@ async def open_engine_processes(
                     nursery.start_soon(_stop, engine, shutdown_timeout_s)
 
 
-def server_device(device: str | None, env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The ``--device`` flag and environment of a server on ``device``: ``cuda:N`` becomes
-    ``--device cuda`` with GPU ``N`` (of those this process sees) its only visible GPU."""
+def server_device(device: str | None, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The ``--device`` flag and the variables to set for a reference server on ``device``:
+    ``cuda:N`` becomes ``--device cuda`` with GPU ``N`` (of those visible in ``env``) its only
+    visible GPU."""
     if device is None:
-        return [], env
+        return [], {}
     if not device.startswith("cuda:"):
-        return ["--device", device], env
+        return ["--device", device], {}
     index = int(device.split(":", 1)[1])
     visible = env.get("CUDA_VISIBLE_DEVICES")
     physical = visible.split(",")[index].strip() if visible else str(index)
-    return ["--device", "cuda"], {**env, "CUDA_VISIBLE_DEVICES": physical}
+    return ["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": physical}
 
 
 @asynccontextmanager
@@ -279,19 +318,21 @@ async def launch_local_engines(
     extra_args: Sequence[str] = (),
     devices: Sequence[str] = (),
 ) -> AsyncIterator[list[str]]:
-    """:func:`open_engine_processes`, yielding the servers' base URLs (``http://HOST:PORT``)."""
+    """:func:`open_engine_processes` of :class:`ReferenceServers`, yielding the servers' base
+    URLs (``http://HOST:PORT``). A server on ``cuda:N`` sees that GPU alone
+    (``CUDA_VISIBLE_DEVICES``, as vLLM's servers are started), so everything it puts on CUDA,
+    weight-transfer groups and buffers included, lands on that GPU."""
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
         raise ValueError(f"startup_timeout_s must be a positive number, got {startup_timeout_s}")
+    model = None if model_dir is None else str(model_dir)
+    servers = ReferenceServers(model, seed, tuple(extra_args), tuple(devices))
     async with open_engine_processes(
         num_engines,
-        model_dir,
+        servers,
         log_dir,
-        seed=seed,
         host=host,
         api_key=api_key,
         startup_timeout_s=startup_timeout_s,
         shutdown_timeout_s=shutdown_timeout_s,
-        extra_args=extra_args,
-        devices=devices,
     ) as engines:
         yield [e.url for e in engines]

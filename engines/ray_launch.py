@@ -2,13 +2,15 @@
 
 ::
 
-    async with open_ray_engines(2, model_dir, run_dir / "engines", seed=0) as engines:
+    async with open_ray_engines(2, ReferenceServers(model_dir), run_dir / "engines") as engines:
         client = InferenceClient([e.url for e in engines])
 
-Each server is the same ``python -m engines.local serve`` process as with
-``engine.placement=process`` (:mod:`engines.launch`), started by an
-:class:`EngineServerActor` on the node Ray picks (``SPREAD``: one engine per node while
-nodes last). The server binds that node's IP address (the one Ray uses) and the trainer
+Each server is the same process as with ``engine.placement=process`` (:mod:`engines.launch`:
+``servers(I, node_ip)`` makes its :class:`~engines.launch.ServerSpec`, on its node), started
+by an :class:`EngineServerActor` on the node Ray picks (``SPREAD``: one engine per node while
+nodes last). An actor reserves ``num_cpus`` CPUs and ``num_gpus`` GPUs (a ``vllm serve`` of
+``engine.tensor_parallel_size`` ranks asks for that many, on one node); Ray sets its
+``CUDA_VISIBLE_DEVICES`` to them, and its server inherits it. The server binds that node's IP address (the one Ray uses) and the trainer
 reaches it over HTTP there, exactly as it reaches a local server; start-up ends with the
 trainer's own ``GET /health``, so a node the trainer cannot reach fails at start, not in
 the first step.
@@ -19,14 +21,14 @@ Lifetimes, on every path:
   its server (stdin closed, SIGTERM to its process group, SIGKILL after
   ``shutdown_timeout_s``) and then kills the actor; shielded and bounded;
 - an actor that dies (``ray.kill``, its node lost, the trainer's driver gone so Ray
-  reaps the actors it owned) closes the server's stdin pipe, and the server, started with
-  ``--exit-on-stdin-eof``, shuts itself down.
+  reaps the actors it owned) closes the server's stdin pipe, and the server (started with
+  ``--exit-on-stdin-eof``, or under :mod:`engines.stdin_guard`) shuts itself down.
 
 Start-up is bounded by ``startup_timeout_s`` from the first actor request to the last
 healthy server, placement included (a cluster without ``num_cpus`` free CPUs per engine
 fails with an :class:`~trainer.errors.EngineStartError` saying so), plus at least 5 s for
-the trainer's own health check. A server that exits
-during start-up raises ``EngineStartError`` with its log tail, read on its node.
+the trainer's own health check. A server that exits during start-up (before its ready line,
+or before it is healthy) raises ``EngineStartError`` with its log tail, read on its node.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,8 @@ from engines.launch import (
     DEFAULT_STARTUP_TIMEOUT_S,
     LOG_TAIL_CHARS,
     READY_RE,
-    server_command,
+    ServersSpec,
+    base_url,
     server_env,
 )
 from engines.process_stop import KILL_WAIT_S, stop_group_blocking
@@ -69,6 +72,8 @@ _TAIL_TIMEOUT_S = 5.0
 #: The trainer's own health check always gets at least this long, even when the actors'
 #: start took the whole budget (so "not reachable" is never reported untried).
 _MIN_HEALTH_S = 5.0
+#: Seconds between asking an actor whether its server exited, while waiting for health.
+_EXIT_POLL_S = 1.0
 
 
 class EngineServerActor:
@@ -82,14 +87,13 @@ class EngineServerActor:
         self,
         index: int,
         log_dir: str,
-        model_dir: str | None,
-        seed: int,
+        servers: ServersSpec,
         api_key: str | None,
-        extra_args: Sequence[str] = (),
     ) -> None:
         self.name = f"engine-{index}"
+        self._index = index
         self._log_path = self._choose_log_path(Path(log_dir) / f"{self.name}.log")
-        self._cmd_args = (model_dir, seed, tuple(extra_args))
+        self._servers = servers
         self._api_key = api_key
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_offset = 0
@@ -121,27 +125,28 @@ class EngineServerActor:
         import ray  # heavy: imported only where Ray places engines
 
         host = ray.util.get_node_ip_address()
-        model_dir, seed, extra = self._cmd_args
-        cmd = server_command(model_dir, host, seed, extra)
+        spec = self._servers(self._index, host)
         with self._lock, open(self._log_path, "ab") as log_file:
             if self._stopping:
                 raise EngineStartError(f"{self.name} on {host}", "stopped during start-up")
             self._log_offset = log_file.seek(0, 2)
             self._proc = subprocess.Popen(
-                cmd,
+                list(spec.argv),
                 stdin=subprocess.PIPE,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env=server_env(None, self._api_key),
+                env={**server_env(None, self._api_key), **spec.env},
             )
         proc = self._proc
         placeholder = f"{self.name} (pid {proc.pid} on {host})"
         end = time.monotonic() + timeout_s
-        while not (match := READY_RE.search(self.log_tail(chars=1 << 20))):
-            code = proc.poll()
-            if code is not None:
-                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        port = spec.port
+        while port is None:
+            if match := READY_RE.search(self.log_tail(chars=1 << 20)):
+                port = int(match.group(1))
+                break
+            if (how := self.exit_status()) is not None:
                 raise EngineStartError(
                     placeholder, f"exited during start-up ({how})", self.log_tail()
                 )
@@ -150,14 +155,20 @@ class EngineServerActor:
                     placeholder, f"not listening within {timeout_s:g}s", self.log_tail()
                 )
             time.sleep(_POLL_S)
-        url_host = f"[{host}]" if ":" in host else host
         return {
-            "url": f"http://{url_host}:{match.group(1)}",
+            "url": base_url(host, port),
             "pid": proc.pid,
             "actor_pid": os.getpid(),
             "node_ip": host,
             "log_path": str(self._log_path),
         }
+
+    def exit_status(self) -> str | None:
+        """How the server ended ("exit code N", "signal N"); None while it runs (or before)."""
+        code = None if self._proc is None else self._proc.poll()
+        if code is None:
+            return None
+        return f"signal {-code}" if code < 0 else f"exit code {code}"
 
     def stop(self, timeout_s: float) -> int | None:
         """Close stdin, SIGTERM the server's group, SIGKILL it after ``timeout_s``; its code."""
@@ -204,22 +215,24 @@ def _spawn(
     engines: list[RayEngine],
     num_engines: int,
     args: tuple[Any, ...],
-    num_cpus: float,
+    resources: tuple[float, float],
     env: dict[str, str],
 ) -> None:
     """Create the actors (GCS round-trips: called off the trio thread)."""
     import ray  # heavy: imported only where Ray places engines
 
-    log_dir, model_dir, seed, api_key, extra = args
+    log_dir, servers, api_key = args
     log_dir = os.path.abspath(log_dir)  # the same path on every node
+    num_cpus, num_gpus = resources
     cls = ray.remote(EngineServerActor).options(
         num_cpus=num_cpus,
+        num_gpus=num_gpus,
         max_concurrency=4,
         scheduling_strategy="SPREAD",
         runtime_env={"env_vars": env},
     )
     for i in range(num_engines):
-        actor = cls.remote(i, log_dir, model_dir, seed + i, api_key, tuple(extra))
+        actor = cls.remote(i, log_dir, servers, api_key)
         engines.append(RayEngine(i, actor, url=f"engine-{i} (ray actor)"))
 
 
@@ -288,9 +301,22 @@ def _stop_all(engines: list[RayEngine], shutdown_timeout_s: float) -> None:
             log.debug("ray.kill(engine-%d): %r", engine.index, exc)
 
 
+def _exit_status(engine: RayEngine) -> str | None:
+    """How the server ended, asked of its actor (blocks); None while it runs or no answer."""
+    import ray  # heavy: imported only where Ray places engines
+
+    try:
+        return ray.get(engine.actor.exit_status.remote(), timeout=_TAIL_TIMEOUT_S)
+    except Exception:
+        return None
+
+
 async def _wait_healthy(engine: RayEngine, api_key: str | None, http: httpx.AsyncClient) -> None:
-    """Poll ``GET /health`` from the trainer until 200 (cancelled by the start-up bound)."""
+    """Poll ``GET /health`` from the trainer until 200 (cancelled by the start-up bound);
+    ``EngineStartError`` with its log tail when the server exits first (a server told its
+    port, such as ``vllm serve``, is still loading its model here)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    last_asked = time.monotonic()
     while True:
         try:
             response = await http.get(f"{engine.url}/health", headers=headers)
@@ -298,6 +324,12 @@ async def _wait_healthy(engine: RayEngine, api_key: str | None, http: httpx.Asyn
                 return
         except httpx.TransportError:
             pass
+        if time.monotonic() - last_asked > _EXIT_POLL_S:
+            last_asked = time.monotonic()
+            how = await trio.to_thread.run_sync(_exit_status, engine, abandon_on_cancel=True)
+            if how is not None:
+                tail = await trio.to_thread.run_sync(_tail, engine, abandon_on_cancel=True)
+                raise EngineStartError(engine.url, f"exited during start-up ({how})", tail or "")
         await trio.sleep(_POLL_S)
 
 
@@ -324,8 +356,9 @@ async def _start(engines: list[RayEngine], timeout_s: float, api_key: str | None
             if scope.cancelled_caught:
                 raise EngineStartError(
                     engine.url,
-                    f"listening on node {engine.node_ip} but not healthy from the trainer within "
-                    f"{timeout_s:g}s: the trainer must reach every node's IP",
+                    f"started on node {engine.node_ip} but not healthy from the trainer within "
+                    f"{timeout_s:g}s: the trainer must reach every node's IP, and a server "
+                    "still loading its model needs a longer engine.startup_timeout_s",
                     await trio.to_thread.run_sync(_tail, engine) or "",
                 )
             left = max(_MIN_HEALTH_S, timeout_s - (time.monotonic() - started))
@@ -334,20 +367,19 @@ async def _start(engines: list[RayEngine], timeout_s: float, api_key: str | None
 @asynccontextmanager
 async def open_ray_engines(
     num_engines: int,
-    model_dir: str | Path | None,
+    servers: ServersSpec,
     log_dir: str | Path,
     *,
-    seed: int = 0,
     api_key: str | None = None,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    extra_args: Sequence[str] = (),
     num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
     env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[list[RayEngine]]:
     """Start ``num_engines`` servers in Ray actors, yield them healthy; always stop them.
 
-    Needs a connected Ray driver (``ray.init``). Server ``I`` gets seed ``seed + I`` and
+    Needs a connected Ray driver (``ray.init``). Server ``I`` is ``servers(I, node_ip)`` and
     logs to ``log_dir/engine-I.log`` on its node (a temp directory there when ``log_dir``
     cannot be created on it); ``log_dir`` is made absolute here so every node reads it the
     same way. Raises ``EngineStartError`` as described in the module docstring;
@@ -359,16 +391,13 @@ async def open_ray_engines(
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
         raise ValueError(f"startup_timeout_s must be a positive number, got {startup_timeout_s}")
-    args = (
-        str(log_dir),
-        None if model_dir is None else str(model_dir),
-        seed,
-        api_key,
-        tuple(extra_args),
-    )
+    args = (str(log_dir), servers, api_key)
+    resources = (num_cpus, num_gpus)
     engines: list[RayEngine] = []
     try:
-        await trio.to_thread.run_sync(_spawn, engines, num_engines, args, num_cpus, dict(env or {}))
+        await trio.to_thread.run_sync(
+            _spawn, engines, num_engines, args, resources, dict(env or {})
+        )
         await _start(engines, startup_timeout_s, api_key)
         yield engines
     finally:

@@ -2,8 +2,11 @@
 
 The engine bracket around the transfer depends on where the engines live:
 
-- non-colocated (default): pause generation (``engine.pause_mode``) -> transfer -> resume,
-  the resume in a cleanup bracket;
+- non-colocated (default): pause generation (``engine.pause_mode``) -> transfer -> reset
+  the prefix cache (``/reset_prefix_cache?reset_running_requests=true``: vLLM drops the
+  prefixes computed with the old weights and recomputes the requests kept by the pause) ->
+  resume, the resume in a cleanup bracket (the sleeping brackets need no reset: vLLM clears
+  its caches when it sleeps);
 - colocated (``engine.colocated``): wake weights -> transfer -> wake kv_cache, the KV wake
   in a cleanup bracket;
 - ``engine.offload_kv_for_weight_sync`` with the synchronous trainer: sleep -> wake
@@ -223,4 +226,7 @@ async def save_weights_for_sampler(
         await engine.pause(pause_mode)
         async with after(engine.resume, "/resume"):
             await transfer_and_record()
+            # a sleep cleared the caches above; here, prefixes (and kept requests) computed
+            # with the old weights are dropped before generation resumes
+            await engine.reset_prefix_cache(reset_running_requests=True)
     return out

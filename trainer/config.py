@@ -218,6 +218,12 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             "weight syncs sleep the engines instead of pausing them (engine.colocated or "
             "engine.offload_kv_for_weight_sync); set both to false to reach it"
         )
+    if op == "/reset_prefix_cache" and sleeps:
+        return (
+            "weight syncs sleep the engines (engine.colocated or "
+            "engine.offload_kv_for_weight_sync), which clears their caches without it; set both "
+            "to false to reach it"
+        )
     transfer_routes = (
         "/init_weight_transfer_engine",
         "/start_weight_update",
@@ -256,6 +262,23 @@ def _check_fully_async(cfg: Config) -> None:
         )
 
 
+def _check_vllm(cfg: Config) -> None:
+    """vLLM backends: a transport vLLM has, and tensor parallelism only where vLLM runs."""
+    e = cfg.engine
+    vllm = e.backend in ("vllm", "vllm_inprocess")
+    if vllm and cfg.sync.transport not in ("nccl", "ipc"):
+        raise ConfigError(
+            f"config: engine.backend={e.backend!r} needs sync.transport=nccl (engines on their "
+            "own GPUs) or sync.transport=ipc (an engine on the trainer's GPU): vLLM has no "
+            f"{cfg.sync.transport!r} weight-transfer backend"
+        )
+    if not vllm and e.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"config: engine.tensor_parallel_size={e.tensor_parallel_size} applies to vLLM "
+            f"engines (engine.backend=vllm or vllm_inprocess), not engine.backend={e.backend!r}"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -280,11 +303,12 @@ def validate_cfg(cfg: Config) -> None:
         raise ConfigError(
             "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"
         )
-    if cfg.engine.placement == "ray" and cfg.engine.backend != "local":
+    if cfg.engine.placement == "ray" and cfg.engine.backend not in ("local", "vllm"):
         raise ConfigError(
             f"config: engine.placement='ray' places the servers the trainer starts, but "
-            f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local"
+            f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local or vllm"
         )
+    _check_vllm(cfg)
     if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
         raise ConfigError(
             f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "

@@ -235,18 +235,39 @@ class GeneratorConfig:
 
 @attrs.define
 class EngineConfig:
-    backend: Literal["local", "remote", "inprocess"] = _field(
+    backend: Literal["local", "remote", "inprocess", "vllm", "vllm_inprocess"] = _field(
         "local",
-        "Inference engines: 'local' starts CPU reference servers (vLLM's HTTP protocol) and stops "
-        "them at exit; 'remote' uses servers at engine.urls (e.g. `vllm serve`); 'inprocess' runs "
-        "the reference engine inside the trainer, without HTTP.",
+        "Inference engines: 'local' starts reference-engine servers (vLLM's HTTP protocol) and "
+        "stops them at exit; 'vllm' starts `vllm serve` servers the same way (needs vLLM and "
+        "GPUs; see docs/vllm.md); 'remote' uses servers at engine.urls (e.g. a `vllm serve` you "
+        "started); 'inprocess' runs the reference engine inside the trainer, without HTTP; "
+        "'vllm_inprocess' runs vLLM's AsyncLLM inside the trainer.",
     )
-    num_engines: int = _field(1, "Servers to start (backend=local).", check=at_least(1))
+    num_engines: int = _field(1, "Servers to start (backend=local or vllm).", check=at_least(1))
     placement: Literal["process", "ray"] = _field(
         "process",
-        "Where backend=local starts its servers: 'process' (child processes of the trainer) or "
-        "'ray' (each server in a Ray actor on the node Ray picks, on the cluster of "
-        "workers.ray_address; see docs/scaling.md). Either way they are stopped at exit.",
+        "Where backend=local or vllm starts its servers: 'process' (child processes of the "
+        "trainer) or 'ray' (each server in a Ray actor on the node Ray picks, on the cluster of "
+        "workers.ray_address; a vLLM server's actor reserves engine.tensor_parallel_size GPUs; "
+        "see docs/scaling.md). Either way they are stopped at exit.",
+    )
+    tensor_parallel_size: int = _field(
+        1,
+        "backend=vllm or vllm_inprocess: GPUs per engine (vLLM's --tensor-parallel-size).",
+        check=at_least(1),
+    )
+    gpu_memory_utilization: float | None = _field(
+        None,
+        "backend=vllm or vllm_inprocess: the share of each GPU vLLM may take (its "
+        "--gpu-memory-utilization); None: vLLM's default (0.92 in vLLM 0.33). Lower it when "
+        "training shares the GPU (engine.colocated, sync.transport=ipc).",
+        check=in_range(0.01, 1.0),
+    )
+    extra_args: tuple[str, ...] = _field(
+        (),
+        "backend=vllm or vllm_inprocess: more `vllm serve` flags, passed as given after the "
+        "trainer's own (e.g. [--max-model-len,4096,--enforce-eager]); vllm_inprocess parses "
+        "them with vLLM's own engine-argument parser.",
     )
     ray_num_cpus: float = _field(
         1.0, "Ray CPUs each engine actor reserves (placement=ray).", check=positive
@@ -293,9 +314,11 @@ class EngineConfig:
     )
     gpu_ids: tuple[int, ...] = _field(
         (),
-        "engine.device=cuda with placement=process: the GPU of each started engine, engine i "
-        "on cuda:gpu_ids[i % len] (e.g. [1,2,3] leaves GPU 0 to the policy); empty: every "
-        "engine on the first GPU, colocated with the policy.",
+        "placement=process: the GPUs of the started engines. backend=local with "
+        "engine.device=cuda: engine i on cuda:gpu_ids[i % len] (e.g. [1,2,3] leaves GPU 0 to "
+        "the policy); empty: every engine on the first GPU, colocated with the policy. "
+        "backend=vllm: engine i gets the tensor_parallel_size GPUs from gpu_ids[i*tp]; empty: "
+        "GPU 0 on for sync.transport=ipc (colocated), GPU 1 on otherwise (GPU 0 trains).",
     )
 
 
@@ -322,6 +345,13 @@ class SyncConfig:
         "Largest weight bucket per transfer call, in MB (gloo/nccl packed, ipc: also the "
         "extra memory rank 0 holds for it).",
         check=at_least(1),
+    )
+    master_address: str | None = _field(
+        None,
+        "sync.transport=gloo|nccl: the address policy rank 0 hosts the weight-sync group at, "
+        "which every engine must reach. None: its Ray node address where Ray runs in rank 0's "
+        "process, else the local address that routes to the first engine (loopback for "
+        "engines on this machine).",
     )
     group_init_timeout_s: float = _field(
         600.0,

@@ -16,12 +16,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from engines.client import InferenceClient
 from engines.devices import resolve_device
-from engines.launch import launch_local_engines
-from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.launch import ReferenceServers, ServersSpec, open_engine_processes
+from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.vllm_serve import VllmServers, check_server_config, gpu_groups
 from sync.transports import (
     BroadcastTransport,
     DiskTransport,
@@ -52,11 +54,13 @@ TRANSPORT_CLOSE_TIMEOUT_S = 30.0
 async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Any]:
     """The client of the engines of ``engine.backend``.
 
-    Servers the trainer starts are stopped when the block exits, whatever the error.
+    Servers the trainer starts are stopped when the block exits, whatever the error. Every
+    server is probed for the routes the run uses (naming the ``vllm serve`` flag behind a
+    missing one); a vLLM server's config must have the run's weight-transfer backend.
     """
     e = cfg.engine
     devices = [f"cuda:{i}" for i in e.gpu_ids] if e.device == "cuda" and e.gpu_ids else [e.device]
-    if e.backend == "inprocess" or e.placement == "process":
+    if e.backend == "inprocess" or (e.backend == "local" and e.placement == "process"):
         for device in devices:  # here, before a server starts: a clear ConfigError
             resolve_device(device, key="engine.device")
     if e.backend == "inprocess":
@@ -68,35 +72,10 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             yield client
         return
     async with AsyncExitStack() as stack:
-        started: dict[str, Any] = {
-            "seed": cfg.trainer.seed,
-            "api_key": e.api_key,
-            "startup_timeout_s": e.startup_timeout_s,
-        }
-        log_dir = run_dir / "engines"
-        if e.backend == "local" and e.placement == "ray":
-            from engines.ray_launch import open_ray_engines
-            from trainer.workers.ray_cluster import actor_env
-
-            placed = await stack.enter_async_context(
-                open_ray_engines(
-                    e.num_engines,
-                    model_dir,
-                    log_dir,
-                    num_cpus=e.ray_num_cpus,
-                    env=actor_env(),
-                    extra_args=["--device", e.device],
-                    **started,
-                )
-            )
-            urls = [p.url for p in placed]
-            log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
-        elif e.backend == "local":
-            urls = await stack.enter_async_context(
-                launch_local_engines(e.num_engines, model_dir, log_dir, devices=devices, **started)
-            )
-        else:
+        if e.backend == "remote":
             urls = list(e.urls)
+        else:
+            urls = await _start_servers(stack, cfg, model_dir, run_dir / "engines", devices)
         client = await stack.enter_async_context(
             InferenceClient(
                 urls,
@@ -105,8 +84,70 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
                 control_plane_timeout_s=e.control_plane_timeout_s,
             )
         )
-        await client.probe((*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES))
+        sleeps = e.colocated or e.offload_kv_for_weight_sync
+        routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
+        await client.probe((*routes, *SLEEP_ROUTES) if sleeps else routes)
+        if cfg.sync.transport in ("nccl", "ipc"):
+            await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
         yield client
+
+
+def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
+    """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`)."""
+    e = cfg.engine
+    transport = cfg.sync.transport
+    assert transport in ("nccl", "ipc"), "validate_cfg allows only vLLM's backends"
+    groups: tuple[tuple[int, ...], ...] = ()
+    if e.placement == "process":  # Ray gives its actors their GPUs
+        first = 0 if transport == "ipc" else 1
+        groups = gpu_groups(e.gpu_ids, e.num_engines, e.tensor_parallel_size, first)
+    return VllmServers(
+        str(model_dir),
+        transport,
+        tensor_parallel_size=e.tensor_parallel_size,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        seed=cfg.trainer.seed,
+        enable_sleep_mode=e.colocated or e.offload_kv_for_weight_sync,
+        gpu_groups=groups,
+        extra_args=e.extra_args,
+    )
+
+
+async def _start_servers(
+    stack: AsyncExitStack, cfg: Config, model_dir: Path, log_dir: Path, devices: list[str]
+) -> list[str]:
+    """Start the servers of ``engine.backend`` (stopped when ``stack`` closes); their URLs."""
+    e = cfg.engine
+    servers: ServersSpec
+    if e.backend == "vllm":
+        servers = vllm_servers(cfg, model_dir)
+    else:
+        servers = ReferenceServers(str(model_dir), cfg.trainer.seed, devices=tuple(devices))
+    started = {"api_key": e.api_key, "startup_timeout_s": e.startup_timeout_s}
+    if e.placement == "process":
+        engines = await stack.enter_async_context(
+            open_engine_processes(e.num_engines, servers, log_dir, **started)
+        )
+        return [engine.url for engine in engines]
+    from engines.ray_launch import open_ray_engines
+    from trainer.workers.ray_cluster import actor_env
+
+    if e.backend == "local":  # placed by Ray, so the device is resolved on its node
+        servers = attrs.evolve(servers, devices=(e.device,))
+    gpus = e.tensor_parallel_size if e.backend == "vllm" else 0
+    placed = await stack.enter_async_context(
+        open_ray_engines(
+            e.num_engines,
+            servers,
+            log_dir,
+            num_cpus=e.ray_num_cpus,
+            num_gpus=gpus,
+            env=actor_env(),
+            **started,
+        )
+    )
+    log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
+    return [p.url for p in placed]
 
 
 def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
@@ -118,11 +159,12 @@ def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
         return InProcessTransport()
     bucket_bytes = cfg.sync.bucket_size_mb * 2**20
     if cfg.sync.transport in ("gloo", "nccl"):
-        # rank 0 hosts the group at its node's address (Ray's, when Ray runs there)
+        # rank 0 hosts the group at sync.master_address, else at its address the engines reach
         return BroadcastTransport(
             bucket_bytes,
             group_init_timeout_s=cfg.sync.group_init_timeout_s,
             timeout_s=cfg.workers.collective_timeout_s,
+            master_address=cfg.sync.master_address,
             backend=cfg.sync.transport,
             packed=cfg.sync.transport == "nccl" if cfg.sync.packed is None else cfg.sync.packed,
         )

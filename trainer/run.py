@@ -25,6 +25,7 @@ import yaml
 
 from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
+from engines.vllm_serve import require_vllm
 from trainer.checkpoint import CheckpointManager
 from trainer.config import to_dict
 from trainer.config_schema import Config
@@ -108,6 +109,8 @@ class _TeardownClock:
 
 async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
+    if cfg.engine.backend in ("vllm", "vllm_inprocess"):  # before any work: one line
+        require_vllm(f"engine.backend={cfg.engine.backend}")
     run_dir = _make_run_dir(cfg)
     handlers = setup_run_logging(run_dir)
     install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")

@@ -80,6 +80,12 @@ class InProcessClient:
             await fire_fault("/wake_up")
             await self.engine.wake_up(tags)
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """Nothing to drop (the engine has no prefix cache, and loading weights drops its KV
+        caches: kept requests are recomputed); the operation and its fault are there."""
+        with operation("/reset_prefix_cache"):
+            await fire_fault("/reset_prefix_cache")
+
     async def load_weights(self, named: dict[str, torch.Tensor]) -> None:
         """Replace the engine's weights between two decode steps."""
         await self.engine.load_weights(named)

@@ -526,4 +526,6 @@ ROUTES: dict[str, dict[str, Handler]] = {
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 #: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.
-CONTROL_PLANE_PATHS = frozenset({"/pause", "/resume", "/sleep", "/wake_up", *WEIGHT_TRANSFER_PATHS})
+CONTROL_PLANE_PATHS = frozenset(
+    {"/pause", "/resume", "/sleep", "/wake_up", "/reset_prefix_cache", *WEIGHT_TRANSFER_PATHS}
+)

@@ -2,8 +2,11 @@
 
 vLLM's ``nccl`` weight-transfer backend, and its CPU stand-in ``gloo`` that sends the very
 same messages. The group has policy rank 0 as rank 0 (wherever rank 0 runs: a thread of
-the trainer with local workers, rank 0's actor with Ray workers) and each engine server as
-rank ``1 + i``. It is built once, through :func:`sync.group.init_group`'s controller-side
+the trainer with local workers, rank 0's actor with Ray workers) and every worker of every
+engine: engine ``i`` of ``/get_world_size`` N (a vLLM engine's tensor-parallel ranks) joins as
+ranks ``rank_offset .. rank_offset + N - 1``, after the engines before it. Rank 0 hosts it at
+``master_address`` (``sync.master_address``), by default at the address of rank 0's machine
+that the engines reach (:func:`group_endpoint`). It is built once, through :func:`sync.group.init_group`'s controller-side
 bound, and reused by every sync. The bodies are exactly vLLM 0.33.0's ``nccl`` ones (see
 :mod:`engines.weight_transfer`)::
 
@@ -41,11 +44,15 @@ a process joined as rank 0 are kept in that process, by name, until
 from __future__ import annotations
 
 import functools
+import ipaddress
 import math
+import socket
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import httpx
 import torch
 import trio
 
@@ -88,17 +95,43 @@ class _Rank0State:
 _hosted: dict[str, _Rank0State] = {}
 
 
-def group_endpoint(model: torch.nn.Module, host: str | None) -> tuple[str, int]:
+def group_endpoint(
+    model: torch.nn.Module, host: str | None, engine_hosts: Sequence[str] = ()
+) -> tuple[str, int]:
     """Rank 0: where it hosts the group's store, and a free port there.
 
     ``host`` None: this node's Ray address when Ray runs in rank 0's process (a Ray worker,
-    or a trainer whose engines Ray placed), else loopback.
+    or a trainer whose engines Ray placed); else the local address that routes to the first
+    engine host that is not this machine's loopback; else loopback.
     """
     if host is None:
         import ray  # importing Ray costs seconds: only when no address was given
 
-        host = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        if ray.is_initialized():
+            host = str(ray.util.get_node_ip_address())
+        else:
+            remote = [h for h in engine_hosts if not is_loopback(h)]
+            host = route_address(remote[0]) if remote else "127.0.0.1"
     return host, free_port(host)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def route_address(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (no packet is sent: a UDP socket's
+    ``connect`` only picks the route)."""
+    family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
 
 
 def host_group(
@@ -244,19 +277,26 @@ class BroadcastTransport:
         """
         if self.initialized:
             return
-        urls = list(engine.urls)
-        world_size = 1 + len(urls)
-        # one bound for the whole init: asking rank 0 where to host, then every join
+        # one bound for the whole init: the engines' sizes, where rank 0 hosts, every join
         with operation(INIT_OP), trio.move_on_after(self.group_init_timeout_s) as scope:
-            await self._build(engine, workers, urls, world_size)
+            await self._build(engine, workers, list(engine.urls))
         if scope.cancelled_caught:
             raise CheckpointEngineInitError(GROUP, self.group_init_timeout_s)
         self.initialized = True
 
-    async def _build(self, engine: Any, workers: Rank0, urls: list[str], world_size: int) -> None:
-        """Rank 0's endpoint, then every participant's join (unbounded here: see ``init``)."""
+    async def _build(self, engine: Any, workers: Rank0, urls: list[str]) -> None:
+        """Rank 0's endpoint, then every participant's join (unbounded here: see ``init``).
+
+        Every worker of an engine joins (a vLLM engine of tensor-parallel size N is N ranks,
+        from its ``rank_offset``), so the group's size comes from each engine's
+        ``/get_world_size``.
+        """
+        sizes = await engine.get_world_size()
+        world_size = 1 + sum(sizes)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
+        hosts = [httpx.URL(url).host for url in urls]
         host, port = await workers.run_on_rank0(
-            group_endpoint, self.master_address, abandon_on_cancel=True
+            group_endpoint, self.master_address, hosts, abandon_on_cancel=True
         )
         store_timeout_s = max(self.group_init_timeout_s + BACKSTOP_S, self.timeout_s)
 
@@ -276,7 +316,7 @@ class BroadcastTransport:
             init_info = nccl_init_info(
                 master_address=host,
                 master_port=port,
-                rank_offset=1 + i,
+                rank_offset=offsets[i],
                 world_size=world_size,
                 packed=self.packed,
                 packed_buffer_size_bytes=self.bucket_bytes,

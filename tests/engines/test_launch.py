@@ -12,7 +12,12 @@ import torch
 import trio
 
 from engines.client import InferenceClient
-from engines.launch import launch_local_engines, open_engine_processes, server_device
+from engines.launch import (
+    ReferenceServers,
+    launch_local_engines,
+    open_engine_processes,
+    server_device,
+)
 from engines.types import SamplingParams
 from tests.e2e.helpers import pid_alive
 from tests.engines.helpers import wait_running
@@ -25,7 +30,7 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
     model_dir: Path, tmp_path: Path
 ) -> None:
     async with open_engine_processes(
-        2, model_dir, tmp_path, startup_timeout_s=STARTUP_S
+        2, ReferenceServers(str(model_dir)), tmp_path, startup_timeout_s=STARTUP_S
     ) as engines:
         pids = [e.pid for e in engines]
         victim = engines[0]
@@ -60,7 +65,7 @@ async def test_cancellation_stops_every_server(model_dir: Path, tmp_path: Path) 
     pids: list[int] = []
     with trio.CancelScope() as scope:
         async with open_engine_processes(
-            1, model_dir, tmp_path, startup_timeout_s=STARTUP_S
+            1, ReferenceServers(str(model_dir)), tmp_path, startup_timeout_s=STARTUP_S
         ) as engines:
             pids = [e.pid for e in engines]
             assert all(pid_alive(pid) for pid in pids)
@@ -93,7 +98,9 @@ async def test_a_server_not_healthy_in_time_raises_and_is_stopped(
 ) -> None:
     before = set(_children_running_engines_local())
     with pytest.raises(EngineStartError, match=r"not healthy within 0\.2s"):
-        async with open_engine_processes(1, model_dir, tmp_path, startup_timeout_s=0.2):
+        async with open_engine_processes(
+            1, ReferenceServers(str(model_dir)), tmp_path, startup_timeout_s=0.2
+        ):
             pytest.fail("a server became healthy in 0.2s")
     assert set(_children_running_engines_local()) <= before
 
@@ -143,7 +150,7 @@ async def test_each_started_server_gets_its_device_and_a_cuda_one_refuses_here(
     devices = ["cpu", "cuda:1"]
     with pytest.raises(EngineStartError) as info:
         async with open_engine_processes(
-            2, None, tmp_path, startup_timeout_s=STARTUP_S, devices=devices
+            2, ReferenceServers(devices=tuple(devices)), tmp_path, startup_timeout_s=STARTUP_S
         ):
             pytest.fail("a server on a CUDA device this machine lacks started")
     assert info.value.url.startswith("engine-1 ")
@@ -154,7 +161,7 @@ def test_a_server_on_gpu_n_sees_that_gpu_alone() -> None:
     """vLLM's way: CUDA_VISIBLE_DEVICES, so the server's weight-transfer group and buffers
     land on its GPU (an index-less CUDA device in the server means its only GPU)."""
     assert server_device(None, {}) == ([], {})
-    assert server_device("cpu", {"A": "1"}) == (["--device", "cpu"], {"A": "1"})
+    assert server_device("cpu", {"A": "1"}) == (["--device", "cpu"], {})
     assert server_device("cuda", {}) == (["--device", "cuda"], {})
     assert server_device("cuda:2", {}) == (["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": "2"})
     # the index counts the GPUs this process sees

@@ -15,6 +15,7 @@ import ray
 import trio
 
 from engines.client import InferenceClient
+from engines.launch import ReferenceServers
 from engines.ray_launch import EngineServerActor, open_ray_engines
 from engines.types import SamplingParams
 from tests.e2e.helpers import new_marker, pid_alive, processes_with_marker, wait_until_gone
@@ -49,7 +50,11 @@ async def test_servers_in_actors_serve_over_http_and_are_gone_after(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
     async with open_ray_engines(
-        2, model_dir, tmp_path / "engines", seed=7, startup_timeout_s=STARTUP_S, env=actor_env()
+        2,
+        ReferenceServers(str(model_dir), seed=7),
+        tmp_path / "engines",
+        startup_timeout_s=STARTUP_S,
+        env=actor_env(),
     ) as engines:
         assert [e.index for e in engines] == [0, 1]
         assert len({e.url for e in engines}) == 2
@@ -77,7 +82,11 @@ async def test_a_server_that_exits_during_start_up_raises_with_its_log_tail(
     missing = tmp_path / "no-such-model"
     with pytest.raises(EngineStartError) as caught:
         async with open_ray_engines(
-            1, missing, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
+            1,
+            ReferenceServers(str(missing)),
+            tmp_path / "engines",
+            startup_timeout_s=STARTUP_S,
+            env=actor_env(),
         ):
             pytest.fail("start-up should have failed")
     error = caught.value
@@ -92,7 +101,11 @@ async def test_a_killed_actor_takes_its_server_down_and_exit_stays_clean(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
     async with open_ray_engines(
-        1, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
+        1,
+        ReferenceServers(str(model_dir)),
+        tmp_path / "engines",
+        startup_timeout_s=STARTUP_S,
+        env=actor_env(),
     ) as engines:
         (engine,) = engines
         await trio.to_thread.run_sync(lambda: ray.kill(engine.actor, no_restart=True))
@@ -106,7 +119,11 @@ async def test_cancelled_start_up_leaves_nothing(
 ) -> None:
     with trio.move_on_after(1.0) as scope:
         async with open_ray_engines(
-            2, model_dir, tmp_path / "engines", startup_timeout_s=STARTUP_S, env=actor_env()
+            2,
+            ReferenceServers(str(model_dir)),
+            tmp_path / "engines",
+            startup_timeout_s=STARTUP_S,
+            env=actor_env(),
         ):
             pytest.fail("servers cannot be healthy within a second")
     assert scope.cancelled_caught
@@ -119,7 +136,7 @@ async def test_a_cluster_without_room_fails_start_up_saying_so(
     with pytest.raises(EngineStartError, match="not placed or not started within 3s"):
         async with open_ray_engines(
             1,
-            model_dir,
+            ReferenceServers(str(model_dir)),
             tmp_path / "engines",
             startup_timeout_s=3.0,
             num_cpus=1000,
@@ -133,7 +150,7 @@ def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
     ray_cluster: str, tmp_path: Path, marker: str
 ) -> None:
     """The actor is threaded: teardown's ``stop`` can run before ``start`` launches."""
-    actor = EngineServerActor(0, str(tmp_path), None, 0, None)
+    actor = EngineServerActor(0, str(tmp_path), ReferenceServers(), None)
     assert actor.stop(1.0) is None  # nothing started yet
     with pytest.raises(EngineStartError, match="stopped during start-up"):
         actor.start(30.0)

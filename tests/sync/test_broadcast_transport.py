@@ -94,6 +94,9 @@ class SilentServer:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
+    async def get_world_size(self) -> list[int]:
+        return [1]
+
     async def control_one(self, url, method, path, params=None, json=None):
         self.calls.append(path)
         await trio.sleep_forever()

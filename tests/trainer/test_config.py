@@ -83,7 +83,7 @@ from trainer.errors import ConfigError
         (
             ["engine.placement=ray", "engine.backend=inprocess"],
             "config: engine.placement='ray' places the servers the trainer starts, but "
-            "engine.backend='inprocess' starts none; use engine.backend=local",
+            "engine.backend='inprocess' starts none; use engine.backend=local or vllm",
         ),
         (
             ["engine.placement=node"],

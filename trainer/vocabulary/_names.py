@@ -46,6 +46,7 @@ Operation = Literal[
     "/start_weight_update",
     "/update_weights",
     "/finish_weight_update",
+    "/reset_prefix_cache",
 ]
 
 #: Every stage, in step order (``Stage``'s values).

@@ -1,0 +1,193 @@
+"""``engine.backend=vllm``: the ``vllm serve`` servers the trainer starts, and what it checks of them.
+
+::
+
+    servers = VllmServers(str(model_dir), "nccl", tensor_parallel_size=2, gpu_groups=((1, 2),))
+    async with open_engine_processes(1, servers, run_dir / "engines") as engines:
+        ...
+
+:class:`VllmServers` makes each server's :class:`~engines.launch.ServerSpec` for the one
+launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.placement=ray``):
+
+- the command is ``python -m vllm.entrypoints.cli.main serve MODEL`` (``vllm serve`` of the
+  trainer's own Python) with ``--host``, a free ``--port``, ``--seed SEED+I``,
+  ``--tensor-parallel-size``, ``--gpu-memory-utilization`` (when set), ``--weight-transfer-config
+  '{"backend": "nccl"|"ipc"}'``, ``--enable-sleep-mode`` when the run sleeps the engines
+  (``engine.colocated``, ``engine.offload_kv_for_weight_sync``), then ``engine.extra_args``
+  as given; every flag is one the pinned ``vllm serve`` accepts (checked against
+  ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
+- it runs under :mod:`engines.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
+  a trainer that dies (even SIGKILL) takes its servers down;
+- its environment adds ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.33 serves the control routes,
+  pause, sleep and weight transfer, only then), ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for
+  ``ipc`` (vLLM's HTTP weight-sync client sends the CUDA IPC handles pickled), and
+  ``CUDA_VISIBLE_DEVICES`` of its GPUs (``gpu_groups[I]``; none when Ray assigned them).
+
+:func:`check_server_config` reads a running server's ``GET /server_info?config_format=json``
+(a development route of vLLM) and fails, naming the flag, when its weight-transfer backend
+is not the run's ``sync.transport`` or when the run sleeps it and sleep mode is off: the
+routes are all there under ``VLLM_SERVER_DEV_MODE=1`` whatever the flags, so only the config
+says whether they will work. Servers without the route (older vLLM) are not checked.
+
+Written against vLLM 0.33.0's source (``vllm/entrypoints/cli/serve.py``,
+``vllm/entrypoints/launchers/api_server/routers.py``,
+``vllm/entrypoints/serve/dev/server_info/api_router.py``); not yet run against a real
+``vllm serve`` (no GPU here): see ``docs/vllm.md`` for what is verified where.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import attrs
+
+from engines.control_plane import ControlPlane
+from engines.http_requests import decode_json
+from engines.launch import ServerSpec
+from engines.process_group import free_port
+from trainer.errors import ConfigError, InferenceServerError
+
+__all__ = [
+    "VLLM_SERVE_MODULE",
+    "VllmServers",
+    "check_server_config",
+    "config_problems",
+    "gpu_groups",
+    "require_vllm",
+]
+
+#: ``vllm serve`` is this module's ``main`` (the ``vllm`` console script's target).
+VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
+WeightTransferBackend = Literal["nccl", "ipc"]
+
+
+def require_vllm(key: str) -> None:
+    """``ConfigError``, one line, when ``vllm`` cannot be imported by this Python."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"config: {key} needs vLLM, which is not installed for {sys.executable}: on a "
+            "machine with an NVIDIA GPU run `pip install vllm==0.33.0` (the version docs/vllm.md "
+            "pins), or use engine.backend=local (the reference engine)"
+        )
+
+
+def gpu_groups(
+    gpu_ids: Sequence[int], num_engines: int, tensor_parallel_size: int, first: int
+) -> tuple[tuple[int, ...], ...]:
+    """The GPUs of each server: ``tensor_parallel_size`` consecutive ones of ``gpu_ids``
+    (empty: of ``first, first+1, ...``), server after server.
+
+    ``ConfigError`` when ``gpu_ids`` has too few for every server's tensor-parallel ranks.
+    """
+    need = num_engines * tensor_parallel_size
+    ids = list(gpu_ids) or list(range(first, first + need))
+    if len(ids) < need:
+        raise ConfigError(
+            f"config: engine.gpu_ids={list(gpu_ids)} has {len(ids)} GPUs, but "
+            f"engine.num_engines={num_engines} x engine.tensor_parallel_size="
+            f"{tensor_parallel_size} need {need}"
+        )
+    tp = tensor_parallel_size
+    return tuple(tuple(ids[i * tp : (i + 1) * tp]) for i in range(num_engines))
+
+
+@attrs.frozen
+class VllmServers:
+    """Makes server ``I``'s ``vllm serve`` :class:`~engines.launch.ServerSpec` (see the module
+    docstring). Picklable, so a Ray actor builds its spec on its own node."""
+
+    model: str
+    weight_transfer_backend: WeightTransferBackend
+    tensor_parallel_size: int = 1
+    #: None: vLLM's default.
+    gpu_memory_utilization: float | None = None
+    seed: int = 0
+    enable_sleep_mode: bool = False
+    #: Physical GPU ids of each server (server ``I`` gets ``gpu_groups[I]``); empty: the
+    #: server sees what its launcher sees (Ray sets ``CUDA_VISIBLE_DEVICES`` for its actors).
+    gpu_groups: tuple[tuple[int, ...], ...] = ()
+    extra_args: tuple[str, ...] = ()
+    #: Seconds between SIGTERM and SIGKILL when the guard stops the server itself.
+    shutdown_grace_s: float = 10.0
+
+    def command(self, index: int, host: str, port: int) -> list[str]:
+        """``vllm serve`` of server ``index`` (without the guard)."""
+        cmd = [sys.executable, "-m", VLLM_SERVE_MODULE, "serve", self.model]
+        cmd += ["--host", host, "--port", str(port), "--seed", str(self.seed + index)]
+        cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.gpu_memory_utilization is not None:
+            cmd += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
+        backend = json.dumps({"backend": self.weight_transfer_backend})
+        cmd += ["--weight-transfer-config", backend]
+        if self.enable_sleep_mode:
+            cmd.append("--enable-sleep-mode")
+        return [*cmd, *self.extra_args]
+
+    def env(self, index: int) -> dict[str, str]:
+        """The variables server ``index`` needs on top of its launcher's."""
+        env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.weight_transfer_backend == "ipc":
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        if self.gpu_groups:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_groups[index]))
+        return env
+
+    def __call__(self, index: int, host: str) -> ServerSpec:
+        port = free_port(host)
+        guard = [sys.executable, "-m", "engines.stdin_guard"]
+        guard += ["--grace-s", f"{self.shutdown_grace_s:g}", "--"]
+        return ServerSpec((*guard, *self.command(index, host, port)), self.env(index), port)
+
+
+def config_problems(
+    config: Mapping[str, Any], backend: WeightTransferBackend, needs_sleep: bool
+) -> list[str]:
+    """What in a server's ``vllm_config`` (``/server_info``, JSON) does not fit the run."""
+    problems = []
+    transfer = config.get("weight_transfer_config") or {}
+    served = transfer.get("backend") if isinstance(transfer, Mapping) else None
+    if served != backend:
+        flag = json.dumps({"backend": backend})
+        problems.append(
+            f"its weight-transfer backend is {served!r}, the run sends {backend!r} "
+            f"(sync.transport): start it with --weight-transfer-config '{flag}'"
+        )
+    model_config = config.get("model_config")
+    sleeps = isinstance(model_config, Mapping) and bool(model_config.get("enable_sleep_mode"))
+    if needs_sleep and not sleeps:
+        problems.append(
+            "the run sleeps the engines (engine.colocated or "
+            "engine.offload_kv_for_weight_sync) and its sleep mode is off: start it with "
+            "--enable-sleep-mode"
+        )
+    return problems
+
+
+async def check_server_config(
+    client: ControlPlane, backend: WeightTransferBackend, *, needs_sleep: bool
+) -> None:
+    """Check each vLLM server's config against the run (see the module docstring).
+
+    ``InferenceServerError`` naming the server and the flag to set; servers without
+    ``/server_info`` (404: not a vLLM 0.33 development server) are skipped.
+    """
+    for url in client.urls:
+        try:
+            response = await client.control_one(
+                url, "GET", "/server_info", params={"config_format": "json"}
+            )
+        except InferenceServerError as exc:
+            if exc.status == 404:
+                continue
+            raise
+        info = decode_json(url, "/server_info", response)
+        config = info.get("vllm_config") if isinstance(info, Mapping) else None
+        if not isinstance(config, Mapping):
+            continue  # "text" format or an unknown answer: nothing to check against
+        problems = config_problems(config, backend, needs_sleep)
+        if problems:
+            raise InferenceServerError(url, "/server_info", 409, "; ".join(problems))

@@ -1,0 +1,295 @@
+"""``engine.backend=vllm``: the ``vllm serve`` command against vLLM's own flags, the guard that
+takes a server down with its launcher, and the launcher's path for a server told its port.
+
+vLLM cannot run here. The command line is checked against ``reference/vllm_serve_flags.json``
+(dumped from vLLM 0.33.0's parser by ``reference/dump_vllm_serve_flags.py``): every option
+must exist there and take the number of values given. The process machinery is the same
+launcher the reference engine uses; here it runs a reference server under the guard with
+a port chosen up front, which is exactly how it runs ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+
+from engines.client import InferenceClient
+from engines.launch import ServerSpec, open_engine_processes
+from engines.process_group import free_port
+from engines.types import SamplingParams
+from engines.vllm_serve import (
+    VLLM_SERVE_MODULE,
+    VllmServers,
+    check_server_config,
+    config_problems,
+    gpu_groups,
+)
+from trainer.config import load_config
+from trainer.errors import ConfigError
+from trainer.parts import vllm_servers
+from trainer.run import train
+
+REFERENCE = Path(__file__).parent / "reference"
+DUMP = json.loads((REFERENCE / "vllm_serve_flags.json").read_text())
+FLAGS: dict[str, dict[str, object]] = DUMP["flags"]
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def serve_args(argv: tuple[str, ...]) -> list[str]:
+    """The arguments after ``vllm serve`` (the guard and the interpreter stripped)."""
+    tail = list(argv[argv.index("--") + 1 :])
+    assert tail[:4] == [sys.executable, "-m", VLLM_SERVE_MODULE, "serve"], tail
+    return tail[4:]
+
+
+def flag_problems(args: list[str]) -> list[str]:
+    """What in ``vllm serve``'s arguments its parser (as dumped) would refuse."""
+    problems = []
+    if not args or args[0].startswith("-"):
+        problems.append(f"the model must come first: {args[:1]}")
+    i = 1
+    while i < len(args):
+        option, _, inline = args[i].partition("=")
+        i += 1
+        values = [inline] if inline else []
+        while i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+        shape = FLAGS.get(option)
+        if shape is None:
+            problems.append(f"{option} is not a `vllm serve` option")
+            continue
+        arity, choices = shape["arity"], shape["choices"]
+        if arity == "0" and values:
+            problems.append(f"{option} takes no value, got {values}")
+        elif arity == "1" and len(values) != 1:
+            problems.append(f"{option} takes one value, got {values}")
+        elif arity == "+" and not values:
+            problems.append(f"{option} takes values, got none")
+        if isinstance(choices, list) and any(v not in choices for v in values):
+            problems.append(f"{option}={values} is not one of {choices}")
+    return problems
+
+
+CASES = {
+    "nccl, one GPU each": VllmServers("/m", "nccl", gpu_groups=((1,), (2,))),
+    "ipc, colocated, sleep": VllmServers(
+        "/m", "ipc", gpu_memory_utilization=0.4, enable_sleep_mode=True, gpu_groups=((0,),)
+    ),
+    "tensor parallel with extra flags": VllmServers(
+        "/m",
+        "nccl",
+        tensor_parallel_size=2,
+        gpu_groups=((1, 2),),
+        extra_args=("--max-model-len", "4096", "--enforce-eager"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_command_uses_only_flags_the_pinned_vllm_serve_accepts(case: str) -> None:
+    spec = CASES[case](0, "127.0.0.1")
+    args = serve_args(spec.argv)
+    assert flag_problems(args) == []
+    assert args[0] == "/m"
+    backend = json.loads(args[args.index("--weight-transfer-config") + 1])
+    assert backend == {"backend": CASES[case].weight_transfer_backend}
+    assert args[args.index("--port") + 1] == str(spec.port)
+
+
+def test_the_flag_check_refuses_what_vllm_would() -> None:
+    """The check can fail: an unknown option, a switch given a value, a missing value."""
+    bad = ["/m", "--weight-transfer-backend", "nccl", "--enforce-eager", "yes", "--port"]
+    assert flag_problems(bad) == [
+        "--weight-transfer-backend is not a `vllm serve` option",
+        "--enforce-eager takes no value, got ['yes']",
+        "--port takes one value, got []",
+    ]
+    assert flag_problems(["/m", "--logprobs-mode", "raw"])  # not one of vLLM's choices
+
+
+def test_each_server_gets_its_gpus_its_seed_and_the_dev_routes() -> None:
+    servers = VllmServers("/m", "ipc", seed=7, gpu_groups=((0, 1), (2, 3)))
+    second = servers(1, "127.0.0.1")
+    assert second.env == {
+        "VLLM_SERVER_DEV_MODE": "1",  # vLLM 0.33 serves pause/sleep/weight transfer only then
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # ipc handles travel pickled
+        "CUDA_VISIBLE_DEVICES": "2,3",
+    }
+    args = serve_args(second.argv)
+    assert args[args.index("--seed") + 1] == "8"
+    assert "--enable-sleep-mode" not in args
+    # placed by Ray: the actor's own GPUs, so nothing set here
+    assert "CUDA_VISIBLE_DEVICES" not in VllmServers("/m", "nccl")(0, "127.0.0.1").env
+
+
+def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:
+    assert gpu_groups([], 2, 2, first=1) == ((1, 2), (3, 4))
+    assert gpu_groups([4, 5, 6, 7], 2, 2, first=0) == ((4, 5), (6, 7))
+    with pytest.raises(ConfigError, match=r"has 3 GPUs, but engine.num_engines=2 x"):
+        gpu_groups([1, 2, 3], 2, 2, first=0)
+
+
+def test_the_run_config_becomes_the_servers_it_starts(tmp_path: Path) -> None:
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=vllm",
+            "sync.transport=ipc",
+            "engine.colocated=true",
+            "engine.gpu_memory_utilization=0.5",
+            "engine.extra_args=[--enforce-eager]",
+        ],
+    )
+    servers = vllm_servers(cfg, tmp_path)
+    assert servers.gpu_groups == ((0,),)  # ipc: the trainer's GPU
+    assert servers.enable_sleep_mode and servers.extra_args == ("--enforce-eager",)
+    assert flag_problems(serve_args(servers(0, "127.0.0.1").argv)) == []
+    nccl = load_config(None, ["engine.backend=vllm", "sync.transport=nccl", "engine.num_engines=2"])
+    assert vllm_servers(nccl, tmp_path).gpu_groups == ((1,), (2,))  # GPU 0 trains
+
+
+@pytest.mark.parametrize("transport", ["disk", "gloo"])
+def test_a_transport_vllm_lacks_is_refused_at_load(transport: str) -> None:
+    with pytest.raises(ConfigError, match=r"needs sync.transport=nccl .* or sync.transport=ipc"):
+        load_config(None, ["engine.backend=vllm", f"sync.transport={transport}"])
+
+
+def test_the_server_info_fields_read_are_vllms() -> None:
+    assert DUMP["server_info_fields"] == dict.fromkeys(DUMP["server_info_fields"], True)
+    assert set(DUMP["server_info_fields"]) >= {
+        "weight_transfer_config.backend",
+        "model_config.enable_sleep_mode",
+    }
+
+
+def test_a_server_config_that_does_not_fit_the_run_names_the_flag() -> None:
+    fits = {"weight_transfer_config": {"backend": "nccl"}, "model_config": {}}
+    assert config_problems(fits, "nccl", needs_sleep=False) == []
+    unset = {"weight_transfer_config": None, "model_config": {"enable_sleep_mode": False}}
+    problems = config_problems(unset, "nccl", needs_sleep=True)
+    assert len(problems) == 2
+    assert """--weight-transfer-config '{"backend": "nccl"}'""" in problems[0]
+    assert "--enable-sleep-mode" in problems[1]
+
+
+@attrs.frozen
+class GuardedReference:
+    """A reference server run as ``vllm serve`` is: under the guard, told its port."""
+
+    model_dir: str
+
+    def __call__(self, index: int, host: str) -> ServerSpec:
+        port = free_port(host)
+        cmd = [sys.executable, "-m", "engines.local", "serve", "--model", self.model_dir]
+        cmd += ["--host", host, "--port", str(port)]
+        guard = [sys.executable, "-m", "engines.stdin_guard", "--grace-s", "5", "--"]
+        return ServerSpec((*guard, *cmd), {"MARK_GUARDED": "1"}, port)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_server_told_its_port_starts_serves_and_leaves_nothing(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    async with open_engine_processes(
+        1, GuardedReference(str(model_dir)), tmp_path, startup_timeout_s=120
+    ) as (engine,):
+        assert engine.url == f"http://127.0.0.1:{engine.port}"
+        async with InferenceClient([engine.url]) as client:
+            completion = await client.generate([5, 6], SamplingParams(max_tokens=2, seed=0))
+            # a server without vLLM's /server_info (404) is not checked
+            await check_server_config(client, "nccl", needs_sleep=True)
+        group = engine.pid
+    assert len(completion.token_ids) == 2
+    with pytest.raises(ProcessLookupError):  # the whole group is gone
+        os.killpg(group, 0)
+
+
+def test_the_guard_takes_its_server_down_when_the_launcher_dies(model_dir: Path) -> None:
+    """The launcher's end of the stdin pipe closing (it died, even by SIGKILL) stops the
+    guarded server and everything in its group, within the guard's grace."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "engines.stdin_guard", "--grace-s", "5", "--"]
+    cmd += [sys.executable, "-m", "engines.local", "serve", "--model", str(model_dir)]
+    cmd += ["--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    guard = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, env=env
+    )
+    try:
+        end = time.monotonic() + 120
+        while not (server_pids := _children(guard.pid)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert server_pids, "the guard started no server"
+        assert guard.stdin is not None
+        guard.stdin.close()  # what the kernel does when the launcher dies
+        guard.wait(timeout=60)
+        end = time.monotonic() + 30
+        while any(alive(p) for p in server_pids) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in server_pids)
+    finally:
+        try:
+            os.killpg(guard.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        guard.wait(timeout=10)
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def test_the_guard_exits_with_its_commands_status() -> None:
+    reader, writer = os.pipe()  # stdin held open: only the command's own exit ends it
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "engines.stdin_guard", "--", sys.executable, "-c", "exit(3)"],
+            stdin=reader,
+            cwd=PROJECT,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(reader)
+        os.close(writer)
+    assert done.returncode == 3
+
+
+async def test_no_vllm_here_stops_the_run_before_any_work(tmp_path: Path) -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    cfg = load_config(
+        None, ["engine.backend=vllm", "sync.transport=nccl", f"trainer.run_dir={tmp_path}/run"]
+    )
+    with pytest.raises(ConfigError) as info, trio.fail_after(30):
+        await train(cfg)
+    assert "\n" not in str(info.value) and "pip install vllm" in str(info.value)
+    assert not (tmp_path / "run").exists()  # nothing was made
