@@ -366,12 +366,9 @@ class ServerApp:
     # -- control plane ----------------------------------------------------------------------------
 
     async def pause(self, request: Request) -> Response:
-        mode = request.arg("mode")
-        if mode is None:  # vLLM's deprecated spelling, then its default
-            wait = parse_bool(
-                request.arg("wait_for_inflight_requests"), "wait_for_inflight_requests", False
-            )
-            mode = "wait" if wait else "abort"
+        # vLLM 0.33.0 declares only mode and clear_cache (its older wait_for_inflight_requests
+        # is gone: vLLM ignores it, so it must not change the mode here either)
+        mode = request.arg("mode") or "abort"
         if mode not in ("keep", "abort", "wait"):
             raise ProtocolError(
                 400, f"unknown pause mode {mode!r}; expected keep, abort or wait", "mode"
@@ -397,7 +394,7 @@ class ServerApp:
                 400, f"unknown sleep mode {mode!r}; expected keep, abort or wait", "mode"
             )
         await self.engine.sleep(int(raw), mode)  # type: ignore[arg-type]
-        return Response(200)
+        return json_response({"status": "sleeping", "level": int(raw)})
 
     async def wake_up(self, request: Request) -> Response:
         tags = request.query.get("tags") or None
@@ -407,7 +404,9 @@ class ServerApp:
                 400, f"unknown wake_up tags {unknown}; expected weights, kv_cache", "tags"
             )
         await self.engine.wake_up(tags)
-        return Response(200)
+        # vLLM's answer: whether every half is awake now, and the tags it was given
+        awake = not self.engine.is_sleeping
+        return json_response({"status": "awake" if awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: Request) -> Response:
         return json_response(
@@ -417,7 +416,7 @@ class ServerApp:
     async def reset_prefix_cache(self, request: Request) -> Response:
         for name in ("reset_running_requests", "reset_external"):
             parse_bool(request.arg(name), name, False)
-        return Response(200)  # no prefix cache to reset
+        return json_response({"success": True})  # no prefix cache to reset: trivially done
 
     async def get_world_size(self, request: Request) -> Response:
         parse_bool(request.arg("include_dp"), "include_dp", True)

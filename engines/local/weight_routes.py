@@ -137,7 +137,7 @@ async def _init(engine: LocalEngine, rx: WeightReceiver, info: Any) -> Response:
     except (ValueError, RuntimeError) as exc:
         raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
     rx.backend = backend
-    return json_response({"backend": backend})
+    return json_response({"message": "Weight transfer initialized"})
 
 
 async def handle_weight_transfer(
@@ -157,7 +157,7 @@ async def handle_weight_transfer(
             log.warning("a weight update was started and never finished: discarding it")
         rx.staged = {}
         rx.pools.start()
-        return json_response({})
+        return json_response({"message": "Weight update started"})
     if rx.staged is None:
         raise ProtocolError(
             409, f"{request.path} outside an update: call /start_weight_update first"
@@ -183,7 +183,7 @@ async def handle_weight_transfer(
         else:
             bucket = await _read_bucket(engine, info)
         rx.staged.update(bucket)
-        return json_response({"staged": len(rx.staged)})
+        return json_response({"message": "Weights updated"})
     staged, rx.staged = rx.staged, None
     try:
         adopted = await engine.load_weights(staged, adopt=rx.backend != "disk")
@@ -191,7 +191,7 @@ async def handle_weight_transfer(
         raise ProtocolError(409, f"{exc} before finishing a weight update") from None
     rx.pools.adopted(adopted)
     rx.updates_finished += 1
-    return json_response({"weight_version": engine.weight_version, "loaded": len(staged)})
+    return json_response({"message": "Weight update finished"})
 
 
 async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> Any:
