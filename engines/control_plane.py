@@ -40,6 +40,7 @@ __all__ = [
     "CONTROL_PLANE_TIMEOUT_ENV",
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
     "ControlPlane",
+    "digests_checksum",
     "resolve_control_plane_timeout",
 ]
 
@@ -73,6 +74,12 @@ def resolve_control_plane_timeout(config_value: float | None) -> float | None:
     if math.isnan(value):
         raise ConfigError("engine.control_plane_timeout_s must be a number, not NaN")
     return value if 0 < value < math.inf else None
+
+
+def digests_checksum(digests: Mapping[str, str]) -> str:
+    """One sha256 over vLLM's per-parameter weight digests (its sorted ``name:digest`` lines)."""
+    pairs = "".join(f"{k}:{v}\n" for k, v in sorted(digests.items()))
+    return hashlib.sha256(pairs.encode()).hexdigest()
 
 
 class ControlPlane:
@@ -270,8 +277,7 @@ class ControlPlane:
             if isinstance(value, dict) and isinstance(value.get("checksum"), str):
                 out.append(value["checksum"])
             elif isinstance(value, dict) and isinstance(value.get("checksums"), dict):
-                pairs = "".join(f"{k}:{v}\n" for k, v in sorted(value["checksums"].items()))
-                out.append(hashlib.sha256(pairs.encode()).hexdigest())
+                out.append(digests_checksum(value["checksums"]))
             else:
                 raise InferenceServerError(
                     url, path, 200, f"not a weight_checker answer: {value!r:.200}"

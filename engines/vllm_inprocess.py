@@ -1,72 +1,98 @@
-"""``engine.backend=vllm``: vLLM's ``AsyncLLM`` inside the trainer's process, through the bridge.
+"""``engine.backend=vllm_inprocess``: vLLM's ``AsyncLLM`` inside the trainer's process, no HTTP.
 
 ::
 
-    async with open_bridge() as bridge:
-        async with open_vllm_inprocess(bridge, model="Qwen/Qwen2.5-0.5B", enable_sleep_mode=True) as engine:
-            completion = await engine.generate(prompt_ids, SamplingParams(max_tokens=64))
-            await engine.pause("keep")
-            ...
+    async with open_vllm_inprocess_client(
+        "/models/qwen", tensor_parallel_size=1, enable_sleep_mode=True,
+        weight_transfer_backend="nccl", extra_args=["--max-model-len", "4096"],
+    ) as engine:
+        completion = await engine.generate(prompt_ids, SamplingParams(max_tokens=64))
+        await engine.pause("keep")
+        await engine.control("POST", "/update_weights", json={"update_info": bucket})
 
-Same ``generate`` signature as :class:`engines.client.InferenceClient`, and the control
-plane the trainer uses (``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``,
-``is_sleeping``, ``reset_prefix_cache``), each control call inside ``operation(path)``.
-Every call runs as an asyncio task on the bridge's loop, so a trio cancellation (a step
-deadline) cancels it, and ``AsyncLLM.generate`` aborts the request on cancellation.
+:class:`VLLMInProcessEngine` offers what the trainer uses of
+:class:`engines.client.InferenceClient`: ``generate``/``generate_n``, and the control plane
+with :class:`engines.control_plane.ControlPlane`'s signatures (``control``, ``control_one``,
+``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
+``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``), so the weight transports
+(``sync.transports``) and the weight-sync bracket (``sync.weights``) drive it unchanged. Each
+control route becomes the ``AsyncLLM`` call ``vllm serve``'s route makes, with the same
+argument conversion (:mod:`engines.vllm_control`), and answers that route's JSON body.
 
-Needs ``pip install vllm`` and a CUDA GPU. Importing this module works without vLLM (the
-import is guarded); constructing an engine without it raises ``EngineStartError`` saying so.
-Only the import guard and the parameter/output conversion are tested on CPU; the rest
-follows vLLM's ``AsyncLLM`` API (see ``docs/engines.md``) and is unverified here.
+As over HTTP, each control call runs inside ``operation(path)`` (where a ``faults=PATH:...``
+fires), is bounded by ``control_plane_timeout_s`` (resolved as ``ControlPlane`` resolves it)
+-> ``InferenceServerTimeoutError`` naming the route, and an exception from vLLM becomes an
+``InferenceServerError`` naming the route (chained to it). Every call runs as an asyncio task
+on the bridge's loop (:mod:`engines.bridge`), so a trio cancellation (a deadline, the
+timeout) cancels that task: ``AsyncLLM.generate`` then aborts its request; a cancelled
+``update_weights`` stops waiting, but vLLM's workers may still be receiving.
+
+:func:`open_vllm_inprocess_client` opens the bridge and builds ``AsyncLLM`` from ``vllm
+serve``'s own flags in a thread (:mod:`engines.vllm_start`), bounded by
+``startup_timeout_s``, and shuts it down (shielded, bounded) on every exit path.
+
+Needs ``pip install vllm`` and a CUDA GPU; without vLLM the opener raises
+``EngineStartError`` at once, before any work (this module imports without vLLM). **Checked
+against vLLM 0.33.0's source and the shapes recorded from it
+(``tests/engines/reference/vllm_shapes.json``; the tests run a stand-in ``AsyncLLM`` with
+those signatures on the real bridge); never run against a real vLLM.**
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import logging
+import math
+import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
 import trio
 
-from engines.bridge import Bridge
-from engines.types import Completion, FinishReason, SamplingParams
-from trainer.errors import EngineStartError
-from trainer.vocabulary import fire_fault, operation
+from engines.bridge import Bridge, open_bridge
+from engines.control_plane import digests_checksum, resolve_control_plane_timeout
+from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
+from engines.types import Completion, FinishReason, PauseMode, SamplingParams
+from engines.vllm_control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
+from engines.vllm_start import (
+    DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_VLLM_STARTUP_TIMEOUT_S,
+    build_async_llm,
+    engine_argv,
+    open_async_llm,
+)
+from trainer.errors import EngineStartError, InferenceServerError, InferenceServerTimeoutError
+from trainer.vocabulary import OPERATIONS, fire_fault, operation
 
 __all__ = [
     "VLLM_AVAILABLE",
     "VLLMInProcessEngine",
     "completion_from_output",
     "completions_from_output",
-    "open_vllm_inprocess",
+    "open_vllm_inprocess_client",
     "require_vllm",
     "to_vllm_sampling_kwargs",
 ]
 
-try:  # vLLM is optional: GPU machines only
-    import vllm as _vllm
-except ImportError as exc:  # pragma: no cover - depends on the machine
-    _vllm = None
-    _VLLM_IMPORT_ERROR: ImportError | None = exc
-else:  # pragma: no cover
-    _VLLM_IMPORT_ERROR = None
+log = logging.getLogger(__name__)
 
-#: Whether ``import vllm`` worked in this process.
-VLLM_AVAILABLE = _vllm is not None
-_URL = "inprocess://vllm"
+#: Whether vLLM is installed here (found, not imported: importing it takes seconds).
+VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
+#: vLLM's variable that lets its workers unpickle ``ipc_handles_pickled``.
+_INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
-def require_vllm() -> Any:
-    """The ``vllm`` module; ``EngineStartError`` naming ``pip install vllm`` and the GPU need if absent."""
-    if _vllm is None:
+def require_vllm() -> None:
+    """``EngineStartError`` (one line: ``pip install vllm`` on a CUDA machine) without vLLM."""
+    if not VLLM_AVAILABLE:
         raise EngineStartError(
-            _URL,
-            "engine.backend=vllm needs vLLM, which is not installed here "
-            f"({_VLLM_IMPORT_ERROR}); on a machine with a CUDA GPU run `pip install vllm`, "
-            "or use engine.backend=local (CPU reference engine) or engine.backend=remote",
+            VLLM_URL,
+            "engine.backend=vllm_inprocess needs vLLM, which is not installed here: on a "
+            "machine with a CUDA GPU run `pip install vllm` (or use engine.backend=local or remote)",
         )
-    return _vllm
 
 
 def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, Any]:
@@ -118,13 +144,29 @@ def _sample_completion(output: Any, sample: Any) -> Completion:
 
 
 class VLLMInProcessEngine:
-    """One ``AsyncLLM`` driven from trio; create with :func:`open_vllm_inprocess`."""
+    """One ``AsyncLLM`` driven from trio; create with :func:`open_vllm_inprocess_client`.
 
-    def __init__(self, bridge: Bridge, llm: Any) -> None:
-        require_vllm()
+    ``llm`` is the ``AsyncLLM`` (or an object with its methods), ``classes`` the vLLM classes
+    it is handed values of; ``control_plane_timeout_s`` resolves as ``ControlPlane``'s does
+    (the environment variable wins; None: 600 s; <= 0: unbounded).
+    """
+
+    def __init__(
+        self,
+        bridge: Bridge,
+        llm: Any,
+        classes: VLLMClasses,
+        *,
+        control_plane_timeout_s: float | None = None,
+    ) -> None:
         self.bridge = bridge
         self.llm = llm
-        self.urls = [_URL]
+        self.classes = classes
+        self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
+        #: One entry, naming this engine.
+        self.urls = [VLLM_URL]
+
+    # -- data plane --------------------------------------------------------------------------------
 
     async def generate(
         self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
@@ -143,18 +185,17 @@ class VLLMInProcessEngine:
         trajectory_id: str | None = None,
     ) -> list[Completion]:
         """``n`` completions as one vLLM request with ``n`` (vLLM seeds child ``i`` with
-        ``seed + i``); in sample order. Cancellation as :meth:`generate`."""
+        ``seed + i``); in sample order. Cancellation as :meth:`generate`. Not bounded by
+        ``control_plane_timeout_s``."""
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
-        vllm = require_vllm()
-        params = vllm.SamplingParams(**to_vllm_sampling_kwargs(sampling, n))
+        params = self.classes.sampling_params(**to_vllm_sampling_kwargs(sampling, n))
         request_id = f"{trajectory_id or 'gen'}-{uuid.uuid4().hex}"
 
         async def final() -> Any:
             last = None
-            async for out in self.llm.generate(
-                {"prompt_token_ids": list(prompt_ids)}, params, request_id
-            ):
+            prompt = {"prompt_token_ids": list(prompt_ids)}
+            async for out in self.llm.generate(prompt, params, request_id):
                 last = out
             return last
 
@@ -162,50 +203,158 @@ class VLLMInProcessEngine:
             await fire_fault("generate")
             return completions_from_output(await self.bridge.run(final))
 
-    async def _control(self, path: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        with operation(path):
-            return await self.bridge.run(getattr(self.llm, method), *args, **kwargs)
+    # -- control plane: ControlPlane's signatures --------------------------------------------------
 
-    async def pause(self, mode: Literal["keep", "abort", "wait"] = "keep") -> None:
-        await self._control("/pause", "pause_generation", mode=mode)
+    async def control_one(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> Any:
+        """The ``AsyncLLM`` call behind ``method path`` (:mod:`engines.vllm_control`); the JSON
+        body ``vllm serve``'s route would answer.
+
+        Runs in ``operation(path)`` (its fault fires there, for a path that is an operation),
+        bounded by ``control_plane_timeout_s`` -> ``InferenceServerTimeoutError``. An unknown
+        route is an ``InferenceServerError`` with status 404 listing the known ones, another
+        method 405; what vLLM (or the route's argument conversion) raises becomes an
+        ``InferenceServerError`` naming the route, chained to it. ``ValueError`` for a ``url``
+        that is not this engine's.
+        """
+        if url not in self.urls:
+            raise ValueError(f"{url!r} is not this engine; its urls are {self.urls}")
+        route = VLLM_ROUTES.get(path)
+        if route is None:
+            raise InferenceServerError(
+                url, path, 404, f"no such control route in-process; known: {', '.join(VLLM_ROUTES)}"
+            )
+        if method.upper() != route.method:
+            raise InferenceServerError(url, path, 405, f"{path} takes {route.method}, not {method}")
+        timeout = self.control_plane_timeout_s
+        with operation(path):
+            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
+                if path in OPERATIONS:
+                    await fire_fault(path)
+                try:
+                    return await self.bridge.run(
+                        route.call, self.llm, self.classes, dict(params or {}), json
+                    )
+                except Exception as exc:
+                    detail = f"{type(exc).__name__}: {exc}"
+                    raise InferenceServerError(url, path, None, detail) from exc
+            assert scope.cancelled_caught and timeout is not None
+            raise InferenceServerTimeoutError(url, path, timeout)
+
+    async def control(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> list[Any]:
+        """:meth:`control_one` on the one engine; its answer in a one-element list."""
+        return [await self.control_one(self.urls[0], method, path, params, json)]
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """``/pause?mode=...``: ``pause_generation(mode=mode, clear_cache=True)``."""
+        await self.control("POST", "/pause", params={"mode": mode})
 
     async def resume(self) -> None:
-        await self._control("/resume", "resume_generation")
+        await self.control("POST", "/resume")
 
-    async def is_paused(self) -> list[bool]:
-        return [bool(await self._control("/is_paused", "is_paused"))]
-
-    async def sleep(self, level: int = 1) -> None:
-        await self._control("/sleep", "sleep", level)
+    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+        """``/sleep?level=...``; ``mode`` None leaves vLLM's default (abort)."""
+        params: dict[str, Any] = {"level": level}
+        if mode is not None:
+            params["mode"] = mode
+        await self.control("POST", "/sleep", params=params)
 
     async def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        await self._control("/wake_up", "wake_up", list(tags) if tags else None)
+        """``/wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None or empty wakes both)."""
+        tag_list = list(tags) if tags is not None else []
+        await self.control("POST", "/wake_up", params={"tags": tag_list} if tag_list else None)
+
+    async def is_paused(self) -> list[bool]:
+        return [bool(body["is_paused"]) for body in await self.control("GET", "/is_paused")]
 
     async def is_sleeping(self) -> list[bool]:
-        return [bool(await self._control("/is_sleeping", "is_sleeping"))]
+        return [bool(body["is_sleeping"]) for body in await self.control("GET", "/is_sleeping")]
 
     async def reset_prefix_cache(self) -> None:
-        await self._control("/reset_prefix_cache", "reset_prefix_cache")
+        await self.control("POST", "/reset_prefix_cache")
+
+    async def weight_checksums(self) -> list[str]:
+        """One sha256 over ``AsyncLLM.compute_weight_checksums``'s per-parameter digests, as
+        ``ControlPlane.weight_checksums`` computes it from ``vllm serve``'s answer."""
+        (body,) = await self.control("POST", "/weight_checker", json={"action": "checksum"})
+        return [digests_checksum(body["checksums"])]
+
+    async def probe(self, required: Iterable[str] = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES)) -> None:
+        """Check that the ``AsyncLLM`` has the methods ``required`` routes call, and that it was
+        started with sleep mode / a weight-transfer backend when those routes are required.
+
+        ``InferenceServerError`` (status 404) naming the missing methods or setting;
+        ``ValueError`` for a route ``engines.routes`` does not know (as ``ControlPlane.probe``).
+        """
+        await trio.lowlevel.checkpoint()
+        probe_asyncllm(self.llm, required)
 
 
 @asynccontextmanager
-async def open_vllm_inprocess(
-    bridge: Bridge, model: str, **engine_args: Any
+async def open_vllm_inprocess_client(
+    model: str | os.PathLike[str],
+    *,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    seed: int = 0,
+    enable_sleep_mode: bool = False,
+    weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl",
+    extra_args: Sequence[str] = (),
+    control_plane_timeout_s: float | None = None,
+    startup_timeout_s: float = DEFAULT_VLLM_STARTUP_TIMEOUT_S,
+    shutdown_timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
 ) -> AsyncIterator[VLLMInProcessEngine]:
-    """Build an ``AsyncLLM`` (``AsyncEngineArgs(model=model, **engine_args)``) on the bridge's
-    loop, yield it wrapped, and shut it down on exit. ``EngineStartError`` without vLLM."""
+    """Open a bridge, build ``AsyncLLM`` in a thread, yield the engine, shut it all down.
+
+    The settings become ``vllm serve`` flags (``--model``, ``--tensor-parallel-size``,
+    ``--gpu-memory-utilization`` (None: vLLM's default), ``--seed``, ``--enable-sleep-mode``,
+    ``--weight-transfer-config '{"backend": ...}'`` (None: no weight-transfer routes)), after
+    ``extra_args``, all parsed by vLLM's own engine-args parser. With ``ipc`` it sets
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless already set, so vLLM's workers (child
+    processes) unpickle the handles the ``ipc`` transport sends.
+
+    Raises ``EngineStartError``: at once without vLLM (one line), or for ``extra_args`` that
+    set one of these settings; with vLLM's reason when the build fails; past
+    ``startup_timeout_s``. ``ConfigError`` at once for a malformed
+    ``TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S``. On exit, whatever the error, ``AsyncLLM``
+    is shut down (shielded, bounded by ``shutdown_timeout_s`` plus a few seconds).
+    """
     require_vllm()
-    from vllm.engine.arg_utils import AsyncEngineArgs  # type: ignore[import-not-found]
-    from vllm.v1.engine.async_llm import AsyncLLM  # type: ignore[import-not-found]
-
-    args: Mapping[str, Any] = {"model": model, **engine_args}
-
-    async def build() -> Any:
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-
-    llm = await bridge.run(build)
+    resolve_control_plane_timeout(
+        control_plane_timeout_s
+    )  # a bad env var fails before minutes of start-up
     try:
-        yield VLLMInProcessEngine(bridge, llm)
-    finally:
-        with trio.CancelScope(shield=True):  # joins vLLM's engine-core process: off the loop
-            await trio.to_thread.run_sync(llm.shutdown)
+        argv = engine_argv(
+            os.fspath(model),
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            enable_sleep_mode=enable_sleep_mode,
+            weight_transfer_backend=weight_transfer_backend,
+            extra_args=extra_args,
+        )
+    except ValueError as exc:
+        raise EngineStartError(VLLM_URL, str(exc)) from None
+    if weight_transfer_backend == "ipc" and _INSECURE_SERIALIZATION_ENV not in os.environ:
+        os.environ[_INSECURE_SERIALIZATION_ENV] = "1"
+        log.info("set %s=1 for vLLM's ipc weight transfer", _INSECURE_SERIALIZATION_ENV)
+    build = functools.partial(build_async_llm, argv)
+    async with open_bridge() as bridge:
+        async with open_async_llm(
+            build, startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s
+        ) as (llm, classes):
+            yield VLLMInProcessEngine(
+                bridge, llm, classes, control_plane_timeout_s=control_plane_timeout_s
+            )

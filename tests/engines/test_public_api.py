@@ -28,6 +28,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "CONTROL_PLANE_TIMEOUT_ENV",
         "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
         "ControlPlane",
+        "digests_checksum",
         "resolve_control_plane_timeout",
     ],
     "engines.http_requests": [
@@ -128,9 +129,27 @@ PUBLIC_API: dict[str, list[str]] = {
         "VLLMInProcessEngine",
         "completion_from_output",
         "completions_from_output",
-        "open_vllm_inprocess",
+        "open_vllm_inprocess_client",
         "require_vllm",
         "to_vllm_sampling_kwargs",
+    ],
+    "engines.vllm_control": [
+        "PROBE_METHODS",
+        "VLLM_ROUTES",
+        "VLLM_URL",
+        "Route",
+        "VLLMClasses",
+        "load_vllm_classes",
+        "probe_asyncllm",
+    ],
+    "engines.vllm_start": [
+        "DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S",
+        "DEFAULT_VLLM_STARTUP_TIMEOUT_S",
+        "ENGINE_ARG_FLAGS",
+        "build_async_llm",
+        "engine_argv",
+        "open_async_llm",
+        "shutdown_async_llm",
     ],
 }
 

@@ -1,4 +1,4 @@
-"""Write ``vllm_shapes.json``: the shapes of vLLM's objects that ``engines.vllm_inprocess`` uses.
+"""Write ``vllm_shapes.json``: the shapes of vLLM's objects that ``engines.vllm_*`` use.
 
 ``tests/engines/test_vllm_inprocess.py`` checks the conversions against this file where vLLM
 is not importable (CI, CPU machines), so regenerate it whenever the vLLM we target changes.
@@ -30,10 +30,11 @@ from typing import Any
 
 OUT = Path(__file__).with_name("vllm_shapes.json")
 
-#: ``AsyncLLM`` methods that ``engines.vllm_inprocess`` calls.
+#: ``AsyncLLM`` methods that ``engines.vllm_inprocess`` and ``engines.vllm_control`` call.
 ASYNC_LLM_METHODS = (
     "from_engine_args",
     "generate",
+    "check_health",
     "pause_generation",
     "resume_generation",
     "is_paused",
@@ -41,7 +42,21 @@ ASYNC_LLM_METHODS = (
     "wake_up",
     "is_sleeping",
     "reset_prefix_cache",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "compute_weight_checksums",
     "shutdown",
+)
+#: ``AsyncEngineArgs`` fields that ``engines.vllm_start.engine_argv`` sets by their flags.
+ENGINE_ARG_FIELDS = (
+    "model",
+    "tensor_parallel_size",
+    "gpu_memory_utilization",
+    "seed",
+    "enable_sleep_mode",
+    "weight_transfer_config",
 )
 
 
@@ -85,6 +100,32 @@ def _parameters(fn: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _cli_flags(add_cli_args: Any, fields: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """Each field's option strings in vLLM's ``add_cli_args`` source (``add_argument("--x",
+    **group_kwargs["x"])``, ``dest=`` when given), and the argparse action of a bool field.
+
+    Read from the source, not from a built parser: building one needs vLLM's platform (a
+    device), which a CPU machine without vLLM's CPU build does not have.
+    """
+    tree = ast.parse(inspect.cleandoc("\n" + inspect.getsource(add_cli_args)))
+    out: dict[str, dict[str, Any]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"):
+            continue
+        flags = [a.value for a in node.args if isinstance(a, ast.Constant)]
+        field = None
+        for kw in node.keywords:
+            if kw.arg is None and isinstance(kw.value, ast.Subscript):
+                key = kw.value.slice
+                if isinstance(key, ast.Constant):
+                    field = key.value
+            elif kw.arg == "dest" and isinstance(kw.value, ast.Constant):
+                field = kw.value.value
+        if field in fields:
+            out[field] = {"flags": flags}
+    return out
+
+
 def _dataclass_shape(cls: type) -> dict[str, Any]:
     fields = dataclasses.fields(cls)  # type: ignore[arg-type]
     return {
@@ -102,7 +143,12 @@ def vllm_shapes() -> dict[str, Any]:
     """The shapes of the installed vLLM, as written to ``vllm_shapes.json``."""
     import msgspec
     import vllm
-    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.config import ModelConfig, VllmConfig
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferInitRequest,
+        WeightTransferUpdateRequest,
+    )
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
@@ -145,7 +191,22 @@ def vllm_shapes() -> dict[str, Any]:
         },
         "CompletionOutput": _dataclass_shape(CompletionOutput),
         "Logprob": _dataclass_shape(Logprob),
-        "AsyncEngineArgs": f"{AsyncEngineArgs.__module__}.{AsyncEngineArgs.__qualname__}",
+        "AsyncEngineArgs": {
+            "qualname": f"{AsyncEngineArgs.__module__}.{AsyncEngineArgs.__qualname__}",
+            "fields": {
+                f.name: {"default": _jsonable(f.default), "type": str(f.type)}
+                for f in dataclasses.fields(AsyncEngineArgs)
+                if f.name in ENGINE_ARG_FIELDS
+            },
+            "cli": _cli_flags(AsyncEngineArgs.add_cli_args, ENGINE_ARG_FIELDS)
+            | _cli_flags(EngineArgs.add_cli_args, ENGINE_ARG_FIELDS),
+            "from_cli_args": _parameters(AsyncEngineArgs.from_cli_args),
+            "add_cli_args": _parameters(AsyncEngineArgs.add_cli_args),
+        },
+        "VllmConfig": {"attributes": [f.name for f in dataclasses.fields(VllmConfig)]},
+        "ModelConfig": {"attributes": [f.name for f in dataclasses.fields(ModelConfig)]},
+        "WeightTransferInitRequest": _dataclass_shape(WeightTransferInitRequest),
+        "WeightTransferUpdateRequest": _dataclass_shape(WeightTransferUpdateRequest),
         "AsyncLLM": {
             "qualname": f"{AsyncLLM.__module__}.{AsyncLLM.__qualname__}",
             "methods": {m: _parameters(getattr(AsyncLLM, m)) for m in ASYNC_LLM_METHODS},
