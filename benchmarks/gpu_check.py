@@ -2,7 +2,7 @@
 
 ::
 
-    .venv/bin/python benchmarks/gpu_check.py [--steps 3] [--reward-steps 40] [--out DIR]
+    .venv/bin/python benchmarks/gpu_check.py [--steps 3] [--reward-steps 40] [--out DIR] [--vllm]
 
 What it does, on ``cuda:0``, in one sitting:
 
@@ -21,7 +21,13 @@ What it does, on ``cuda:0``, in one sitting:
 5. **Learning**: the default task with the built-in tiny model on the GPU for
    ``--reward-steps`` steps: the reward over the first and last 20% of steps.
 
-Prints one table with each issue-16 goal next to what was measured; exits 1 on any error
+6. **vLLM** (``--vllm``, issue 11; needs ``vllm`` importable, else it says so and exits 1):
+   ``--steps`` steps on the same model with ``engine.backend=vllm`` (``vllm serve`` started
+   by the trainer on the same GPU, ``sync.transport=ipc``, colocated) and with
+   ``engine.backend=vllm_inprocess``; their sync numbers join the table (a run that fails is
+   a failure of the check).
+
+Prints one table with each goal next to what was measured; exits 1 on any error
 (a run that fails, a missing GPU) and 2 when it ran but a goal was missed.
 
 Not in a stock PyTorch GPU image (which has torch and numpy): trio, trio-asyncio, httpx,
@@ -40,6 +46,7 @@ goes into docs/performance.md with the date and the GPU the first time it runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shutil
 import statistics
@@ -225,6 +232,39 @@ def stages(rows: list[dict]) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows if k in r) * 1e3 for k in keys}
 
 
+#: ``--vllm``: each backend's run must train every step; its sync numbers are reported.
+VLLM_GOALS = {
+    f"{backend}: {what}": goal
+    for backend in ("vllm", "vllm_inprocess")
+    for what, goal in (
+        ("steps trained", (">=", 3.0)),
+        ("whole weight sync (ms)", ("<=", 1000.0)),
+        ("ipc transfer after the first sync (GB/s)", (">", 0.0)),
+    )
+}
+
+
+def vllm_runs(out: Path, nbytes: int, steps: tuple[str, ...]) -> dict[str, float]:
+    """``--steps`` steps with vLLM serving on the same GPU (ipc, colocated), both backends."""
+    measured: dict[str, float] = {}
+    for backend in ("vllm", "vllm_inprocess"):
+        rows, _, peak_mb = train(
+            out / backend,
+            *steps,
+            f"engine.backend={backend}",
+            "engine.colocated=true",
+            "engine.gpu_memory_utilization=0.3",
+        )
+        numbers = sync_numbers(rows, nbytes)
+        print(f"{backend}: {len(rows)} steps, peak GPU memory {peak_mb:.0f} MB, stages (ms):")
+        for k, v in stages(rows).items():
+            print(f"  {k:40s} {v:10.1f}")
+        measured[f"{backend}: steps trained"] = float(len(rows))
+        measured[f"{backend}: whole weight sync (ms)"] = numbers["sync_ms"]
+        measured[f"{backend}: ipc transfer after the first sync (GB/s)"] = numbers["transfer_gb_s"]
+    return measured
+
+
 def met(value: float, how: str, goal: float) -> bool:
     return {">=": value >= goal, "<=": value <= goal, ">": value > goal}[how]
 
@@ -234,7 +274,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--reward-steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here")
+    ap.add_argument("--vllm", action="store_true", help="also train 3 steps with vLLM (issue 11)")
     args = ap.parse_args()
+    if args.vllm and importlib.util.find_spec("vllm") is None:
+        print("gpu-check --vllm: vllm is not importable here; `pip install vllm==0.33.0`")
+        return 1
     if not torch.cuda.is_available():
         print("gpu-check: no CUDA device is visible; run it on a machine with a GPU")
         return 1
@@ -273,6 +317,8 @@ def main() -> int:
     print(f"peak GPU memory: {plain_mb:.0f} MB plain, {colocated_mb:.0f} MB colocated with")
     print(f"  offload ({offloaded / 1e9:.2f} GB offloaded per step)")
     print(f"ipc transfer {numbers['transfer_gb_s']:.1f} GB/s vs d2d copy {ceiling:.0f} GB/s")
+    if args.vllm:
+        measured_vllm = vllm_runs(out, nbytes, steps)
     measured = {
         "ipc transfer after the first sync (GB/s)": numbers["transfer_gb_s"],
         "whole weight sync (ms)": numbers["sync_ms"],
@@ -280,9 +326,13 @@ def main() -> int:
         "reference engine / HF generate (tok/s ratio)": ref / hf,
         "reward, last 20% minus first 20%": rise,
     }
+    goals = dict(GOALS)
+    if args.vllm:
+        measured.update(measured_vllm)
+        goals.update(VLLM_GOALS)
     print("\n| goal | target | measured | met |\n|---|---|---|---|")
     missed = 0
-    for name, (how, goal) in GOALS.items():
+    for name, (how, goal) in goals.items():
         ok = met(measured[name], how, goal)
         missed += not ok
         print(f"| {name} | {how} {goal:g} | {measured[name]:.3g} | {'yes' if ok else 'NO'} |")

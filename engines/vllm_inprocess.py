@@ -57,6 +57,7 @@ from engines.control_plane import digests_checksum, resolve_control_plane_timeou
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from engines.vllm_control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
+from engines.vllm_serve import require_vllm
 from engines.vllm_start import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     DEFAULT_VLLM_STARTUP_TIMEOUT_S,
@@ -73,7 +74,6 @@ __all__ = [
     "completion_from_output",
     "completions_from_output",
     "open_vllm_inprocess_client",
-    "require_vllm",
     "to_vllm_sampling_kwargs",
 ]
 
@@ -83,16 +83,6 @@ log = logging.getLogger(__name__)
 VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 #: vLLM's variable that lets its workers unpickle ``ipc_handles_pickled``.
 _INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-
-
-def require_vllm() -> None:
-    """``EngineStartError`` (one line: ``pip install vllm`` on a CUDA machine) without vLLM."""
-    if not VLLM_AVAILABLE:
-        raise EngineStartError(
-            VLLM_URL,
-            "engine.backend=vllm_inprocess needs vLLM, which is not installed here: on a "
-            "machine with a CUDA GPU run `pip install vllm` (or use engine.backend=local or remote)",
-        )
 
 
 def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, Any]:
@@ -282,8 +272,18 @@ class VLLMInProcessEngine:
     async def is_sleeping(self) -> list[bool]:
         return [bool(body["is_sleeping"]) for body in await self.control("GET", "/is_sleeping")]
 
-    async def reset_prefix_cache(self) -> None:
-        await self.control("POST", "/reset_prefix_cache")
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        """``/reset_prefix_cache`` (``reset_running_requests``: also the requests in flight)."""
+        params = {"reset_running_requests": "true"} if reset_running_requests else None
+        await self.control("POST", "/reset_prefix_cache", params=params)
+
+    async def get_world_size(self) -> list[int]:
+        """The engine's ranks (``/get_world_size``'s answer: tensor x pipeline x data
+        parallel), read from ``AsyncLLM.vllm_config`` as vLLM's route reads it."""
+        config = getattr(self.llm, "vllm_config", None)
+        if config is None:
+            return [1]
+        return [int(config.parallel_config.world_size_across_dp)]
 
     async def weight_checksums(self) -> list[str]:
         """One sha256 over ``AsyncLLM.compute_weight_checksums``'s per-parameter digests, as
@@ -331,7 +331,7 @@ async def open_vllm_inprocess_client(
     ``TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S``. On exit, whatever the error, ``AsyncLLM``
     is shut down (shielded, bounded by ``shutdown_timeout_s`` plus a few seconds).
     """
-    require_vllm()
+    require_vllm("engine.backend=vllm_inprocess")
     resolve_control_plane_timeout(
         control_plane_timeout_s
     )  # a bad env var fails before minutes of start-up

@@ -272,6 +272,12 @@ def _check_vllm(cfg: Config) -> None:
             "own GPUs) or sync.transport=ipc (an engine on the trainer's GPU): vLLM has no "
             f"{cfg.sync.transport!r} weight-transfer backend"
         )
+    if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "
+            f"engine.tensor_parallel_size={e.tensor_parallel_size} is out of range: use 1, or "
+            "sync.transport=nccl for a tensor-parallel engine"
+        )
     if not vllm and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: engine.tensor_parallel_size={e.tensor_parallel_size} applies to vLLM "

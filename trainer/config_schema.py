@@ -294,10 +294,11 @@ class EngineConfig:
     max_concurrency: int = _field(
         256, "Most generation requests in flight at once.", check=at_least(1)
     )
-    startup_timeout_s: float = _field(
-        180.0,
-        "How long started servers may take to become healthy (placement=ray: Ray placing "
-        "their actors included).",
+    startup_timeout_s: float | None = _field(
+        None,
+        "How long started engines may take to become healthy (placement=ray: Ray placing "
+        "their actors included). None: 180 s for the reference engine, 900 s for vLLM "
+        "(loading, compiling and capturing CUDA graphs take minutes).",
         check=positive,
     )
     control_plane_timeout_s: float = _field(

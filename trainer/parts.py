@@ -23,6 +23,7 @@ from engines.client import InferenceClient
 from engines.devices import resolve_device
 from engines.launch import ReferenceServers, ServersSpec, open_engine_processes
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.vllm_inprocess import open_vllm_inprocess_client
 from engines.vllm_serve import VllmServers, check_server_config, gpu_groups
 from sync.transports import (
     BroadcastTransport,
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("trainer.run")
+#: Default of ``engine.startup_timeout_s`` for vLLM engines.
+VLLM_STARTUP_TIMEOUT_S = 900.0
 #: How long closing the weight transport (rank 0 leaving its group) may take.
 TRANSPORT_CLOSE_TIMEOUT_S = 30.0
 
@@ -63,6 +66,25 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     if e.backend == "inprocess" or (e.backend == "local" and e.placement == "process"):
         for device in devices:  # here, before a server starts: a clear ConfigError
             resolve_device(device, key="engine.device")
+    sleeps = e.colocated or e.offload_kv_for_weight_sync
+    routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
+    routes = (*routes, *SLEEP_ROUTES) if sleeps else routes
+    if e.backend == "vllm_inprocess":
+        assert cfg.sync.transport in ("nccl", "ipc"), "validate_cfg allows only vLLM's backends"
+        async with open_vllm_inprocess_client(
+            model_dir,
+            tensor_parallel_size=e.tensor_parallel_size,
+            gpu_memory_utilization=e.gpu_memory_utilization,
+            seed=cfg.trainer.seed,
+            enable_sleep_mode=sleeps,
+            weight_transfer_backend=cfg.sync.transport,
+            extra_args=e.extra_args,
+            control_plane_timeout_s=e.control_plane_timeout_s,
+            startup_timeout_s=startup_timeout_s(cfg),
+        ) as client:
+            await client.probe(routes)
+            yield client
+        return
     if e.backend == "inprocess":
         from engines.local.inprocess import open_inprocess_client
 
@@ -84,12 +106,17 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
                 control_plane_timeout_s=e.control_plane_timeout_s,
             )
         )
-        sleeps = e.colocated or e.offload_kv_for_weight_sync
-        routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
-        await client.probe((*routes, *SLEEP_ROUTES) if sleeps else routes)
+        await client.probe(routes)
         if cfg.sync.transport in ("nccl", "ipc"):
             await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
         yield client
+
+
+def startup_timeout_s(cfg: Config) -> float:
+    """``engine.startup_timeout_s``, or its default for the backend."""
+    if cfg.engine.startup_timeout_s is not None:
+        return cfg.engine.startup_timeout_s
+    return VLLM_STARTUP_TIMEOUT_S if cfg.engine.backend.startswith("vllm") else 180.0
 
 
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
@@ -123,7 +150,7 @@ async def _start_servers(
         servers = vllm_servers(cfg, model_dir)
     else:
         servers = ReferenceServers(str(model_dir), cfg.trainer.seed, devices=tuple(devices))
-    started = {"api_key": e.api_key, "startup_timeout_s": e.startup_timeout_s}
+    started = {"api_key": e.api_key, "startup_timeout_s": startup_timeout_s(cfg)}
     if e.placement == "process":
         engines = await stack.enter_async_context(
             open_engine_processes(e.num_engines, servers, log_dir, **started)

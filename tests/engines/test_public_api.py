@@ -130,7 +130,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "completion_from_output",
         "completions_from_output",
         "open_vllm_inprocess_client",
-        "require_vllm",
         "to_vllm_sampling_kwargs",
     ],
     "engines.vllm_control": [
