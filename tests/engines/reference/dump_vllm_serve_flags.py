@@ -37,7 +37,10 @@ def _arity(action: argparse.Action) -> str:
 #: ``engines.vllm_serve.check_server_config`` reads, as (config class path, field).
 SERVER_INFO_FIELDS = {
     "weight_transfer_config": ("vllm.config.vllm:VllmConfig", "weight_transfer_config"),
-    "weight_transfer_config.backend": ("vllm.config.weight_transfer:WeightTransferConfig", "backend"),
+    "weight_transfer_config.backend": (
+        "vllm.config.weight_transfer:WeightTransferConfig",
+        "backend",
+    ),
     "model_config": ("vllm.config.vllm:VllmConfig", "model_config"),
     "model_config.enable_sleep_mode": ("vllm.config.model:ModelConfig", "enable_sleep_mode"),
 }
