@@ -38,6 +38,10 @@ class RecordingEngine:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         self.events.append("wake_" + "+".join(tags or ["all"]))
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
+        await trio.lowlevel.checkpoint()  # as a request would: a cancelled sync never resets
+        self.events.append("reset_prefix_cache")
+
 
 class BlockingTransport:
     """A bucket written by a real blocking thread, then an engine call that finishes the update.
@@ -91,7 +95,13 @@ async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
         assert "bucket_written" not in events and "broadcast_done" not in events
         assert not result
     assert result["sync/last_weight_sync_seconds"] >= 0.5
-    assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]
+    assert events == [
+        "paused",
+        "bucket_written",
+        "broadcast_done",
+        "reset_prefix_cache",
+        "resumed",
+    ]
 
 
 async def test_a_cancellation_waits_for_the_transfer_before_resuming():

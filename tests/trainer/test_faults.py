@@ -60,6 +60,8 @@ def test_operations_are_those_of_design_4_3():
         "/start_weight_update",
         "/update_weights",
         "/finish_weight_update",
+        # issue 11: vLLM keeps prefix caches across a keep-mode pause; reset after a transfer
+        "/reset_prefix_cache",
     )
 
 
