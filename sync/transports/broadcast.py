@@ -129,9 +129,15 @@ def route_address(peer: str) -> str:
     """This machine's address on the route to ``peer`` (no packet is sent: a UDP socket's
     ``connect`` only picks the route)."""
     family = socket.AF_INET6 if ":" in peer else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))
-        return s.getsockname()[0]
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))
+            return s.getsockname()[0]
+    except OSError as exc:
+        raise RuntimeError(
+            f"cannot tell this machine's address toward the engine host {peer!r} ({exc}): "
+            "set sync.master_address to an address of policy rank 0's machine the engines reach"
+        ) from None
 
 
 def host_group(
@@ -294,7 +300,8 @@ class BroadcastTransport:
         sizes = await engine.get_world_size()
         world_size = 1 + sum(sizes)
         offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
-        hosts = [httpx.URL(url).host for url in urls]
+        # an engine in this process (inprocess://) is on this machine: no route to find
+        hosts = [httpx.URL(url).host for url in urls if url.startswith(("http://", "https://"))]
         host, port = await workers.run_on_rank0(
             group_endpoint, self.master_address, hosts, abandon_on_cancel=True
         )
