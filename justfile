@@ -11,9 +11,10 @@ setup:
 run *ARGS: setup
     {{py}} -m trainer "$@"
 
-# The whole test suite (what CI runs).
+# The whole test suite (what CI runs): test files on two worker processes, each file on one
+# (`just test -n 0` runs in this process; `-n 4` on four workers).
 test *ARGS: setup
-    {{py}} -m pytest -q "$@"
+    {{py}} -m pytest -q -n 2 --dist loadfile "$@"
 
 # Format check, lint, the import contracts (.importlinter) and type check.
 lint: setup

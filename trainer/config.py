@@ -68,6 +68,13 @@ def type_name(tp: Any) -> str:
     return "None" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+def _as_argument(value: Any) -> Any:
+    """A number in a list of strings, as written (YAML reads ``4096`` as an int)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     origin = typing.get_origin(tp)
     wrong = ConfigError(f"config: {key}={value!r} has the wrong type: expected {type_name(tp)}")
@@ -101,6 +108,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 value = [value]
             if not isinstance(value, list | tuple):
                 raise wrong
+            if args[0] is str:  # an argument list (engine.extra_args=[--max-model-len,4096])
+                value = [_as_argument(v) for v in value]
             return tuple(_coerce(key, v, args[0]) for v in value)
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise wrong

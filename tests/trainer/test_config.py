@@ -221,3 +221,12 @@ def test_cli_bad_config_exits_2_with_the_message_last():
     assert proc.stderr.strip().splitlines()[-1] == (
         "ConfigError: config: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)"
     )
+
+
+def test_an_argument_list_takes_numbers_as_written() -> None:
+    """engine.extra_args=[--max-model-len,4096]: YAML reads 4096 as an int; a flag list wants
+    it as the string it was written as (a bool stays a type error)."""
+    cfg = load_config(None, ["engine.extra_args=[--max-model-len,4096,--x,0.5]"])
+    assert cfg.engine.extra_args == ("--max-model-len", "4096", "--x", "0.5")
+    with pytest.raises(ConfigError, match="wrong type"):
+        load_config(None, ["engine.extra_args=[--flag,true]"])
