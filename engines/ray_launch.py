@@ -258,7 +258,8 @@ def _timeout_error(engines: list[RayEngine], refs: list[Any], timeout_s: float) 
             return EngineStartError(
                 engine.url,
                 f"not placed or not started within {timeout_s:g}s: does the Ray cluster have "
-                "engine.ray_num_cpus free for every engine? (`ray status` shows what is free)",
+                "engine.ray_num_cpus free for every engine (and, for vLLM, "
+                "engine.tensor_parallel_size GPUs on one node)? (`ray status` shows what is free)",
             )
         return EngineStartError(engine.url, f"not listening within {timeout_s:g}s", tail)
     return EngineStartError(engines[0].url, f"not started within {timeout_s:g}s")

@@ -6,8 +6,11 @@ Every test tags the actors it starts (and so their servers) with a fresh
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +158,63 @@ def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
     with pytest.raises(EngineStartError, match="stopped during start-up"):
         actor.start(30.0)
     assert leftovers(marker, timeout=0) == []
+
+
+#: In a cluster of its own that declares 3 (logical) GPUs: one engine whose actor reserves 2,
+#: then one that asks for 4. Prints the server's CUDA_VISIBLE_DEVICES and the refusal.
+_GPU_PLACEMENT = """
+import json, sys, trio, ray
+from engines.launch import ReferenceServers
+from engines.ray_launch import open_ray_engines
+from trainer.errors import EngineStartError
+from trainer.workers.ray_cluster import actor_env, init_kwargs, prepare_env
+
+prepare_env()
+ray.init(**init_kwargs(None, num_cpus=4), num_gpus=3)
+model_dir, log_dir = sys.argv[1], sys.argv[2]
+
+async def main():
+    out = {}
+    async with open_ray_engines(
+        1, ReferenceServers(model_dir), log_dir, num_gpus=2, startup_timeout_s=120, env=actor_env()
+    ) as (engine,):
+        environ = open(f"/proc/{engine.pid}/environ", "rb").read().split(b"\\0")
+        out["visible"] = [v.decode() for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")]
+    try:
+        async with open_ray_engines(
+            1, ReferenceServers(model_dir), log_dir, num_gpus=4, startup_timeout_s=3,
+            env=actor_env(),
+        ):
+            out["refused"] = None
+    except EngineStartError as exc:
+        out["refused"] = exc.reason
+    print("RESULT " + json.dumps(out))
+
+trio.run(main)
+ray.shutdown()
+"""
+
+
+def test_an_engine_actor_reserves_its_gpus_and_its_server_sees_exactly_them(
+    model_dir: Path, tmp_path: Path, marker: str
+) -> None:
+    """A vLLM engine placed by Ray (engine.tensor_parallel_size GPUs): Ray gives its actor
+    that many GPUs and their CUDA_VISIBLE_DEVICES, which the server inherits (its spec sets
+    none); a cluster without that many says so. Logical GPUs: Ray assigns them on a CPU machine
+    as on a GPU one."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GPU_PLACEMENT, str(model_dir), str(tmp_path / "engines")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "RAY_ADDRESS": ""},  # a cluster of its own, not the suite's
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    (visible,) = result["visible"]
+    assert len(visible.removeprefix("CUDA_VISIBLE_DEVICES=").split(",")) == 2, visible
+    assert result["refused"] is not None and "GPUs on one node" in result["refused"]
+    assert leftovers(marker) == []
