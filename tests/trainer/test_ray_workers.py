@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +37,7 @@ from trainer.errors import (
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline, wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_group import RayWorkerGroup, gpus_for, shards
+from trainer.workers.ray_group import RayWorkerGroup, bundles, gpus_for, shards
 
 POLICY_KWARGS: dict[str, Any] = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
 
@@ -311,6 +313,62 @@ def test_gpus_per_worker_follows_the_key_then_the_device():
     assert gpus_for(0.5, "cpu") == 0.5
     assert gpus_for(None, "cuda") == 1.0
     assert gpus_for(None, "cpu") == 0.0
+
+
+def test_a_reference_model_on_gpus_has_its_own_bundle_in_the_group():
+    """Placed with the policy or not at all: never a policy whose reference waits for a GPU."""
+    assert bundles(2, 1.0, True) == [{"CPU": 1.0, "GPU": 1.0}] * 2 + [{"GPU": 1.0}]
+    assert bundles(2, 0.5, False) == [{"CPU": 1.0, "GPU": 0.5}] * 2
+    assert bundles(2, 0.0, True) == [{"CPU": 1.0}] * 2  # on the CPU it needs no bundle
+
+
+#: A cluster of its own with 3 logical GPUs: 2 policy ranks and the reference, one GPU each.
+_GPU_GROUP = """
+import json, os, sys, trio, ray
+from trainer.workers.ray_cluster import actor_env, init_kwargs, prepare_env
+from trainer.workers.ray_group import RayWorkerGroup
+
+prepare_env()
+ray.init(**init_kwargs(None, num_cpus=4), num_gpus=3)
+
+def visible(model):
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+async def main():
+    kwargs = {"lr": 1e-3, "seed": 0, "device": "cpu"}
+    group = await RayWorkerGroup.create(
+        sys.argv[1], policy_kwargs=kwargs, with_ref=True, num_workers=2, gpus_per_worker=1.0
+    )
+    try:
+        rank0 = await group.run_on_rank0(visible)
+        print("RESULT " + json.dumps({"names": sorted(group.pids), "rank0": rank0,
+              "free_gpus": ray.available_resources().get("GPU", 0)}))
+    finally:
+        await group.shutdown()
+
+trio.run(main)
+ray.shutdown()
+"""
+
+
+def test_policy_ranks_and_the_reference_are_placed_on_their_gpus_together(model_dir):
+    """Logical GPUs (Ray assigns them on a CPU machine as on a GPU one): the three actors are
+    placed from one placement group, rank 0 sees its one GPU, none is left over."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _GPU_GROUP, str(model_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "RAY_ADDRESS": ""},  # a cluster of its own, not the suite's
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["names"] == ["policy:0", "policy:1", "ref:0"]
+    assert result["rank0"] is not None and len(result["rank0"].split(",")) == 1
+    assert result["free_gpus"] == 0
 
 
 async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights(

@@ -116,6 +116,15 @@ def gpus_for(requested: float | None, device: str) -> float:
     return 0.0
 
 
+def bundles(num_workers: int, gpus: float, with_ref: bool) -> list[dict[str, float]]:
+    """The placement group's bundles: one per policy rank (a CPU, and ``gpus`` GPUs), and,
+    when the reference model is on GPUs, one more for it (its GPUs alone: it computes
+    between the policy's passes, never beside them). So the whole worker group is placed
+    at once, or not at all (``pg.ready()`` says so), never a policy without its reference."""
+    rank: dict[str, float] = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
+    return [rank] * num_workers + ([{"GPU": gpus}] if with_ref and gpus else [])
+
+
 def shards(n: int, world: int) -> list[slice]:
     """Contiguous row ranges, one per rank (the first ``n % world`` ranks get one more)."""
     base, extra = divmod(n, world)
@@ -169,14 +178,13 @@ class RayWorkerGroup:
         """
         env = actor_env()
         device = str(policy_kwargs.get("device", "auto"))
-        bundle: dict[str, float] = {"CPU": 1.0}
+        wanted: list[dict[str, float]] = []
         group = cls([], None, None, {})
 
         def spawn() -> None:  # GCS round-trips: off the trio thread
             gpus = gpus_for(gpus_per_worker, device)
-            if gpus:
-                bundle["GPU"] = gpus
-            group._pg = pg = placement_group([bundle] * num_workers, strategy="PACK")
+            wanted[:] = bundles(num_workers, gpus, with_ref)
+            group._pg = pg = placement_group(wanted, strategy="PACK")
             ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
             for rank in range(num_workers):
                 group.policy.append(
@@ -192,9 +200,19 @@ class RayWorkerGroup:
                     .remote(str(model_dir), rank, num_workers, policy_kwargs, data_parallel)
                 )
             if with_ref:
+                # on GPUs, in its own bundle of the group; on the CPU, beside the policy
+                placed = (
+                    {
+                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                            placement_group=pg, placement_group_bundle_index=num_workers
+                        )
+                    }
+                    if gpus
+                    else {}
+                )
                 group.ref = (
                     ray.remote(RefActor)
-                    .options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env})
+                    .options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}, **placed)
                     .remote(
                         str(model_dir),
                         policy_kwargs.get("temperature", 1.0),
@@ -225,9 +243,9 @@ class RayWorkerGroup:
                 "policy",
                 0,
                 current_stage(),
-                f"not placed and started within {STARTUP_TIMEOUT_S:g}s: the run needs "
-                f"{num_workers} bundle(s) of {bundle} in one placement group (`ray status` "
-                "shows what is free; engines placed by Ray take engine.ray_num_cpus each)",
+                f"not placed and started within {STARTUP_TIMEOUT_S:g}s: the run needs the "
+                f"bundles {wanted} in one placement group (`ray status` shows what is free; "
+                "engines placed by Ray take engine.ray_num_cpus each)",
             ) from None
         except BaseException:
             with trio.CancelScope(shield=True):
