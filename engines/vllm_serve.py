@@ -25,9 +25,11 @@ launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.plac
 
 :func:`check_server_config` reads a running server's ``GET /server_info?config_format=json``
 (a development route of vLLM) and fails, naming the flag, when its weight-transfer backend
-is not the run's ``sync.transport`` or when the run sleeps it and sleep mode is off: the
+is not the run's ``sync.transport``, when the run sleeps it and sleep mode is off (the
 routes are all there under ``VLLM_SERVER_DEV_MODE=1`` whatever the flags, so only the config
-says whether they will work. Servers without the route (older vLLM) are not checked.
+says whether they will work), or when the transport is ``nccl`` and ``vllm`` does not import
+in the trainer (vLLM's workers meet rank 0 through vLLM's own rendezvous). Servers without
+the route (older vLLM, the reference server) are not checked.
 
 Written against vLLM 0.33.0's source (``vllm/entrypoints/cli/serve.py``,
 ``vllm/entrypoints/launchers/api_server/routers.py``,
@@ -144,10 +146,25 @@ class VllmServers:
 
 
 def config_problems(
-    config: Mapping[str, Any], backend: WeightTransferBackend, needs_sleep: bool
+    config: Mapping[str, Any],
+    backend: WeightTransferBackend,
+    needs_sleep: bool,
+    *,
+    trainer_has_vllm: bool = True,
 ) -> list[str]:
-    """What in a server's ``vllm_config`` (``/server_info``, JSON) does not fit the run."""
+    """What in a server's ``vllm_config`` (``/server_info``, JSON) does not fit the run.
+
+    ``trainer_has_vllm``: whether ``vllm`` imports here. vLLM's ``nccl`` workers meet policy
+    rank 0 through vLLM's own rendezvous (``StatelessProcessGroup`` and ``PyNcclCommunicator``),
+    which :mod:`engines.process_group` uses only where vLLM is importable.
+    """
     problems = []
+    if backend == "nccl" and not trainer_has_vllm:
+        problems.append(
+            "its nccl workers join the weight-sync group through vLLM's own rendezvous, which "
+            "the trainer's side speaks only with vLLM importable: `pip install vllm==0.33.0` "
+            "where policy rank 0 runs"
+        )
     transfer = config.get("weight_transfer_config") or {}
     served = transfer.get("backend") if isinstance(transfer, Mapping) else None
     if served != backend:
@@ -188,6 +205,7 @@ async def check_server_config(
         config = info.get("vllm_config") if isinstance(info, Mapping) else None
         if not isinstance(config, Mapping):
             continue  # "text" format or an unknown answer: nothing to check against
-        problems = config_problems(config, backend, needs_sleep)
+        has_vllm = importlib.util.find_spec("vllm") is not None
+        problems = config_problems(config, backend, needs_sleep, trainer_has_vllm=has_vllm)
         if problems:
             raise InferenceServerError(url, "/server_info", 409, "; ".join(problems))

@@ -181,6 +181,11 @@ def test_a_server_config_that_does_not_fit_the_run_names_the_flag() -> None:
     assert len(problems) == 2
     assert """--weight-transfer-config '{"backend": "nccl"}'""" in problems[0]
     assert "--enable-sleep-mode" in problems[1]
+    # vLLM's nccl workers rendezvous through vLLM's StatelessProcessGroup: rank 0 needs vLLM
+    (rendezvous,) = config_problems(fits, "nccl", needs_sleep=False, trainer_has_vllm=False)
+    assert "pip install vllm" in rendezvous
+    ipc = {"weight_transfer_config": {"backend": "ipc"}, "model_config": {}}
+    assert config_problems(ipc, "ipc", needs_sleep=False, trainer_has_vllm=False) == []
 
 
 @attrs.frozen
