@@ -162,4 +162,10 @@ def _join_nccl(
     # each broadcast passes its own timeout (broadcast_async), as with gloo
     options = dist.ProcessGroupNCCL.Options()
     group = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/", store), rank, world_size, options)
+    # NCCL makes its communicator at the first collective unless told the device now: connect
+    # here, so a group that cannot form fails inside the bounded init, not in the first sync
+    # (as torch's init_process_group(device_id=...) does; absent in older torch: lazy, as before)
+    connect = getattr(group, "eager_connect_single_device", None)
+    if connect is not None:
+        connect(device)
     return GroupHandle(name, rank, world_size, store, group, "nccl", device)
