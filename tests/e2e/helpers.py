@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,3 +102,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def last_stderr_line(proc: subprocess.CompletedProcess[str]) -> str:
     return proc.stderr.strip().splitlines()[-1]
+
+
+def run_in_own_ray_cluster(script: str, *args: str, timeout_s: float) -> dict[str, Any]:
+    """Run ``script`` (Python that starts a Ray cluster of its own and prints one line
+    ``RESULT <json>``) in a child process; the decoded JSON. Fails with the child's stderr
+    when it exits non-zero or prints no result."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        cwd=REPO,
+        env={**os.environ, "RAY_ADDRESS": ""},  # a cluster of its own, not the suite's
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1].removeprefix("RESULT "))

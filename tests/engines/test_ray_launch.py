@@ -6,11 +6,8 @@ Every test tags the actors it starts (and so their servers) with a fresh
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,13 @@ from engines.client import InferenceClient
 from engines.launch import ReferenceServers
 from engines.ray_launch import EngineServerActor, open_ray_engines
 from engines.types import SamplingParams
-from tests.e2e.helpers import new_marker, pid_alive, processes_with_marker, wait_until_gone
+from tests.e2e.helpers import (
+    new_marker,
+    pid_alive,
+    processes_with_marker,
+    run_in_own_ray_cluster,
+    wait_until_gone,
+)
 from trainer.errors import EngineStartError
 from trainer.workers.ray_cluster import actor_env
 
@@ -202,18 +205,9 @@ def test_an_engine_actor_reserves_its_gpus_and_its_server_sees_exactly_them(
     that many GPUs and their CUDA_VISIBLE_DEVICES, which the server inherits (its spec sets
     none); a cluster without that many says so. Logical GPUs: Ray assigns them on a CPU machine
     as on a GPU one."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _GPU_PLACEMENT, str(model_dir), str(tmp_path / "engines")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "RAY_ADDRESS": ""},  # a cluster of its own, not the suite's
-        check=False,
+    result = run_in_own_ray_cluster(
+        _GPU_PLACEMENT, str(model_dir), str(tmp_path / "engines"), timeout_s=240
     )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
     (visible,) = result["visible"]
     assert len(visible.removeprefix("CUDA_VISIBLE_DEVICES=").split(",")) == 2, visible
     assert result["refused"] is not None and "GPUs on one node" in result["refused"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.transports.inprocess import copy_weights
 from sync.weights import save_weights_for_sampler
-from tests.e2e.helpers import alive_after
+from tests.e2e.helpers import alive_after, run_in_own_ray_cluster
 from trainer.config import load_config
 from trainer.errors import (
     CheckpointEngineInitError,
@@ -354,18 +352,7 @@ ray.shutdown()
 def test_policy_ranks_and_the_reference_are_placed_on_their_gpus_together(model_dir):
     """Logical GPUs (Ray assigns them on a CPU machine as on a GPU one): the three actors are
     placed from one placement group, rank 0 sees its one GPU, none is left over."""
-    proc = subprocess.run(
-        [sys.executable, "-c", _GPU_GROUP, str(model_dir)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).resolve().parents[2],
-        env={**os.environ, "RAY_ADDRESS": ""},  # a cluster of its own, not the suite's
-        check=False,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result = run_in_own_ray_cluster(_GPU_GROUP, str(model_dir), timeout_s=300)
     assert result["names"] == ["policy:0", "policy:1", "ref:0"]
     assert result["rank0"] is not None and len(result["rank0"].split(",")) == 1
     assert result["free_gpus"] == 0
