@@ -24,8 +24,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Self, TypeVar
 
 import httpx
 import trio
@@ -36,10 +36,13 @@ from engines.types import PauseMode
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
 from trainer.vocabulary import operation, raise_first
 
+T = TypeVar("T")
+
 __all__ = [
     "CONTROL_PLANE_TIMEOUT_ENV",
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
     "ControlPlane",
+    "bounded_control",
     "digests_checksum",
     "resolve_control_plane_timeout",
 ]
@@ -80,6 +83,18 @@ def digests_checksum(digests: Mapping[str, str]) -> str:
     """One sha256 over vLLM's per-parameter weight digests (its sorted ``name:digest`` lines)."""
     pairs = "".join(f"{k}:{v}\n" for k, v in sorted(digests.items()))
     return hashlib.sha256(pairs.encode()).hexdigest()
+
+
+async def bounded_control(
+    url: str, path: str, timeout_s: float | None, call: Callable[[], Awaitable[T]]
+) -> T:
+    """``await call()`` as control call ``path`` to ``url``: inside ``operation(path)``, and
+    past ``timeout_s`` (None: unbounded) an ``InferenceServerTimeoutError`` naming both."""
+    with operation(path):
+        with trio.move_on_after(math.inf if timeout_s is None else timeout_s) as scope:
+            return await call()
+        assert scope.cancelled_caught and timeout_s is not None
+        raise InferenceServerTimeoutError(url, path, timeout_s)
 
 
 class ControlPlane:
@@ -151,21 +166,21 @@ class ControlPlane:
         (``InferenceServerTimeoutError``); ``InferenceServerError`` for a non-2xx answer or
         a connection that still fails after the retries.
         """
-        timeout = self.control_plane_timeout_s
-        with operation(path):
-            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-                return await send(
-                    self._control_http,
-                    url,
-                    method,
-                    path,
-                    headers=self._headers,
-                    retries=self.retry_policy(CONNECT_ERRORS),
-                    params=params,
-                    json_body=json,
-                )
-            assert scope.cancelled_caught and timeout is not None
-            raise InferenceServerTimeoutError(url, path, timeout)
+        return await bounded_control(
+            url,
+            path,
+            self.control_plane_timeout_s,
+            lambda: send(
+                self._control_http,
+                url,
+                method,
+                path,
+                headers=self._headers,
+                retries=self.retry_policy(CONNECT_ERRORS),
+                params=params,
+                json_body=json,
+            ),
+        )
 
     async def control(
         self,

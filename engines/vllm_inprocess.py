@@ -43,7 +43,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
-import math
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
@@ -53,7 +52,11 @@ from typing import Any, Literal
 import trio
 
 from engines.bridge import Bridge, open_bridge
-from engines.control_plane import digests_checksum, resolve_control_plane_timeout
+from engines.control_plane import (
+    bounded_control,
+    digests_checksum,
+    resolve_control_plane_timeout,
+)
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from engines.vllm_control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
@@ -65,7 +68,7 @@ from engines.vllm_start import (
     engine_argv,
     open_async_llm,
 )
-from trainer.errors import EngineStartError, InferenceServerError, InferenceServerTimeoutError
+from trainer.errors import EngineStartError, InferenceServerError
 from trainer.vocabulary import OPERATIONS, fire_fault, operation
 
 __all__ = [
@@ -222,20 +225,19 @@ class VLLMInProcessEngine:
             )
         if method.upper() != route.method:
             raise InferenceServerError(url, path, 405, f"{path} takes {route.method}, not {method}")
-        timeout = self.control_plane_timeout_s
-        with operation(path):
-            with trio.move_on_after(math.inf if timeout is None else timeout) as scope:
-                if path in OPERATIONS:
-                    await fire_fault(path)
-                try:
-                    return await self.bridge.run(
-                        route.call, self.llm, self.classes, dict(params or {}), json
-                    )
-                except Exception as exc:
-                    detail = f"{type(exc).__name__}: {exc}"
-                    raise InferenceServerError(url, path, None, detail) from exc
-            assert scope.cancelled_caught and timeout is not None
-            raise InferenceServerTimeoutError(url, path, timeout)
+
+        async def call() -> Any:
+            if path in OPERATIONS:
+                await fire_fault(path)  # where a server's handler fires it
+            try:
+                return await self.bridge.run(
+                    route.call, self.llm, self.classes, dict(params or {}), json
+                )
+            except Exception as exc:
+                detail = f"{type(exc).__name__}: {exc}"
+                raise InferenceServerError(url, path, None, detail) from exc
+
+        return await bounded_control(url, path, self.control_plane_timeout_s, call)
 
     async def control(
         self,

@@ -28,6 +28,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "CONTROL_PLANE_TIMEOUT_ENV",
         "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
         "ControlPlane",
+        "bounded_control",
         "digests_checksum",
         "resolve_control_plane_timeout",
     ],
