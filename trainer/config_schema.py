@@ -335,16 +335,19 @@ class SyncConfig:
         "GPU. nccl and ipc need CUDA. backend=inprocess always hands tensors over in memory.",
     )
     packed: bool | None = _field(
-        None,
-        "gloo/nccl: vLLM's 'packed' wire param: true, each bucket travels as one flat buffer "
-        "(vLLM's trainer default); false, each parameter is broadcast from its own storage "
-        "(no copy on rank 0). None: true for nccl, false for gloo (faster on the CPU, see "
-        "docs/performance.md).",
+        True,
+        "gloo/nccl: vLLM's 'packed' wire param: true, one /update_weights for the whole "
+        "model, sent as flat chunks of sync.bucket_size_mb (vLLM's trainer default; on the CPU "
+        "the chunks are slices of rank 0's parameters, no copy); false, one call per bucket, "
+        "each parameter broadcast from its own storage (measured slower on the CPU, see "
+        "docs/performance.md). None, as configs recorded before 2026-12-02 hold: true.",
     )
     bucket_size_mb: int = _field(
         256,
-        "Largest weight bucket per transfer call, in MB (gloo/nccl packed, ipc: also the "
-        "extra memory rank 0 holds for it).",
+        "Weight bucket size in MB: what one /update_weights call carries at most (disk, ipc, "
+        "unpacked gloo/nccl; ipc: also the extra memory rank 0 holds for it); packed "
+        "gloo/nccl: the size of each broadcast chunk (vLLM's packed_buffer_size_bytes; a "
+        "chunk ends with the tensor that crosses it).",
         check=at_least(1),
     )
     master_address: str | None = _field(

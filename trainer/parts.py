@@ -193,7 +193,7 @@ def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
             timeout_s=cfg.workers.collective_timeout_s,
             master_address=cfg.sync.master_address,
             backend=cfg.sync.transport,
-            packed=cfg.sync.transport == "nccl" if cfg.sync.packed is None else cfg.sync.packed,
+            packed=cfg.sync.packed is not False,
         )
     if cfg.sync.transport == "ipc":
         return IpcTransport(bucket_bytes)

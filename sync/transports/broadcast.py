@@ -20,12 +20,15 @@ bound, and reused by every sync. The bodies are exactly vLLM 0.33.0's ``nccl`` o
 The engine's backend is the server's (vLLM: ``--weight-transfer-config '{"backend":
 "nccl"}'``); nothing in the bodies names it.
 
-Rank 0 sends all of a sync's buckets in one call where it runs, while the ``/update_weights``
-calls go out one bucket at a time beside it (each engine receives a bucket's broadcasts
-during its call). ``packed`` (vLLM's default): a bucket of at most ``bucket_bytes`` travels
-as one ``uint8`` buffer, packed into one of two buffers allocated once and reused by every
-sync (the next bucket is packed while the previous one is on the wire); unpacked: each
-parameter is broadcast from its own storage (no copy on rank 0). With gloo, rank 0's
+Rank 0 sends all of a sync's broadcasts in one call where it runs, while the
+``/update_weights`` calls go out beside it (each engine receives an update's broadcasts
+during its call). ``packed`` (vLLM's default): one ``/update_weights`` for the whole model,
+as vLLM's trainer sends it, whose tensors travel in ``uint8`` chunks of about
+``bucket_bytes`` cut as vLLM's consumer cuts them; on the CPU each chunk is a slice of rank
+0's parameters, kept in one flat buffer (:mod:`sync.transports.flat_params`), so nothing is
+copied; on a GPU the next chunk is packed into one of two reused buffers while the previous
+one is on the wire. Unpacked: one ``/update_weights`` per bucket of at most
+``bucket_bytes``, each parameter broadcast from its own storage. With gloo, rank 0's
 collective waits are bounded by the step's remaining budget (``remaining()``) or, without
 one, by ``timeout_s``; none of it holds the GIL while it waits or copies. With nccl they are
 not bounded here: torch's ``ProcessGroupNCCL`` enforces a per-collective timeout through its
@@ -57,10 +60,21 @@ import torch
 import trio
 
 from engines.process_group import BACKSTOP_S, GroupBackend, GroupHandle, free_port, join_group
-from engines.weight_transfer import DEFAULT_PACKED_NUM_BUFFERS, nccl_init_info, tensor_update_info
+from engines.weight_transfer import (
+    DEFAULT_PACKED_NUM_BUFFERS,
+    nccl_init_info,
+    packed_chunks,
+    tensor_update_info,
+)
 from sync.group import init_group
 from sync.transports.base import Rank0
 from sync.transports.buckets import plan_buckets
+from sync.transports.flat_params import (
+    FlatParams,
+    bucket_views,
+    current_layout,
+    flatten_parameters,
+)
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation, remaining
 
@@ -87,8 +101,10 @@ class _Rank0State:
     handle: GroupHandle
     #: This sync's buckets: the parameters' names, in model order.
     plan: list[list[str]] = attrs.Factory(list)
-    #: The two reused pack buffers (packed only), allocated at the first sync.
+    #: The two reused pack buffers (packed, parameters not flat), allocated when first needed.
     buffers: list[torch.Tensor] = attrs.Factory(list)
+    #: Rank 0's parameters re-homed into one buffer (packed, CPU): buckets are its slices.
+    flat: FlatParams | None = None
 
 
 #: Rank 0's side of the groups this process joined, by group id.
@@ -170,10 +186,25 @@ def _state(group_id: str) -> _Rank0State:
     return state
 
 
-def plan_sync(model: torch.nn.Module, group_id: str, bucket_bytes: int) -> list[dict[str, Any]]:
-    """Rank 0: cut the parameters into buckets of at most ``bucket_bytes``; vLLM's
-    ``update_info`` of each (kept here for :func:`send_buckets`)."""
-    buckets = plan_buckets(model.named_parameters(), bucket_bytes)
+def plan_sync(
+    model: torch.nn.Module, group_id: str, bucket_bytes: int, packed: bool = True
+) -> list[dict[str, Any]]:
+    """Rank 0: the ``update_info`` of each ``/update_weights`` call of one sync (and, kept
+    here for :func:`send_buckets`, the parameters' names in each broadcast).
+
+    Packed: one call for the whole model, as vLLM's trainer makes it; rank 0 broadcasts it
+    in the chunks vLLM's consumer cuts (:func:`~engines.weight_transfer.packed_chunks` of
+    ``bucket_bytes``: a chunk ends with the tensor that crosses the size), so the engine
+    receives every chunk within that one call. Unpacked: one call per bucket of at most
+    ``bucket_bytes`` (:func:`~sync.transports.buckets.plan_buckets`).
+    """
+    named = list(model.named_parameters())
+    if packed:
+        sizes = [p.numel() * p.element_size() for _, p in named]
+        chunks = packed_chunks(sizes, bucket_bytes)
+        _state(group_id).plan = [[named[i][0] for i in chunk] for chunk in chunks]
+        return [tensor_update_info(named)]
+    buckets = plan_buckets(named, bucket_bytes)
     _state(group_id).plan = [[name for name, _ in b] for b in buckets]
     return [tensor_update_info(b) for b in buckets]
 
@@ -185,15 +216,19 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 def send_buckets(
     model: torch.nn.Module, group_id: str, packed: bool, bucket_bytes: int, timeout_s: float
 ) -> None:
-    """Rank 0: broadcast every bucket of :func:`plan_sync`, in order (blocking).
+    """Rank 0: broadcast what :func:`plan_sync` planned, in order (blocking).
 
-    Packed: bucket ``k + 1`` is packed (one ``torch.cat`` into a reused buffer, GIL released)
-    while bucket ``k`` is on the wire. A bucket is one vLLM packed chunk: it holds at most
-    ``bucket_bytes`` (or one larger tensor alone), so the engine cuts it the same way.
+    Packed: one broadcast per chunk, each a flat ``uint8`` buffer of its tensors' bytes. On
+    the CPU the parameters are kept in one flat buffer (:mod:`sync.transports.flat_params`;
+    re-homed at the first sync and whenever their storage changed) and each chunk goes out
+    as its slice, no copy. Otherwise chunk ``k + 1`` is packed (one ``torch.cat`` into one
+    of two buffers made once, as large as the largest chunk; GIL released) while chunk
+    ``k`` is on the wire. Unpacked: each parameter from its own storage.
     """
     state = _state(group_id)
     handle = state.handle
-    params = dict(model.named_parameters())
+    named = list(model.named_parameters())
+    params = dict(named)
     device = handle.device if handle.device is not None else torch.device("cpu")
     with torch.no_grad():
         if not packed:
@@ -206,21 +241,29 @@ def send_buckets(
                     if work is not None:
                         work.wait()
             return
-        if not state.buffers:
+        if handle.device is None:  # gloo: CPU tensors, sent from where they live
+            if not current_layout(state.flat, named):
+                state.flat = flatten_parameters(named)
+            views = bucket_views(state.flat, state.plan) if state.flat is not None else None
+            if views is not None:
+                works = [handle.broadcast_async(v, 0, timeout_s=timeout_s) for v in views]
+                for work in works:
+                    if work is not None:
+                        work.wait()
+                return
+        chunk_bytes = [sum(_nbytes(params[n]) for n in names) for names in state.plan]
+        if not state.buffers or state.buffers[0].numel() < max(chunk_bytes):
             state.buffers = [
-                torch.empty(bucket_bytes, dtype=torch.uint8, device=device)
+                torch.empty(max(chunk_bytes), dtype=torch.uint8, device=device)
                 for _ in range(DEFAULT_PACKED_NUM_BUFFERS)
             ]
         pending: list[Any] = [None] * len(state.buffers)
-        for k, names in enumerate(state.plan):
+        for k, (names, size) in enumerate(zip(state.plan, chunk_bytes)):
             slot = k % len(state.buffers)
             if pending[slot] is not None:
-                pending[slot].wait()  # the slot's previous bucket has left
+                pending[slot].wait()  # the slot's previous chunk has left
             pieces = [_flat_bytes(params[n]) for n in names]
-            size = sum(p.numel() for p in pieces)
             buf = state.buffers[slot]
-            if size > buf.numel():  # one tensor larger than the bucket: its own buffer
-                buf = torch.empty(size, dtype=torch.uint8, device=device)
             if buf.device == pieces[0].device:
                 torch.cat(pieces, out=buf[:size])
             else:
@@ -232,6 +275,10 @@ def send_buckets(
         for work in pending:
             if work is not None:
                 work.wait()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def hosted_groups() -> dict[str, GroupHandle]:
@@ -248,8 +295,8 @@ class BroadcastTransport:
     """Rank 0 of the weight-sync group; ``init`` builds the group once, ``transfer`` reuses it.
 
     ``backend``: ``gloo`` (CPU) or ``nccl`` (GPU); the messages are the same. ``packed``:
-    vLLM's wire param (buckets as flat ``uint8`` buffers, at most ``bucket_bytes`` each,
-    which is also the ``packed_buffer_size_bytes`` sent).
+    vLLM's wire param (the model in flat ``uint8`` chunks of about ``bucket_bytes``, which is
+    also the ``packed_buffer_size_bytes`` sent).
     """
 
     def __init__(
@@ -344,7 +391,9 @@ class BroadcastTransport:
         """One sync: rank 0 sends every bucket while the engines receive them, call by call."""
         if not self.initialized:
             raise RuntimeError("BroadcastTransport.transfer before init")
-        buckets = await workers.run_on_rank0(plan_sync, self.group_id, self.bucket_bytes)
+        buckets = await workers.run_on_rank0(
+            plan_sync, self.group_id, self.bucket_bytes, self.packed
+        )
         await engine.control("POST", "/start_weight_update", json={})
         left = remaining()
         timeout_s = self.timeout_s if left is None else max(left, 0.001)

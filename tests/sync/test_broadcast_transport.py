@@ -41,15 +41,20 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
             assert group is not None
             await transport.init(client, workers)  # built once, reused
             assert hosted_group(transport) is group
-            for _ in range(2):
+            model = workers.policy.model
+            for sync in range(3):
                 with torch.no_grad():  # the policy moves away from what the engines serve
-                    for p in workers.policy.model.parameters():
+                    for p in model.parameters():
                         p.add_(0.01 * torch.randn_like(p))
-                policy_sum = state_checksum(dict(workers.policy.model.named_parameters()))
+                if sync == 2:  # new storage (as a device move would): re-homed, still exact
+                    p.data = p.data.clone()
+                policy_sum = state_checksum(dict(model.named_parameters()))
                 assert policy_sum not in await _checksums(client)
                 result = await save_weights_for_sampler(client, workers, transport)
                 assert await _checksums(client) == [policy_sum, policy_sum]
                 assert result["sync/last_weight_sync_seconds"] > 0
+                # packed on the CPU: every bucket went out as a slice of one buffer
+                assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
             assert not any(await client.is_paused())  # the bracket resumed generation
             completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))
             assert completion.finish_reason in ("stop", "length")

@@ -33,6 +33,12 @@ PUBLIC = {
         "send_buckets",
     ],
     "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
+    "sync.transports.flat_params": [
+        "FlatParams",
+        "bucket_views",
+        "current_layout",
+        "flatten_parameters",
+    ],
     "sync.transports.disk": ["DiskTransport", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
     "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],

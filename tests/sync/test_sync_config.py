@@ -23,7 +23,7 @@ def test_the_vllm_shaped_transports_load_with_either_worker_backend(transport):
     for backend in ("local", "ray"):
         cfg = load_config(None, [f"sync.transport={transport}", f"workers.backend={backend}"])
         assert (cfg.sync.transport, cfg.workers.backend) == (transport, backend)
-        assert cfg.sync.packed is None  # nccl: packed (vLLM's default); gloo: unpacked
+        assert cfg.sync.packed is True  # vLLM's default, and the faster one on the CPU too
 
 
 def test_the_old_broadcast_value_is_refused_saying_what_to_write():
