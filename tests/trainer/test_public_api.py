@@ -293,6 +293,7 @@ PUBLIC = {
     ],
     "trainer.workers": [],
     "trainer.config_workers": ["WorkersConfig"],
+    "trainer.config_engine": ["EngineConfig", "SyncConfig"],
     "trainer.workers.batch": ["TrainBatch"],
     "trainer.workers.device": ["collective_backend"],
     "trainer.workers.fsdp": ["GatheredModel", "gathered_model", "is_sharded", "shard_model"],
