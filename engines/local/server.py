@@ -31,10 +31,10 @@ from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
-import torch
 import trio
 
 from engines.local.chat_protocol import chat_response, parse_chat_request
+from engines.local.control_routes import CONTROL_ROUTES, ControlHandler
 from engines.local.engine import EngineAsleepError, LocalEngine
 from engines.local.http import (
     MAX_BODY_BYTES,
@@ -47,7 +47,6 @@ from engines.local.http import (
 from engines.local.protocol import (
     ProtocolError,
     completion_response,
-    parse_bool,
     parse_completion_request,
     parse_json_object,
 )
@@ -363,102 +362,7 @@ class ServerApp:
 
         return Response(200, content_type="text/event-stream", stream=body)
 
-    # -- control plane ----------------------------------------------------------------------------
-
-    async def pause(self, request: Request) -> Response:
-        # vLLM 0.33.0 declares only mode and clear_cache (its older wait_for_inflight_requests
-        # is gone: vLLM ignores it, so it must not change the mode here either)
-        mode = request.arg("mode") or "abort"
-        if mode not in ("keep", "abort", "wait"):
-            raise ProtocolError(
-                400, f"unknown pause mode {mode!r}; expected keep, abort or wait", "mode"
-            )
-        parse_bool(request.arg("clear_cache"), "clear_cache", True)  # validated; no cache to clear
-        await self.engine.pause(mode)  # type: ignore[arg-type]
-        return json_response({"status": "paused"})
-
-    async def resume(self, request: Request) -> Response:
-        self.engine.resume()
-        return json_response({"status": "resumed"})
-
-    async def is_paused(self, request: Request) -> Response:
-        return json_response({"is_paused": self.engine.is_paused})
-
-    async def sleep(self, request: Request) -> Response:
-        raw = request.arg("level") or "1"
-        if raw not in ("1", "2"):
-            raise ProtocolError(400, f"sleep level must be 1 or 2, got {raw!r}", "level")
-        mode = request.arg("mode") or "abort"
-        if mode not in ("keep", "abort", "wait"):
-            raise ProtocolError(
-                400, f"unknown sleep mode {mode!r}; expected keep, abort or wait", "mode"
-            )
-        await self.engine.sleep(int(raw), mode)  # type: ignore[arg-type]
-        return json_response({"status": "sleeping", "level": int(raw)})
-
-    async def wake_up(self, request: Request) -> Response:
-        tags = request.query.get("tags") or None
-        unknown = sorted(set(tags or ()) - {"weights", "kv_cache"})
-        if unknown:
-            raise ProtocolError(
-                400, f"unknown wake_up tags {unknown}; expected weights, kv_cache", "tags"
-            )
-        await self.engine.wake_up(tags)
-        # vLLM's answer: whether every half is awake now, and the tags it was given
-        awake = not self.engine.is_sleeping
-        return json_response({"status": "awake" if awake else "sleeping", "tags": tags})
-
-    async def is_sleeping(self, request: Request) -> Response:
-        return json_response(
-            {"is_sleeping": self.engine.is_sleeping, "sleep_state": self.engine.sleep_state}
-        )
-
-    async def reset_prefix_cache(self, request: Request) -> Response:
-        for name in ("reset_running_requests", "reset_external"):
-            parse_bool(request.arg(name), name, False)
-        return json_response({"success": True})  # no prefix cache to reset: trivially done
-
-    async def get_world_size(self, request: Request) -> Response:
-        parse_bool(request.arg("include_dp"), "include_dp", True)
-        return json_response({"world_size": 1})
-
-    async def weight_checker(self, request: Request) -> Response:
-        body = parse_json_object(request.body)
-        action = body.get("action")
-        if action not in ("checksum", "compare", "reset"):
-            raise ProtocolError(
-                400, f"action must be one of checksum|reset|compare, got {action!r}", "action"
-            )
-        if self.engine.is_paused or self.engine.is_sleeping:
-            raise ProtocolError(409, "weight_checker requires an awake, unpaused engine")
-        if action == "reset":
-            shapes = {n: p.shape for n, p in self.engine.model.named_parameters()}
-            state = await trio.to_thread.run_sync(
-                lambda: {n: torch.randn(s) for n, s in shapes.items()}
-            )
-            await self.engine.load_weights(state)
-            return json_response({"status": "reset"})
-        baseline = body.get("baseline")
-        if action == "compare" and not (
-            isinstance(baseline, dict) and all(isinstance(v, str) for v in baseline.values())
-        ):
-            raise ProtocolError(400, "action='compare' requires a 'baseline' object", "baseline")
-        checksums, combined = await trio.to_thread.run_sync(
-            lambda: (self.engine.weight_checksums(), self.engine.weight_checksum())
-        )
-        if action == "checksum":
-            return json_response(
-                {
-                    "checksums": checksums,
-                    "checksum": combined,
-                    "weight_version": self.engine.weight_version,
-                }
-            )
-        assert isinstance(baseline, dict)
-        mismatches = sorted(
-            n for n in set(baseline) | set(checksums) if baseline.get(n) != checksums.get(n)
-        )
-        return json_response({"match": not mismatches, "mismatches": mismatches})
+    # -- control plane (engines.local.control_routes, and the weight-transfer routes) ------------
 
     async def weight_transfer(self, request: Request) -> Response:
         """One of the weight-transfer routes (:mod:`engines.local.weight_routes`)."""
@@ -502,20 +406,22 @@ class ServerApp:
         return Response(200, ("\n".join(lines) + "\n").encode(), "text/plain; version=0.0.4")
 
 
+def _control(handler: ControlHandler) -> Handler:
+    async def route(app: ServerApp, request: Request) -> Response:
+        return await handler(app.engine, request)
+
+    return route
+
+
 ROUTES: dict[str, dict[str, Handler]] = {
     "/health": {"GET": ServerApp.health},
     "/v1/models": {"GET": ServerApp.models},
     "/v1/completions": {"POST": ServerApp.completions},
     "/v1/chat/completions": {"POST": ServerApp.chat_completions},
-    "/pause": {"POST": ServerApp.pause},
-    "/resume": {"POST": ServerApp.resume},
-    "/is_paused": {"GET": ServerApp.is_paused},
-    "/sleep": {"POST": ServerApp.sleep},
-    "/wake_up": {"POST": ServerApp.wake_up},
-    "/is_sleeping": {"GET": ServerApp.is_sleeping},
-    "/reset_prefix_cache": {"POST": ServerApp.reset_prefix_cache},
-    "/get_world_size": {"GET": ServerApp.get_world_size},
-    "/weight_checker": {"POST": ServerApp.weight_checker},
+    **{
+        path: {method: _control(h) for method, h in methods.items()}
+        for path, methods in CONTROL_ROUTES.items()
+    },
     "/metrics": {"GET": ServerApp.metrics},
     "/engine_stats": {"GET": ServerApp.engine_stats},
     "/control_log": {"GET": ServerApp.control_log_route},
