@@ -99,11 +99,11 @@ class _Rank0State:
     """What rank 0's process keeps for one transport: its group, plan and pack buffers."""
 
     handle: GroupHandle
-    #: This sync's buckets: the parameters' names, in model order.
+    #: This sync's broadcasts (packed: chunks; unpacked: buckets): parameter names, in order.
     plan: list[list[str]] = attrs.Factory(list)
     #: The two reused pack buffers (packed, parameters not flat), allocated when first needed.
     buffers: list[torch.Tensor] = attrs.Factory(list)
-    #: Rank 0's parameters re-homed into one buffer (packed, CPU): buckets are its slices.
+    #: Rank 0's parameters re-homed into one buffer (packed, CPU): chunks are its slices.
     flat: FlatParams | None = None
 
 
@@ -213,9 +213,7 @@ def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
-def send_buckets(
-    model: torch.nn.Module, group_id: str, packed: bool, bucket_bytes: int, timeout_s: float
-) -> None:
+def send_buckets(model: torch.nn.Module, group_id: str, packed: bool, timeout_s: float) -> None:
     """Rank 0: broadcast what :func:`plan_sync` planned, in order (blocking).
 
     Packed: one broadcast per chunk, each a flat ``uint8`` buffer of its tensors' bytes. On
@@ -402,7 +400,6 @@ class BroadcastTransport:
             send_buckets,
             self.group_id,
             self.packed,
-            self.bucket_bytes,
             timeout_s,
         )
         async with open_owner_nursery() as nursery:

@@ -1,12 +1,12 @@
-"""Rank 0's parameters as views of one contiguous buffer, so a packed bucket is a slice of it.
+"""Rank 0's parameters as views of one contiguous buffer, so a packed chunk is a slice of it.
 
-Packing a bucket (one ``torch.cat`` into a send buffer) copies the whole model every sync.
+Packing a chunk (one ``torch.cat`` into a send buffer) copies the whole model every sync.
 On the CPU that copy competes with gloo's socket copies for the same cores, and broadcasting
 each parameter from its own storage instead pays gloo's per-collective cost about once per
 tensor (measured in docs/performance.md). With the parameters re-homed once into one flat
-``uint8`` buffer in model order, each bucket of :func:`~sync.transports.buckets.plan_buckets`
-is a contiguous byte range of that buffer and goes on the wire as it is: one collective per
-bucket, no copy. The bytes are exactly vLLM's packed layout (the tensors' bytes back to back,
+``uint8`` buffer in model order, each packed chunk (consecutive parameters, as
+:func:`~engines.weight_transfer.packed_chunks` cuts them) is a contiguous byte range of that
+buffer and goes on the wire as it is: one collective per chunk, no copy. The bytes are exactly vLLM's packed layout (the tensors' bytes back to back,
 no padding), so the engine side is unchanged.
 
 Re-homing keeps every ``Parameter`` object (only ``param.data`` is set, to a view), so the
@@ -99,8 +99,8 @@ def current_layout(
 
 
 def bucket_views(flat: FlatParams, plan: Sequence[Sequence[str]]) -> list[torch.Tensor] | None:
-    """Each bucket of ``plan`` (names, in order) as one ``uint8`` slice of ``flat.buffer``;
-    None if a bucket's names are not back to back in the buffer."""
+    """Each bucket (or chunk) of ``plan`` (names, in order) as one ``uint8`` slice of
+    ``flat.buffer``; None if a bucket's names are not back to back in the buffer."""
     views = []
     for names in plan:
         start, end = flat.spans[names[0]]
