@@ -16,7 +16,7 @@ import json
 import threading
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 from engines.vllm_control import VLLMClasses
 
@@ -47,6 +47,49 @@ def recorded_classes() -> VLLMClasses:
         sampling_params=recorded_sampling_params(),
         init_request=recorded_class("WeightTransferInitRequest"),
         update_request=recorded_class("WeightTransferUpdateRequest"),
+    )
+
+
+class OutputClasses(NamedTuple):
+    """The three classes a final ``generate`` result is made of."""
+
+    request_output: Any
+    completion_output: Any
+    logprob: Any
+
+
+def recorded_output_classes() -> OutputClasses:
+    """``RequestOutput``, ``CompletionOutput`` and ``Logprob`` with their recorded attributes."""
+    return OutputClasses(
+        recorded_class("RequestOutput"),
+        recorded_class("CompletionOutput"),
+        recorded_class("Logprob"),
+    )
+
+
+def final_output(classes: OutputClasses, finish_reason: str | None) -> Any:
+    """What ``AsyncLLM.generate`` yields last for prompt [1, 2] and sampled tokens [7, 8]: per
+    token, a ``{token_id: Logprob}`` dict that holds the sampled token (here, for token 8,
+    also a likelier token 9 that was not sampled)."""
+    lp = classes.logprob
+    sample = classes.completion_output(
+        index=0,
+        text="",
+        token_ids=[7, 8],
+        cumulative_logprob=-2.0,
+        logprobs=[
+            {7: lp(logprob=-0.5, rank=1)},
+            {8: lp(logprob=-1.5, rank=2), 9: lp(logprob=-0.1, rank=1)},
+        ],
+        finish_reason=finish_reason,
+    )
+    return classes.request_output(
+        request_id="traj-1",
+        prompt=None,
+        prompt_token_ids=[1, 2],
+        prompt_logprobs=None,
+        outputs=[sample],
+        finished=finish_reason is not None,
     )
 
 

@@ -1,6 +1,6 @@
 """Write ``vllm_shapes.json``: the shapes of vLLM's objects that ``engines.vllm_*`` use.
 
-``tests/engines/test_vllm_inprocess.py`` checks the conversions against this file where vLLM
+``tests/engines/test_vllm_inprocess*.py`` check the conversions against this file where vLLM
 is not importable (CI, CPU machines), so regenerate it whenever the vLLM we target changes.
 
 How it was run (vLLM 0.33.0 on a CPU machine, nothing installed into the project's venv;
