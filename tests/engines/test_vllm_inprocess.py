@@ -30,6 +30,7 @@ from engines.vllm_start import (
     open_async_llm,
 )
 from tests.engines.vllm_stand_in import (
+    SHAPES,
     OutputClasses,
     StandInAsyncLLM,
     final_output,
@@ -42,7 +43,6 @@ from trainer.errors import (
 )
 
 REFERENCE = Path(__file__).parent / "reference"
-SHAPES: dict[str, Any] = json.loads((REFERENCE / "vllm_shapes.json").read_text())
 SAMPLING_FIELDS: dict[str, dict[str, Any]] = SHAPES["SamplingParams"]["fields"]
 
 needs_vllm = pytest.mark.skipif(not vllm_inprocess.VLLM_AVAILABLE, reason="vLLM is not installed")

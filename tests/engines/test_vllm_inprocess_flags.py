@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,10 +13,7 @@ from engines.vllm_start import (
     ENGINE_ARG_FLAGS,
     engine_argv,
 )
-
-REFERENCE = Path(__file__).parent / "reference"
-SHAPES: dict[str, Any] = json.loads((REFERENCE / "vllm_shapes.json").read_text())
-
+from tests.engines.vllm_stand_in import SHAPES
 
 # -- the engine's flags: vllm serve's, as recorded from vLLM's add_cli_args ---------------------
 

@@ -6,11 +6,9 @@ each route calls the method vLLM's router calls, with its argument conversion, b
 from __future__ import annotations
 
 import inspect
-import json
 import pickle
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,6 +33,7 @@ from engines.vllm_control import PROBE_METHODS, VLLM_URL
 from engines.vllm_inprocess import VLLMInProcessEngine
 from engines.weight_transfer import ipc_update_info, pickle_ipc_handles
 from tests.engines.vllm_stand_in import (
+    SHAPES,
     StandInAsyncLLM,
     final_output,
     recorded_classes,
@@ -46,10 +45,6 @@ from trainer.errors import (
     InferenceServerTimeoutError,
 )
 from trainer.vocabulary import install_faults
-
-REFERENCE = Path(__file__).parent / "reference"
-SHAPES: dict[str, Any] = json.loads((REFERENCE / "vllm_shapes.json").read_text())
-
 
 PARAMS = SamplingParams(
     temperature=0.7, top_p=0.9, max_tokens=32, seed=5, stop_token_ids=(2, 3), ignore_eos=True
