@@ -124,7 +124,7 @@ class SyncConfig:
         "model, sent as flat chunks of sync.bucket_size_mb (vLLM's trainer default; on the CPU "
         "the chunks are slices of rank 0's parameters, no copy); false, one call per bucket, "
         "each parameter broadcast from its own storage (measured slower on the CPU, see "
-        "docs/performance.md). None, as configs recorded before 2026-12-02 hold: true.",
+        "docs/performance.md). None (what older recorded configs hold): true.",
     )
     bucket_size_mb: int = _field(
         256,
