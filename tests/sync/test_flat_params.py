@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engines.models import build_tiny_model
-from sync.transports.buckets import plan_buckets
+from engines.weight_transfer import packed_chunks
 from sync.transports.flat_params import bucket_views, current_layout, flatten_parameters
 from trainer.checkpoint_io import load_model, save_model
 
@@ -41,7 +41,9 @@ def test_each_bucket_is_a_slice_holding_exactly_vllms_packed_bytes():
     named = list(model.named_parameters())
     flat = flatten_parameters(named)
     assert flat is not None
-    buckets = plan_buckets(model.named_parameters(), 64 * 1024)
+    # cut as a packed sync cuts them (vLLM's consumer's chunks)
+    sizes = [p.numel() * p.element_size() for _, p in named]
+    buckets = [[named[i] for i in chunk] for chunk in packed_chunks(sizes, 64 * 1024)]
     assert len(buckets) > 2
     views = bucket_views(flat, [[name for name, _ in b] for b in buckets])
     assert views is not None and len(views) == len(buckets)
