@@ -65,19 +65,25 @@ log = logging.getLogger("trainer.run")
 
 
 def _make_run_dir(cfg: Config) -> Path:
-    """Create the run directory and write ``config.yaml`` with the directory it chose.
-
-    The recorded ``trainer.run_dir`` is never None, so ``--config RUN_DIR/config.yaml
-    trainer.resume_mode=latest`` resumes in the same directory. The file is replaced
-    atomically: a run killed while writing it (a resume rewrites it) leaves the old one.
-    """
+    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``)."""
     run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _record_config(cfg: Config, run_dir: Path) -> None:
+    """Write ``RUN_DIR/config.yaml``: the configuration, with the directory the run chose.
+
+    Called once the run is accepted: at once for a fresh run, after the checkpoint has
+    loaded for a resume, so a refused resume leaves the file that its error tells you to
+    resume with. The recorded ``trainer.run_dir`` is never None, so ``--config
+    RUN_DIR/config.yaml trainer.resume_mode=latest`` resumes in the same directory. The file
+    is replaced atomically: a run killed while writing it leaves the old one.
+    """
     recorded = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=str(run_dir)))
     tmp = run_dir / "config.yaml.tmp"
     tmp.write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
     os.replace(tmp, run_dir / "config.yaml")
-    return run_dir
 
 
 def _load_generator_cls(spec: str) -> type[Generator]:
@@ -185,6 +191,13 @@ async def _train(
     if t.max_steps is not None:
         last_step = min(last_step, t.max_steps)
     ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep)
+    fully_async = t.strategy == "fully_async"
+    # fully-async: the prompts one group at a time, and an engine that labels versions
+    prompts = PromptStream(examples, t.seed, t.epochs) if fully_async else None
+    # a resume that changes the data order is refused here, before anything starts
+    resume_from, state = await _read_resume_state(cfg, ckpt, prompts or loader)
+    if resume_from is None:
+        _record_config(cfg, run_dir)
     generator_cls = _load_generator_cls(cfg.generator.cls)
     check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     s = cfg.generator.sampling
@@ -236,9 +249,6 @@ async def _train(
                 open_transport(cfg, run_dir, engine, workers)
             )
 
-        fully_async = t.strategy == "fully_async"
-        # fully-async: the prompts one group at a time, and an engine that labels versions
-        prompts = PromptStream(examples, t.seed, t.epochs) if fully_async else None
         versions = WeightVersions(0) if fully_async else None
         rollout_engine = (
             VersionedEngine(engine, versions, cfg.engine.pause_mode) if versions else engine
@@ -256,22 +266,12 @@ async def _train(
             )
 
         start = 0
-        resume_from = await trio.to_thread.run_sync(ckpt.resolve, t.resume_mode, t.resume_path)
-        if t.resume_mode != "none" and resume_from is None:
-            log.warning(
-                "resume_mode=%s but no checkpoint under %s: starting fresh",
-                t.resume_mode,
-                ckpt.root,
-            )
         metrics_path = run_dir / "metrics.jsonl"
-        state: dict[str, Any] = {}
         if resume_from is not None:
             with progress.phase("resume"):
-                state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
-                # a changed order fails before loading
-                (prompts or loader).load_state_dict(state["loader"])
                 await workers.load_checkpoint(resume_from)
                 start = int(state["step"])
+            _record_config(cfg, run_dir)
             log.info("resumed from %s at step %d", resume_from, start)
         restore_metrics(metrics_path, start, state.get("metrics"))
         ctx = RunContext(
@@ -309,6 +309,30 @@ async def _train(
             teardown.start()
             raise
     return _summarize(run_dir, metrics_path)
+
+
+async def _read_resume_state(
+    cfg: Config, ckpt: CheckpointManager, order: PromptLoader | PromptStream
+) -> tuple[Path | None, dict[str, Any]]:
+    """The checkpoint to resume from and its trainer state, or ``(None, {})`` for a fresh run.
+
+    The data position is loaded into ``order`` now, so a resume whose data order differs
+    from the checkpoint's (another seed, another prompt count, the other strategy) raises
+    ``ConfigError`` before the run starts anything or rewrites ``config.yaml``.
+    """
+    t = cfg.trainer
+    resume_from = await trio.to_thread.run_sync(ckpt.resolve, t.resume_mode, t.resume_path)
+    if resume_from is None:
+        if t.resume_mode != "none":
+            log.warning(
+                "resume_mode=%s but no checkpoint under %s: starting fresh",
+                t.resume_mode,
+                ckpt.root,
+            )
+        return None, {}
+    state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
+    order.load_state_dict(state["loader"])
+    return resume_from, state
 
 
 def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:

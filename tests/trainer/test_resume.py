@@ -53,6 +53,24 @@ async def test_a_resume_with_another_seed_stops_before_any_step(tmp_path):
     assert _steps(tmp_path) == [1]
 
 
+async def test_a_refused_resume_leaves_config_yaml_as_the_run_recorded_it(tmp_path):
+    recorded = tmp_path / "config.yaml"
+    await trainer.run.train(
+        load_config(None, [*SMALL, f"trainer.run_dir={tmp_path}", "trainer.max_steps=1"])
+    )
+    before = recorded.read_text()
+    refused = load_config(recorded, ["trainer.resume_mode=latest", "trainer.seed=1"])
+    with pytest.raises(ConfigError, match=r"trainer\.seed differs"):
+        await trainer.run.train(refused)
+    assert recorded.read_text() == before
+    # so the error's own advice works next: resume with the recorded file
+    await trainer.run.train(
+        load_config(recorded, ["trainer.resume_mode=latest", "trainer.max_steps=2"])
+    )
+    assert _steps(tmp_path) == [1, 2]
+    assert "max_steps: 2" in recorded.read_text()  # an accepted resume records its config
+
+
 async def test_a_resume_restores_the_checkpointed_steps_line_and_drops_a_torn_one(tmp_path):
     common = [*SMALL, f"trainer.run_dir={tmp_path}"]
     await trainer.run.train(load_config(None, [*common, "trainer.max_steps=1"]))
