@@ -42,14 +42,25 @@ async def open_owner_nursery() -> AsyncIterator[trio.Nursery]:
     with its own traceback and cause. So it does when several tasks failed with the same
     error (same type and message: a fault hitting every rollout at once), with a note
     counting the others. When different errors happened at once, the first is raised with
-    the whole group as its ``__cause__`` and a note counting the others.
+    the whole group as its ``__cause__`` and a note counting the others. When every task
+    was cancelled (an outer deadline), one ``Cancelled`` is raised, carrying every note the
+    cancellations held and no count.
     """
     try:
         async with trio.open_nursery() as nursery:
             yield nursery
     except BaseExceptionGroup as group:
         found = leaves(group)
-        errors = [e for e in found if not isinstance(e, trio.Cancelled)] or found
+        errors = [e for e in found if not isinstance(e, trio.Cancelled)]
+        if not errors:
+            # only cancellations: an outer scope's (a deadline's), not errors to count; the
+            # notes cleanup added to any of them ("cleanup '/resume' skipped") are kept
+            first = found[0]
+            for other in found[1:]:
+                for note in getattr(other, "__notes__", ()):
+                    if note not in getattr(first, "__notes__", ()):
+                        first.add_note(note)
+            raise first from first.__cause__
         first = errors[0]
         if len(errors) == 1:
             raise first from first.__cause__
