@@ -164,3 +164,38 @@ def test_sigusr1_writes_every_threads_stack_without_the_event_loop(tmp_path):
     text = stacks.read_text()
     assert "Current thread" in text or "Thread 0x" in text
     assert "test_sigusr1_writes_every_threads_stack" in text
+
+
+class _SlowDumper(Dumper):
+    """A dumper whose snapshot is taken only once the test says the client has gone."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir)
+        self.asked = trio.Event()
+        self.client_gone = trio.Event()
+
+    async def snapshot(self) -> dict[str, Any]:
+        self.asked.set()
+        await self.client_gone.wait()
+        return {"pid": os.getpid(), "padding": "x" * 1_000_000}  # more than a socket buffer
+
+
+async def test_a_client_that_leaves_before_its_dump_costs_one_log_line(tmp_path, caplog):
+    dumper = _SlowDumper(tmp_path)
+    caplog.set_level("INFO", logger="trainer.debug")
+    async with open_debug_services(dumper) as nursery:
+        info = json.loads((tmp_path / DEBUG_FILE).read_text())
+        client = await trio.open_unix_socket(info["socket"])
+        await client.send_all(b"dump\n")
+        await dumper.asked.wait()
+        await client.aclose()
+        dumper.client_gone.set()
+        # the server answers the next client as before
+        snapshot = await trio.to_thread.run_sync(request_dump, Path(info["socket"]), 60.0)
+        nursery.cancel_scope.cancel()
+    assert snapshot["pid"] == os.getpid()
+    records = [r for r in caplog.records if r.name.startswith("trainer.debug")]
+    assert [r.getMessage() for r in records] == [
+        "debug socket: the client left before its dump was sent"
+    ]
+    assert all(r.exc_info is None for r in records)
