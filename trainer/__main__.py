@@ -2,7 +2,8 @@
 
 Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``,
 ``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib). On failure the last line on stderr is
-``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration).
+``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration); the
+traceback goes to the run's ``train.log`` (and to stderr too with ``--verbose``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import sys
 import traceback
 import warnings
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -18,13 +20,15 @@ __all__ = ["main"]
 SUBCOMMANDS = ("ckpt", "debug", "plot")
 
 USAGE = """\
-usage: python -m trainer [--config FILE.yaml] [key=value ...]
+usage: python -m trainer [--config FILE.yaml] [--verbose] [key=value ...]
        python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
        python -m trainer debug dump PID|RUN_DIR [--json]
        python -m trainer plot RUN_DIR [RUN_DIR...] [--out DIR]
 
 Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
-(e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8).
+(e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8). A failed run ends its stderr
+with one line, `ErrorClass: message`; its traceback is in RUN_DIR/train.log (--verbose also
+prints it on stderr).
 """
 
 
@@ -36,11 +40,25 @@ def _print_help() -> None:
     print(help_text())
 
 
-def _fail(exc: BaseException, *, code: int, show_traceback: bool) -> int:
-    if show_traceback:
+def _fail(
+    exc: BaseException, *, code: int, show_traceback: bool, log_file: Path | None = None
+) -> int:
+    """Print ``exc`` as its last line on stderr: ``ErrorClass: message``; return ``code``.
+
+    With ``show_traceback`` the traceback comes first. Otherwise, when ``log_file`` holds it
+    (the run's ``train.log``), the notes and a line saying where the traceback is come first;
+    an error with no log to hold its traceback (one raised before the run's log existed)
+    prints the traceback here, so nothing is lost.
+    """
+    logged = log_file is not None and log_file.exists()
+    if show_traceback or (log_file is not None and not logged):
         traceback.print_exception(exc, file=sys.stderr)
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]  # a nursery's wrapper around the one real error
+    if logged and not show_traceback:
+        for note in getattr(exc, "__notes__", ()):
+            print(f"note: {note}", file=sys.stderr)
+        print(f"the traceback is in {log_file} (--verbose prints it here)", file=sys.stderr)
     message = str(exc).replace("\n", " | ")
     print(f"{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
     return code
@@ -55,6 +73,7 @@ def _train(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--config")
+    parser.add_argument("--verbose", action="store_true")
     args, overrides = parser.parse_known_args(argv)
     unknown_flags = [o for o in overrides if o.startswith("-")]
     if unknown_flags:
@@ -71,17 +90,19 @@ def _train(argv: list[str]) -> int:
     except (ConfigError, DataError) as exc:
         return _fail(exc, code=2, show_traceback=False)
 
-    from trainer.run import train
+    from trainer.run import train, with_run_dir
 
+    cfg = with_run_dir(cfg)  # chosen here, so a failure can say where its log is
+    log_file = Path(cfg.trainer.run_dir or ".") / "train.log"
     try:
         summary = trio.run(train, cfg)
     except KeyboardInterrupt as exc:  # the run says where it was and that it stopped cleanly
         print(f"KeyboardInterrupt: {exc or 'training interrupted'}", file=sys.stderr)
         return 130
     except (ConfigError, DataError, CheckpointError) as exc:
-        return _fail(exc, code=2, show_traceback=False)
+        return _fail(exc, code=2, show_traceback=args.verbose)
     except BaseException as exc:
-        return _fail(exc, code=1, show_traceback=True)
+        return _fail(exc, code=1, show_traceback=args.verbose, log_file=log_file)
     _print_summary(summary)
     return 0
 

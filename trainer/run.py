@@ -59,14 +59,22 @@ from trainer.trackers import TrackerSink, open_trackers
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
 from trainer.workers.policy import preload_model_code
 
-__all__ = ["train"]
+__all__ = ["train", "with_run_dir"]
 
 log = logging.getLogger("trainer.run")
 
 
+def with_run_dir(cfg: Config) -> Config:
+    """``cfg`` with ``trainer.run_dir`` chosen: as given, else ``runs/<timestamp>``."""
+    if cfg.trainer.run_dir:
+        return cfg
+    chosen = f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    return attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=chosen))
+
+
 def _make_run_dir(cfg: Config) -> Path:
     """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``)."""
-    run_dir = Path(cfg.trainer.run_dir or f"runs/{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -141,8 +149,9 @@ async def train(cfg: Config) -> dict[str, Any]:
                     summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
     except BaseException as exc:
-        # the CLI prints the message; the log keeps the exact fields (elapsed to the ms)
-        log.info("run failed: %r", exc)
+        # the CLI prints the one-line message; the log keeps the exact fields (elapsed to the
+        # ms) and the whole traceback (INFO: the console handler shows WARNING and up only)
+        log.info("run failed: %r", exc, exc_info=exc)
         raise
     finally:
         for fault in unfired_faults():
