@@ -13,7 +13,9 @@ model turn from prompt + everything so far, as tokens (nothing is re-tokenized).
 prompts (a data file whose ``prompt`` is a list of messages) the observation is appended as
 a ``user`` chat turn, rendered on its own with the chat template
 (``AgentLoopGenerator.observation_tokens``); with text prompts as its plain tokens. ``EnvStep(done=True, reward=R)`` ends the
-trajectory with reward ``R``. The observation uses only words of the built-in tiny
+trajectory with reward ``R``. ``self.last_turn_ids(response_ids)`` is the model's latest
+turn alone, and ``EnvStep(metrics=...)`` reports numbers of the environment's own
+(``generate/retries``, ``generate/solved`` in ``metrics.jsonl``: their means over the batch). The observation uses only words of the built-in tiny
 tokenizer's vocabulary (``engines.models.WORDS``); an unknown word would become ``<unk>``.
 """
 
@@ -21,8 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.generators import TrajectoryInput
-from trainer.generators.agent_loop import AgentLoopGenerator, EnvStep
+from trainer.generators import AgentLoopGenerator, EnvStep, TrajectoryInput
 
 __all__ = ["RETRY_OBSERVATION", "RetryOnWrongGenerator"]
 
@@ -47,17 +48,10 @@ class RetryOnWrongGenerator(AgentLoopGenerator):
         self.retry_discount = retry_discount
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
-        last = self._last_turn(item, response_ids)
-        text = self.tokenizer.decode(last, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.last_turn_ids(response_ids), skip_special_tokens=True)
         reward = float(self.reward_fn(text, item.answer, extra=item.extra))
         if reward >= 1.0 or turn + 1 >= self.max_turns:
-            return EnvStep(done=True, reward=reward * self.retry_discount**turn)
-        return EnvStep(done=False, observation=RETRY_OBSERVATION)
-
-    def _last_turn(self, item: TrajectoryInput, response_ids: list[int]) -> list[int]:
-        """The tokens the model produced after the last observation (all of them on turn 0)."""
-        obs = self.observation_tokens(item, RETRY_OBSERVATION)
-        for start in range(len(response_ids) - len(obs), -1, -1):
-            if response_ids[start : start + len(obs)] == obs:
-                return response_ids[start + len(obs) :]
-        return response_ids
+            # generate/solved in metrics.jsonl: the share of trajectories that got it right
+            solved = {"solved": 1.0 if reward >= 1.0 else 0.0}
+            return EnvStep(done=True, reward=reward * self.retry_discount**turn, metrics=solved)
+        return EnvStep(done=False, observation=RETRY_OBSERVATION, metrics={"retries": 1.0})

@@ -77,6 +77,8 @@ async def test_wrong_first_answer_gets_an_observation_and_a_second_model_turn():
     obs = tokenizer.encode(RETRY_OBSERVATION, add_special_tokens=False)
     assert len(out.trajectories) == 4
     assert out.metrics["generate/num_turns_mean"] == 2.0
+    # the example's own metrics: one retry each, none solved
+    assert out.metrics["generate/retries"] == 1.0 and out.metrics["generate/solved"] == 0.0
     for t in out.trajectories:
         assert t.num_turns == 2
         assert t.reward == 0.0
@@ -91,6 +93,8 @@ async def test_wrong_first_answer_gets_an_observation_and_a_second_model_turn():
 
 async def test_right_first_answer_ends_the_trajectory_after_one_turn():
     _, out = await _generate(always_right, max_turns=2)
+    # no trajectory retried: a name none of the batch reported is not in the step's metrics
+    assert out.metrics["generate/solved"] == 1.0 and "generate/retries" not in out.metrics
     for t in out.trajectories:
         assert t.num_turns == 1
         assert t.reward == 1.0

@@ -320,3 +320,70 @@ def test_generator_kwargs_are_checked_against_the_constructor_before_anything_st
             depth=2,
             width=3,
         )
+
+
+class RecordingEnv(AgentLoopGenerator):
+    """Three model turns; records what ``last_turn_ids`` gives on each; reports metrics."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[tuple[list[int], list[int]]] = []
+
+    async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
+        self.seen.append((list(response_ids), self.last_turn_ids(response_ids)))
+        if turn == 2:
+            return EnvStep(done=True, reward=1.0, metrics={"tool_calls": 1.0, "solved": 1.0})
+        return EnvStep(done=False, observation="no , what ?", metrics={"tool_calls": 1.0})
+
+
+async def test_last_turn_ids_is_the_models_latest_turn_alone(model_dir):
+    tokenizer = load_tokenizer(model_dir)
+    async with open_inprocess_client(model_dir) as engine:
+        gen = RecordingEnv(
+            engine=engine,
+            tokenizer=tokenizer,
+            reward_fn=lambda response, answer: 0.0,
+            sampling=SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+            max_turns=3,
+            max_response_tokens=64,
+        )
+        out = await gen.generate(batch_of(tokenizer, 1))
+    (t,) = out.trajectories
+    obs = tokenizer.encode("no , what ?", add_special_tokens=False)
+    turns = [t.response_ids[0:3], t.response_ids[3 + len(obs) : 6 + len(obs)]]
+    turns.append(t.response_ids[6 + 2 * len(obs) :])
+    assert [last for _, last in gen.seen] == turns
+    assert all(len(last) == 3 for last in turns)
+    # and outside a rollout there is no latest turn
+    with pytest.raises(RuntimeError, match="no model turn is in progress"):
+        gen.last_turn_ids(t.response_ids)
+
+
+async def test_env_step_metrics_add_up_per_trajectory_and_average_over_the_batch(model_dir):
+    class SolvesEveryOther(RecordingEnv):
+        async def env_step(self, item, response_ids, turn):
+            step = await super().env_step(item, response_ids, turn)
+            if step.done and item.seed % 2:  # the odd seeds' trajectories are not solved
+                return attrs.evolve(step, metrics={"tool_calls": 1.0})
+            return step
+
+    tokenizer = load_tokenizer(model_dir)
+    async with open_inprocess_client(model_dir) as engine:
+        gen = SolvesEveryOther(
+            engine=engine,
+            tokenizer=tokenizer,
+            reward_fn=lambda response, answer: 0.0,
+            sampling=SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
+            max_turns=3,
+            max_response_tokens=64,
+        )
+        batch = batch_of(tokenizer, 4)
+        out = await gen.generate(batch)
+    solved = [1.0 if item.seed % 2 == 0 else 0.0 for item in batch]
+    assert [t.metrics for t in out.trajectories] == [
+        {"tool_calls": 3.0, "solved": 1.0} if s else {"tool_calls": 3.0} for s in solved
+    ]
+    assert out.metrics["generate/tool_calls"] == 3.0
+    assert solved == [1.0, 0.0, 1.0, 0.0]
+    assert out.metrics["generate/solved"] == 0.5  # a trajectory that never reported it: 0
+    assert out.metrics["generate/num_turns_mean"] == 3.0

@@ -18,6 +18,7 @@ one request's overhead and one shared prefill. Later turns are one request per t
 from __future__ import annotations
 
 import statistics
+from contextvars import ContextVar
 
 import attrs
 
@@ -33,6 +34,10 @@ from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
 __all__ = ["AgentLoopGenerator", "EnvStep", "shared_first_turns"]
 
+#: Where each model turn of the rollout running in this task begins in its response
+#: (:meth:`AgentLoopGenerator.last_turn_ids`); every rollout is its own trio task.
+_turn_starts: ContextVar[list[int]] = ContextVar("turn_starts")
+
 
 @attrs.frozen
 class EnvStep:
@@ -43,6 +48,11 @@ class EnvStep:
     reward: float = 0.0
     #: Text appended to the conversation for the next model turn (loss-masked).
     observation: str = ""
+    #: Numbers this step reports (``{"tool_calls": 1.0}``): added up over the trajectory's
+    #: steps into ``Trajectory.metrics``; the step's ``metrics.jsonl`` line has their mean
+    #: over the batch's trajectories as ``generate/<name>`` (a trajectory that never
+    #: reported a name counts 0; a name no trajectory of the batch reported is left out).
+    metrics: dict[str, float] = attrs.field(factory=dict)
 
 
 class AgentLoopGenerator(Generator):
@@ -74,6 +84,7 @@ class AgentLoopGenerator(Generator):
                     nursery.start_soon(run_one, indices[0], None)
         trajectories = [t for t in results if t is not None]
         assert len(trajectories) == len(batch)
+        names = sorted({name for t in trajectories for name in t.metrics})
         return GeneratorOutput(
             trajectories,
             metrics={
@@ -81,6 +92,12 @@ class AgentLoopGenerator(Generator):
                 "generate/truncated_frac": statistics.fmean(
                     t.finish_reason in ("length", "truncated") for t in trajectories
                 ),
+                **{
+                    f"generate/{name}": statistics.fmean(
+                        t.metrics.get(name, 0.0) for t in trajectories
+                    )
+                    for name in names
+                },
             },
         )
 
@@ -105,39 +122,48 @@ class AgentLoopGenerator(Generator):
         finish = "stop"
         reward = 0.0
         turns = 0
-        for turn in range(self.max_turns):
-            budget = self.max_response_tokens - len(response)
-            if budget <= 0:
-                finish = "truncated"
-                break
-            if turn == 0 and first_turn is not None:
-                completion = first_turn  # sampled with its group (see shared_first_turns)
-            else:
-                # the engine client names the operation and fires its fault (where it runs)
-                completion = await self.engine.generate(
-                    item.prompt_ids + response,
-                    self.turn_sampling(item, turn, budget),
-                    trajectory_id=item.trajectory_id,
-                )
-            turns += 1
-            response += completion.token_ids
-            mask += [1] * len(completion.token_ids)
-            logprobs += completion.logprobs
-            versions += completion.weight_versions or [-1] * len(completion.token_ids)
-            finish = completion.finish_reason
-            with operation("env_step"):
-                await fire_fault("env_step")
-                step = await self.env_step(item, response, turn)
-            if step.done:
-                reward = step.reward
-                break
-            left = self.max_response_tokens - len(response)  # what this turn's tokens left
-            # appended as tokens: the conversation so far is never tokenized again
-            obs = self.observation_tokens(item, step.observation)[:left]
-            response += obs
-            mask += [0] * len(obs)
-            logprobs += [0.0] * len(obs)
-            versions += [-1] * len(obs)
+        reported: dict[str, float] = {}
+        starts: list[int] = []  # where each model turn's tokens begin in ``response``
+        token = _turn_starts.set(starts)
+        try:
+            for turn in range(self.max_turns):
+                budget = self.max_response_tokens - len(response)
+                if budget <= 0:
+                    finish = "truncated"
+                    break
+                if turn == 0 and first_turn is not None:
+                    completion = first_turn  # sampled with its group (see shared_first_turns)
+                else:
+                    # the engine client names the operation and fires its fault (where it runs)
+                    completion = await self.engine.generate(
+                        item.prompt_ids + response,
+                        self.turn_sampling(item, turn, budget),
+                        trajectory_id=item.trajectory_id,
+                    )
+                turns += 1
+                starts.append(len(response))
+                response += completion.token_ids
+                mask += [1] * len(completion.token_ids)
+                logprobs += completion.logprobs
+                versions += completion.weight_versions or [-1] * len(completion.token_ids)
+                finish = completion.finish_reason
+                with operation("env_step"):
+                    await fire_fault("env_step")
+                    step = await self.env_step(item, response, turn)
+                for name, value in step.metrics.items():
+                    reported[name] = reported.get(name, 0.0) + float(value)
+                if step.done:
+                    reward = step.reward
+                    break
+                left = self.max_response_tokens - len(response)  # what this turn's tokens left
+                # appended as tokens: the conversation so far is never tokenized again
+                obs = self.observation_tokens(item, step.observation)[:left]
+                response += obs
+                mask += [0] * len(obs)
+                logprobs += [0.0] * len(obs)
+                versions += [-1] * len(obs)
+        finally:
+            _turn_starts.reset(token)
         text = self.tokenizer.decode(
             [t for t, m in zip(response, mask) if m], skip_special_tokens=True
         )
@@ -152,6 +178,7 @@ class AgentLoopGenerator(Generator):
             num_turns=turns,
             response_text=text,
             weight_versions=versions if any(v >= 0 for v in versions) else [],
+            metrics=reported,
         )
 
     async def env_step(self, item: TrajectoryInput, response_ids: list[int], turn: int) -> EnvStep:
@@ -162,6 +189,21 @@ class AgentLoopGenerator(Generator):
         """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer, extra=item.extra)))
+
+    def last_turn_ids(self, response_ids: list[int]) -> list[int]:
+        """The tokens of the model's latest turn: what it sampled after the last observation.
+
+        For :meth:`env_step` (and anything else a :meth:`rollout` calls), given the
+        ``response_ids`` it was handed; on turn 0 that is the whole response. Raises
+        ``RuntimeError`` outside a rollout, where there is no latest turn.
+        """
+        starts = _turn_starts.get(None)
+        if not starts:
+            raise RuntimeError(
+                "last_turn_ids() is for env_step and other code a rollout calls: no model "
+                "turn is in progress here"
+            )
+        return response_ids[starts[-1] :]
 
     def observation_tokens(self, item: TrajectoryInput, observation: str) -> list[int]:
         """The tokens an observation appends: a user chat turn for a chat prompt, else its text.

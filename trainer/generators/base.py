@@ -91,6 +91,9 @@ class Trajectory:
     #: ``Completion.weight_versions``, or filled in by the trainer when a generator leaves it
     #: empty); empty otherwise.
     weight_versions: list[int] = attrs.field(factory=list)
+    #: Numbers the environment reported for this trajectory (``EnvStep.metrics``, added up
+    #: over its steps); ``AgentLoopGenerator`` reports their batch mean as ``generate/<name>``.
+    metrics: dict[str, float] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         n = len(self.response_ids)
