@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a .venv in the checkout with everything the trainer and its tests need.
 # On a machine without CUDA it asks PyTorch's CPU index for torch 2.13.0 and falls back to the
-# default index (on Linux, the CUDA build) when that index cannot be reached within seconds;
-# where `nvidia-smi` works, a torch already importable is kept, else pip picks one.
+# default index (on Linux, the CUDA build) when that index cannot be reached within seconds.
+# Where `nvidia-smi` works and $PYTHON (default python3) already imports a CUDA build of torch
+# (a GPU image's), a new .venv sees that interpreter's packages and keeps its torch; otherwise
+# it installs torch==2.13.0 from the default index (PyPI's Linux wheel is a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -12,12 +14,22 @@ want="$(cat pyproject.toml setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/just" ]; then
     exit 0
 fi
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; }
+cuda_torch() { "$1" -c "import sys, torch; sys.exit(torch.version.cuda is None)" >/dev/null 2>&1; }
+if [ ! -x "$VENV/bin/python" ]; then
+    if has_gpu && cuda_torch "$PY"; then
+        echo "setup.sh: keeping the CUDA build of torch that $PY imports" \
+            "($("$PY" -c 'import torch; print(torch.__version__)')): .venv sees its packages" >&2
+        "$PY" -m venv --system-site-packages "$VENV"
+    else
+        "$PY" -m venv "$VENV"
+    fi
+fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip >/dev/null
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-        pip install torch
+    if has_gpu; then
+        pip install "torch==2.13.0"  # the CUDA build; the version the suite is run with
     else
         # torch alone from the CPU index (it mirrors few of torch's deps, some at old versions):
         # one try, 10 s timeout, so an unreachable index fails fast instead of after minutes.

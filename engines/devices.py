@@ -40,8 +40,8 @@ def cuda_unavailable_reason() -> str | None:
         return None
     if torch.version.cuda is None:
         return (
-            f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of "
-            "torch (see docs/gpus.md)"
+            f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
+            "torch (docs/gpus.md#install-on-a-gpu-machine)"
         )
     return (
         f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no CUDA device in this "
@@ -53,6 +53,14 @@ def cuda_unavailable_reason() -> str | None:
 def _where(key: str, name: str) -> str:
     """``config: workers.device='cuda'`` for a config key, ``--device cuda`` for a flag."""
     return f"{key} {name}" if key.startswith("--") else f"config: {key}={name!r}"
+
+
+def _instead(key: str, *names: str) -> str:
+    """What to pass instead, as it is typed: ``pass --device auto or --device cpu`` for a
+    flag, ``set workers.device=auto or workers.device=cpu`` for a config key."""
+    if key.startswith("--"):
+        return "pass " + " or ".join(f"{key} {n}" for n in names)
+    return "set " + " or ".join(f"{key}={n}" for n in names)
 
 
 def resolve_device(name: str, *, key: str = "workers.device") -> torch.device:
@@ -73,8 +81,8 @@ def resolve_device(name: str, *, key: str = "workers.device") -> torch.device:
         reason = cuda_unavailable_reason()
         if reason is not None:
             raise ConfigError(
-                f"{_where(key, name)} but {reason}; or use {_where(key, 'auto')} (CUDA when "
-                f"available) or {_where(key, 'cpu')}"
+                f"{_where(key, name)} but {reason}; or {_instead(key, 'auto', 'cpu')} (auto: "
+                "CUDA when available)"
             )
         device = torch.device(name)
         if device.index is not None and device.index >= torch.cuda.device_count():

@@ -4,6 +4,7 @@ docs/gpus.md for what was verified where)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.devices import resolve_device, resolve_dtype
+from engines.devices import cuda_unavailable_reason, resolve_device, resolve_dtype
 from engines.models import resolve_model_path
 from tests.trainer.helpers import random_batch
 from trainer.config import load_config
@@ -26,6 +27,7 @@ from trainer.workers.offload import (
 )
 from trainer.workers.policy import OFFLOAD_METRICS, PolicyWorker
 
+REPO = Path(__file__).resolve().parents[2]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 CPU = torch.device("cpu")
 
@@ -55,8 +57,24 @@ def test_cuda_without_cuda_is_a_config_error_saying_what_to_do():
         resolve_device("cuda")
     message = str(info.value)
     assert message.startswith("config: workers.device='cuda' but ")
-    assert "workers.device=auto" in message or "workers.device='auto'" in message
-    assert "torch" in message
+    # each way out once, as it is typed
+    assert message.endswith(
+        "; or set workers.device=auto or workers.device=cpu (auto: CUDA when available)"
+    )
+    assert message.count("config:") == 1
+    with pytest.raises(ConfigError, match=r"; or pass --device auto or --device cpu \(auto"):
+        resolve_device("cuda", key="--device")
+
+
+@NO_CUDA
+def test_a_cpu_only_torch_is_told_where_the_install_step_is():
+    reason = cuda_unavailable_reason()
+    assert reason is not None and "install a CUDA build of torch" in reason
+    doc, anchor = re.search(r"\((docs/gpus\.md)#([\w-]+)\)", reason).groups()  # type: ignore[union-attr]
+    headings = [line for line in Path(REPO, doc).read_text().splitlines() if line[:1] == "#"]
+    slugs = {"-".join(h.lstrip("#").strip().lower().split()) for h in headings}
+    assert anchor in slugs
+    assert "bash setup.sh" in Path(REPO, doc).read_text()
 
 
 def test_unknown_device_and_dtype_names_the_allowed_values():
