@@ -1,4 +1,5 @@
-"""The docs cannot silently go stale: the config reference and the README's two commands.
+"""The docs cannot silently go stale: the config reference, the fault reference's operations
+and the README's two commands.
 
 The key reference in docs/configuration.md is generated from the config tree; regenerate it
 after changing a key, its default, type or doc::
@@ -142,3 +143,11 @@ if __name__ == "__main__":
         print(f"wrote the key reference into {CONFIG_DOC}")
     else:
         print(reference_markdown(), end="")
+
+
+def test_the_fault_reference_lists_every_operation_a_fault_can_target():
+    from trainer.vocabulary import OPERATIONS
+
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    entry = text.split("- **OP** —", 1)[1].split("- **ACTION** —", 1)[0]
+    assert sorted(set(re.findall(r"`(/?[a-z_]+)`", entry))) == sorted(OPERATIONS)
