@@ -30,6 +30,7 @@ from rich.progress import (
 __all__ = [
     "ETA_WINDOW",
     "KL_METRICS",
+    "ONE_UPDATE_METRICS",
     "MetricsLogger",
     "StepProgress",
     "jsonable_row",
@@ -135,6 +136,11 @@ class MetricsLogger:
 #: reference model (``algorithm.use_kl_loss=true``), else the approximate KL to the policy
 #: that generated the rollouts.
 KL_METRICS: tuple[str, ...] = ("policy/kl", "policy/approx_kl")
+#: What the step bar shows instead where every batch gets one optimizer step (the default:
+#: ``trainer.policy_mini_batch_size`` unset, ``trainer.update_epochs=1``). There the policy
+#: that scored the batch is the one that trains on it, so ``policy/approx_kl`` is 0 on every
+#: step; the gradient norm says instead how large the update was.
+ONE_UPDATE_METRICS: tuple[str, ...] = ("policy/kl", "policy/grad_norm")
 #: How many of the latest step times the ETA averages.
 ETA_WINDOW = 10
 
@@ -145,8 +151,8 @@ def _clock(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def _kl(metrics: dict[str, Any]) -> tuple[str, float | None]:
-    for key in KL_METRICS:
+def _kl(metrics: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, float | None]:
+    for key in keys:
         if metrics.get(key) is not None:
             return key.removeprefix("policy/"), metrics[key]
     return "kl", None
@@ -164,7 +170,9 @@ class StepProgress:
     reward, loss, KL and step time. Elsewhere (CI, a pipe): plain lines, ``startup: engines
     ...`` when a phase begins, ``startup: engines ready in 3.1s`` when it ends, and one line
     per step. Disabled (``trainer.progress=false``): nothing on stderr. ``train.log`` gets
-    each phase's time either way. ``console`` (default: stderr) decides which it is.
+    each phase's time either way. ``console`` (default: stderr) decides which it is. With
+    ``one_update_per_batch`` the KL column shows :data:`ONE_UPDATE_METRICS` (the gradient
+    norm where there is no KL penalty), else :data:`KL_METRICS`.
 
     Usage::
 
@@ -178,8 +186,15 @@ class StepProgress:
     the steps left.
     """
 
-    def __init__(self, *, enabled: bool = True, console: Console | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        console: Console | None = None,
+        one_update_per_batch: bool = False,
+    ) -> None:
         self.console = console or Console(stderr=True)
+        self._kl_keys = ONE_UPDATE_METRICS if one_update_per_batch else KL_METRICS
         self.enabled = enabled and self.console.is_terminal
         self.plain = enabled and not self.console.is_terminal
         self._phases = Progress(
@@ -260,7 +275,7 @@ class StepProgress:
         if step_s is not None:
             self._times = [*self._times, step_s][-ETA_WINDOW:]
         eta = statistics.fmean(self._times) * (self.total - step) if self._times else None
-        kl_name, kl = _kl(metrics)
+        kl_name, kl = _kl(metrics, self._kl_keys)
         fields: dict[str, Any] = {
             "eta": "-" if eta is None else _clock(eta),
             "reward": _num(metrics.get("reward/mean"), ".3f"),

@@ -145,7 +145,9 @@ async def train(cfg: Config) -> dict[str, Any]:
         ):
             async with open_debug_services(dumper) as services:
                 await services.start(watchdog.run)
-                with StepProgress(enabled=cfg.trainer.progress) as progress:
+                with StepProgress(
+                    enabled=cfg.trainer.progress, one_update_per_batch=_one_update_per_batch(cfg)
+                ) as progress:
                     summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
     except BaseException as exc:
@@ -161,6 +163,13 @@ async def train(cfg: Config) -> dict[str, Any]:
                 fault.op,
             )
         teardown_run_logging(handlers)
+
+
+def _one_update_per_batch(cfg: Config) -> bool:
+    """Whether each batch gets exactly one optimizer step (its ``policy/approx_kl`` is 0)."""
+    t = cfg.trainer
+    one_mini_batch = t.policy_mini_batch_size in (None, t.train_batch_size)
+    return t.update_epochs == 1 and one_mini_batch
 
 
 def _limit_torch_threads(cfg: Config) -> None:

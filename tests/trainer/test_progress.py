@@ -68,3 +68,31 @@ def test_disabled_it_prints_nothing():
         progress.start_steps(1)
         progress.update(1, ROW)
     assert _text(console) == ""
+
+
+def test_with_one_update_per_batch_the_bar_shows_the_grad_norm_not_a_zero_approx_kl():
+    console = _console(terminal=False)
+    with StepProgress(console=console, one_update_per_batch=True) as progress:
+        progress.start_steps(2)
+        progress.update(1, {**ROW, "policy/approx_kl": 0.0, "policy/grad_norm": 0.8123})
+        progress.update(2, {**ROW, "policy/kl": 0.002, "policy/grad_norm": 0.5})
+    assert _text(console).splitlines() == [
+        "step 1/2 reward 0.250 loss -0.0123 grad_norm 0.8123 2.00s/step ETA 0:02",
+        "step 2/2 reward 0.250 loss -0.0123 kl 0.0020 2.00s/step ETA 0:00",  # a KL penalty first
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "one"),
+    [
+        ([], True),
+        (["trainer.update_epochs=2"], False),
+        (["trainer.policy_mini_batch_size=8"], False),
+        (["trainer.policy_mini_batch_size=16"], True),
+    ],
+)
+def test_one_update_per_batch_is_the_default_and_what_changes_it(overrides, one):
+    from trainer.config import load_config
+    from trainer.run import _one_update_per_batch
+
+    assert _one_update_per_batch(load_config(None, overrides)) is one

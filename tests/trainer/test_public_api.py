@@ -201,6 +201,7 @@ PUBLIC = {
         "ETA_WINDOW",
         "KL_METRICS",
         "MetricsLogger",
+        "ONE_UPDATE_METRICS",
         "StepProgress",
         "jsonable_row",
         "restore_metrics",
@@ -228,7 +229,7 @@ PUBLIC = {
         "uses_ray",
     ],
     "trainer.plots": ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"],
-    "trainer.run": ["train"],
+    "trainer.run": ["train", "with_run_dir"],
     "trainer.run_context": ["RunContext", "SLOW_STALL_MS"],
     "trainer.stages": [
         "advantages_for",
