@@ -336,18 +336,24 @@ class RecordingEnv(AgentLoopGenerator):
         return EnvStep(done=False, observation="no , what ?", metrics={"tool_calls": 1.0})
 
 
-async def test_last_turn_ids_is_the_models_latest_turn_alone(model_dir):
+async def _three_turns(model_dir, cls: type[RecordingEnv], n: int, max_tokens: int):
+    """``n`` trajectories of three ``max_tokens``-token model turns each, by ``cls``."""
     tokenizer = load_tokenizer(model_dir)
+    batch = batch_of(tokenizer, n)
     async with open_inprocess_client(model_dir) as engine:
-        gen = RecordingEnv(
+        gen = cls(
             engine=engine,
             tokenizer=tokenizer,
             reward_fn=lambda response, answer: 0.0,
-            sampling=SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True),
+            sampling=SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
             max_turns=3,
             max_response_tokens=64,
         )
-        out = await gen.generate(batch_of(tokenizer, 1))
+        return gen, batch, tokenizer, await gen.generate(batch)
+
+
+async def test_last_turn_ids_is_the_models_latest_turn_alone(model_dir):
+    gen, _, tokenizer, out = await _three_turns(model_dir, RecordingEnv, 1, 3)
     (t,) = out.trajectories
     obs = tokenizer.encode("no , what ?", add_special_tokens=False)
     turns = [t.response_ids[0:3], t.response_ids[3 + len(obs) : 6 + len(obs)]]
@@ -367,18 +373,7 @@ async def test_env_step_metrics_add_up_per_trajectory_and_average_over_the_batch
                 return attrs.evolve(step, metrics={"tool_calls": 1.0})
             return step
 
-    tokenizer = load_tokenizer(model_dir)
-    async with open_inprocess_client(model_dir) as engine:
-        gen = SolvesEveryOther(
-            engine=engine,
-            tokenizer=tokenizer,
-            reward_fn=lambda response, answer: 0.0,
-            sampling=SamplingParams(temperature=1.0, max_tokens=2, ignore_eos=True),
-            max_turns=3,
-            max_response_tokens=64,
-        )
-        batch = batch_of(tokenizer, 4)
-        out = await gen.generate(batch)
+    _, batch, _, out = await _three_turns(model_dir, SolvesEveryOther, 4, 2)
     solved = [1.0 if item.seed % 2 == 0 else 0.0 for item in batch]
     assert [t.metrics for t in out.trajectories] == [
         {"tool_calls": 3.0, "solved": 1.0} if s else {"tool_calls": 3.0} for s in solved
