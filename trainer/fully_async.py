@@ -163,8 +163,9 @@ class RolloutFeed:
         self.rollout_timeout_s = (
             g.rollout_timeout_s if g.rollout_timeout_s is not None else t.step_timeout_s
         )
-        # per prompt, its rollouts cut off in a row; since the last step took its batch, all
+        # per prompt, how many of its rollouts in a row were cut off at the bound
         self._cut_off: dict[PromptKey, int] = {}
+        # rollouts cut off since the last step took its batch (async/rollouts_timed_out)
         self._timed_out = 0
         # when each running rollout started (trio clock), for the log at the end
         self._running: dict[PromptKey, float] = {}
