@@ -271,6 +271,19 @@ def _check_fully_async(cfg: Config) -> None:
         )
 
 
+def _check_rollout_timeout(cfg: Config) -> None:
+    """A rollout bound set for the synchronous loop would bound nothing: say so."""
+    bound = cfg.generator.rollout_timeout_s
+    if bound is not None and cfg.trainer.strategy != "fully_async":
+        warnings.warn(
+            f"generator.rollout_timeout_s={bound:g} applies to trainer.strategy=fully_async only; "
+            "the synchronous loop bounds generation by the step's budget "
+            "(trainer.step_timeout_s)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+
+
 def _check_vllm(cfg: Config) -> None:
     """vLLM backends: a transport vLLM has, and tensor parallelism only where vLLM runs."""
     e = cfg.engine
@@ -314,6 +327,7 @@ def validate_cfg(cfg: Config) -> None:
             f"must divide trainer.train_batch_size={t.train_batch_size}"
         )
     _check_fully_async(cfg)
+    _check_rollout_timeout(cfg)
     if cfg.engine.backend == "remote" and not cfg.engine.urls:
         raise ConfigError(
             "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"

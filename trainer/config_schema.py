@@ -126,7 +126,9 @@ class TrainerConfig:
     step_timeout_s: float | None = _field(
         None,
         "Budget of one step, generation through weight sync; past it the step fails with "
-        "StepTimeoutError naming stage and operation (None: unbounded).",
+        "StepTimeoutError naming stage and operation (None: unbounded). Under "
+        "trainer.strategy=fully_async it is also each rollout's bound unless "
+        "generator.rollout_timeout_s is set.",
         check=positive,
     )
     weight_sync_timeout_s: float | None = _field(
@@ -218,6 +220,16 @@ class GeneratorConfig:
         "trainer.strategy=fully_async: prompt groups rolled out at once, each by its own task "
         "(one generator.generate call of n_samples_per_prompt trajectories).",
         check=at_least(1),
+    )
+    rollout_timeout_s: float | None = _field(
+        None,
+        "trainer.strategy=fully_async: seconds one group's rollout (its generator.generate "
+        "call, weight-sync pauses included) may take; past it the rollout is cancelled, logged, "
+        "counted in async/rollouts_timed_out and its prompt handed out again; a prompt cut off "
+        "3 times in a row ends the run with RolloutTimeoutError (None: trainer.step_timeout_s "
+        "when that is set, else unbounded). The synchronous loop has no per-rollout bound: "
+        "there generation is bounded by the step's budget.",
+        check=positive,
     )
     max_response_tokens: int = _field(
         64,

@@ -9,6 +9,7 @@ Hierarchy::
     ├── RuntimeError
     │   ├── StepTimeoutError               a step's budget (trainer.step_timeout_s) ran out
     │   │   └── WeightSyncTimeoutError     a weight sync's budget (trainer.weight_sync_timeout_s) ran out
+    │   ├── RolloutTimeoutError            a fully-async rollout ran past generator.rollout_timeout_s, attempt after attempt
     │   ├── InferenceServerError           an engine answered non-2xx or a malformed body
     │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
     │   ├── EngineStartError               an engine server died or never became healthy
@@ -24,6 +25,7 @@ Hierarchy::
 
 ``StepTimeoutError`` is deliberately not a ``TimeoutError``: retry paths that catch
 ``TimeoutError`` (transport retries, library code) must not swallow a step's deadline.
+``RolloutTimeoutError`` is not one either, for the same reason.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ __all__ = [
     "InferenceServerTimeoutError",
     "RayClusterStartError",
     "RefFailed",
+    "RolloutTimeoutError",
     "StepTimeoutError",
     "WeightSyncTimeoutError",
     "WorkerError",
@@ -84,6 +87,43 @@ class StepTimeoutError(RuntimeError):
 
 class WeightSyncTimeoutError(StepTimeoutError):
     """A weight sync ran past ``trainer.weight_sync_timeout_s`` (its own, shorter budget)."""
+
+
+class RolloutTimeoutError(RuntimeError):
+    """One prompt's fully-async rollout ran past ``generator.rollout_timeout_s`` on every attempt.
+
+    A rollout past its bound is cancelled and its prompt handed out again; this ends the run
+    when the same prompt's rollout has done so ``attempts`` times in a row (every rollout
+    hanging, or one prompt that always does). ``step`` is the step the last attempt was for,
+    ``prompt`` its ``(epoch, position)`` in the data order, ``stage`` and ``operation`` where
+    that attempt was waiting when it was cut off.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        prompt: tuple[int, int],
+        attempts: int,
+        timeout_s: float,
+        stage: str | None,
+        operation: str | None,
+    ) -> None:
+        super().__init__(step, prompt, attempts, timeout_s, stage, operation)
+        self.step = step
+        self.prompt = prompt
+        self.attempts = attempts
+        self.timeout_s = timeout_s
+        self.stage = stage
+        self.operation = operation
+
+    def __str__(self) -> str:
+        epoch, position = self.prompt
+        return (
+            f"the rollout of prompt (epoch {epoch}, position {position}) for step {self.step} "
+            f"ran past its {_fmt_seconds(self.timeout_s)}s bound {self.attempts} times in a row "
+            f"(stage={self.stage!r}, operation={self.operation!r}); if rollouts are slow but "
+            "healthy, raise generator.rollout_timeout_s (unset, it is trainer.step_timeout_s)"
+        )
 
 
 class InferenceServerError(RuntimeError):

@@ -15,6 +15,13 @@ is the run's error, raised as itself; a wait past the step's deadline is the ste
 ``StepTimeoutError`` and cancels the rollouts; after the last step the rollouts are
 cancelled and the run returns with nothing left running. Groups in flight are not lost: a
 checkpoint names them and a resume rolls them out again.
+
+A rollout that runs past its own bound (``generator.rollout_timeout_s``, by default
+``trainer.step_timeout_s``) is given up, not failed: it is cancelled, logged, counted in
+``async/rollouts_timed_out``, its prompt re-queued and its admission given back, so later
+groups no longer overtake a hung one for the rest of the run. The same prompt cut off
+:data:`ROLLOUT_ATTEMPTS` times in a row ends the run with ``RolloutTimeoutError``: when every
+rollout hangs, retrying would otherwise go on forever.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import trio
 
 from trainer import stages
 from trainer.data import Example
+from trainer.errors import RolloutTimeoutError
 from trainer.generators.base import GeneratorInput, GeneratorOutput
 from trainer.loop import run_eval, sync_weights, train_on
 from trainer.prompt_stream import PromptKey, PromptStream
@@ -36,8 +44,10 @@ from trainer.rollout_versions import WeightVersions
 from trainer.run_context import RunContext
 from trainer.staleness import Admission, staleness
 from trainer.vocabulary import (
+    Bound,
     Timer,
     at_step,
+    bounded,
     fire_fault,
     open_owner_nursery,
     operation,
@@ -45,9 +55,13 @@ from trainer.vocabulary import (
     step_deadline,
 )
 
-__all__ = ["RolloutFeed", "run_fully_async"]
+__all__ = ["ROLLOUT_ATTEMPTS", "RolloutFeed", "run_fully_async"]
 
 log = logging.getLogger("trainer.fully_async")
+
+#: A prompt whose rollout runs past ``generator.rollout_timeout_s`` this many times in a row
+#: ends the run (``RolloutTimeoutError``); fewer are retried.
+ROLLOUT_ATTEMPTS = 3
 
 
 async def run_fully_async(ctx: RunContext) -> None:
@@ -76,7 +90,11 @@ async def run_fully_async(ctx: RunContext) -> None:
             if ctx.eval_due(step):
                 ctx.record_eval(step, await run_eval(ctx, step))
         # the last step is done: stop the rollouts (a resume would roll their prompts out again)
-        log.info("stopping the rollouts: %d groups in flight", len(feed.prompts.in_flight))
+        log.info(
+            "stopping the rollouts: %d groups in flight%s",
+            len(feed.prompts.in_flight),
+            feed.longest_running(),
+        )
         nursery.cancel_scope.cancel()
 
 
@@ -139,6 +157,18 @@ class RolloutFeed:
         self._send, self._receive = trio.open_memory_channel[Group](
             (self.max_staleness + 1) * self.batch_size
         )
+        g, t = ctx.cfg.generator, ctx.cfg.trainer
+        #: Each rollout's bound in seconds (None: unbounded): generator.rollout_timeout_s,
+        #: else the step's budget, which a rollout that a step waits for cannot outlive anyway.
+        self.rollout_timeout_s = (
+            g.rollout_timeout_s if g.rollout_timeout_s is not None else t.step_timeout_s
+        )
+        # per prompt, how many of its rollouts in a row were cut off at the bound
+        self._cut_off: dict[PromptKey, int] = {}
+        # rollouts cut off since the last step took its batch (async/rollouts_timed_out)
+        self._timed_out = 0
+        # when each running rollout started (trio clock), for the log at the end
+        self._running: dict[PromptKey, float] = {}
         # the integral of the number of rollout tasks waiting (for admission or a prompt)
         self._waiting = 0
         self._idle_s = 0.0
@@ -151,7 +181,12 @@ class RolloutFeed:
         self._last_change = now
 
     async def roll_out_groups(self) -> None:
-        """One rollout task: admit a group, roll it out, buffer it; again until cancelled."""
+        """One rollout task: admit a group, roll it out, buffer it; again until cancelled.
+
+        A rollout past :attr:`rollout_timeout_s` is cancelled and handed out again
+        (:meth:`_cut_off_rollout`); ``RolloutTimeoutError`` when that was the prompt's
+        :data:`ROLLOUT_ATTEMPTS`-th time in a row.
+        """
         while True:
             self._count_waiting(+1)
             try:
@@ -161,14 +196,54 @@ class RolloutFeed:
                 self._count_waiting(-1)
             version = self.versions.current
             # its step (in errors, dumps and fault specs) is the first that may train on it
-            with at_step(policy_step + 1), stage("generate"):
-                out = await self.ctx.generator.generate(
-                    self.group_input(key, example, version, policy_step + 1)
-                )
+            step = policy_step + 1
+            self._running[key] = trio.current_time()
+            try:
+                with bounded(self.rollout_timeout_s) as bound:
+                    with at_step(step), stage("generate"):
+                        out = await self.ctx.generator.generate(
+                            self.group_input(key, example, version, step)
+                        )
+            finally:
+                del self._running[key]
+            if bound.expired:
+                self._cut_off_rollout(key, step, bound)
+                continue
+            self._cut_off.pop(key, None)
             for t in out.trajectories:
                 if not t.weight_versions:  # a generator that does not pass them on
                     t.weight_versions = [version if m else -1 for m in t.loss_mask]
             await self._send.send(Group(key, example, out, policy_step))
+
+    def _cut_off_rollout(self, key: PromptKey, step: int, bound: Bound) -> None:
+        """A rollout ran past its bound: hand its prompt out again, or end the run."""
+        stage_name, op = bound.hit_at or ("generate", "await")
+        attempts = self._cut_off.get(key, 0) + 1
+        assert self.rollout_timeout_s is not None
+        if attempts >= ROLLOUT_ATTEMPTS:
+            raise RolloutTimeoutError(step, key, attempts, self.rollout_timeout_s, stage_name, op)
+        self._cut_off[key] = attempts
+        self._timed_out += 1
+        log.warning(
+            "the rollout of prompt (epoch %d, position %d) for step %d ran past its %gs bound "
+            "(generator.rollout_timeout_s) in stage=%r operation=%r: cancelled, its prompt "
+            "handed out again (attempt %d of %d)",
+            *key,
+            step,
+            self.rollout_timeout_s,
+            stage_name,
+            op,
+            attempts,
+            ROLLOUT_ATTEMPTS,
+        )
+        self.prompts.requeue(key)
+        self.admission.release()
+
+    def longest_running(self) -> str:
+        """``"; the longest running for 12.3s"`` (for the log), or ``""`` when none runs."""
+        if not self._running:
+            return ""
+        return f"; the longest running for {trio.current_time() - min(self._running.values()):.1f}s"
 
     def group_input(
         self, key: PromptKey, example: Example, version: int, step: int
@@ -191,7 +266,8 @@ class RolloutFeed:
         """``train_batch_size`` groups within the staleness bound, and the step's async metrics.
 
         A group older than the bound is dropped (its prompt re-queued, its place in the
-        admission given back) and counted in ``async/dropped_stale``.
+        admission given back) and counted in ``async/dropped_stale``; rollouts cut off since
+        the previous batch are counted in ``async/rollouts_timed_out``.
         """
         groups: list[Group] = []
         dropped = 0
@@ -217,10 +293,12 @@ class RolloutFeed:
         window = max(self._last_change - self._mark, 1e-9) * workers
         idle = min(self._idle_s / window, 1.0)
         self._idle_s, self._mark = 0.0, self._last_change
+        timed_out, self._timed_out = self._timed_out, 0
         return groups, {
             "async/staleness_mean": statistics.fmean(ages),
             "async/staleness_max": float(max(ages)),
             "async/dropped_stale": float(dropped),
+            "async/rollouts_timed_out": float(timed_out),
             "async/buffer_size": float(self._receive.statistics().current_buffer_used),
             "async/generator_idle_ratio": idle,
         }

@@ -4,8 +4,10 @@
   (0.2 s per step, the client's timeout 1 s) while a weight transfer takes 5 s. The transfer
   runs off the event loop, so no environment call times out; the same run with the transfer
   forced onto the trio thread (the test-only switch) has timeouts.
-- A failing rollout, a hung one past the step's deadline and the end at ``max_steps``: each
-  its own outcome, and no process of the run left.
+- A failing rollout, a hung one past the step's deadline, a hung one past its own bound
+  (``generator.rollout_timeout_s``: cut off and rolled out again; every rollout hanging ends
+  the run with ``RolloutTimeoutError``) and the end at ``max_steps``: each its own outcome,
+  and no process of the run left.
 - A run killed with SIGKILL and resumed trains every prompt of the epoch exactly once.
 """
 
@@ -176,6 +178,71 @@ def test_a_hung_rollout_fails_the_step_waiting_for_it(tmp_path):
     )
     assert match, line
     assert 8.0 <= float(match[1]) < 30.0
+    assert wait_until_gone(marker) == []
+
+
+#: 16 prompts, one epoch, 2 per step: the run ends only once every prompt is trained, so it
+#: waits for a hung group's prompt to be rolled out again. Admission (staleness 4) lets 10
+#: groups start on the initial policy and 2 more after each sync, so step 3 fills from groups
+#: of steps 1-2 while the 2 that started after step 2's sync hang (env_step:hang@3); cut off
+#: after 3 s, their prompts are rolled out again for a later step, where the fault is over.
+ONE_SHORT_EPOCH = (
+    *ASYNC,
+    "engine.backend=inprocess",
+    "data.num_examples=16",
+    "trainer.train_batch_size=2",
+    "generator.n_samples_per_prompt=2",
+    "trainer.epochs=1",
+    "trainer.max_steps=null",
+)
+
+
+def test_a_hung_rollout_is_cut_off_at_its_bound_and_its_prompt_trained_later(tmp_path):
+    proc = run_trainer(
+        *ONE_SHORT_EPOCH,
+        "trainer.step_timeout_s=60",
+        "generator.rollout_timeout_s=3",
+        "faults=env_step:hang@3",
+        f"trainer.run_dir={tmp_path}",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cut_off = re.findall(
+        r"WARNING: the rollout of prompt \(epoch 0, position (\d+)\) for step 3 ran past its 3s "
+        r"bound \(generator.rollout_timeout_s\) in stage='generate' operation='env_step': "
+        r"cancelled, its prompt handed out again \(attempt 1 of 3\)",
+        proc.stderr,
+    )
+    assert cut_off, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert sum(r["async/rollouts_timed_out"] for r in rows) == len(cut_off)
+    # nothing lost, nothing doubled: the cut-off prompts were trained, once
+    trained = Counter(i for r in rows for i in r["data/example_index"])
+    assert sorted(trained) == list(range(16)) and set(trained.values()) == {1}
+
+
+def test_a_run_whose_every_rollout_hangs_ends_with_rollout_timeout_error(tmp_path):
+    marker = new_marker()
+    proc = run_trainer(
+        *ASYNC,
+        "engine.backend=inprocess",
+        "trainer.max_steps=2",  # no step budget: only the rollouts' bound ends it
+        "generator.rollout_timeout_s=1",
+        "faults=env_step:hang",
+        f"trainer.run_dir={tmp_path}",
+        marker=marker,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    line = last_stderr_line(proc)
+    assert re.fullmatch(
+        r"RolloutTimeoutError: the rollout of prompt \(epoch 0, position \d+\) for step 1 ran "
+        r"past its 1s bound 3 times in a row \(stage='generate', operation='(env_step|generate)'\); "
+        r"if rollouts are slow but healthy, raise generator.rollout_timeout_s "
+        r"\(unset, it is trainer.step_timeout_s\)",
+        line,
+    ), line
+    assert "attempt 2 of 3" in proc.stderr  # each prompt was handed out again first
+    assert not (tmp_path / "metrics.jsonl").exists() or read_metrics(tmp_path) == []
     assert wait_until_gone(marker) == []
 
 

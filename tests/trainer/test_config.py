@@ -52,6 +52,10 @@ from trainer.errors import ConfigError
             "config: trainer.step_timeout_s=0.0 is out of range: must be > 0",
         ),
         (
+            ["generator.rollout_timeout_s=0"],
+            "config: generator.rollout_timeout_s=0.0 is out of range: must be > 0",
+        ),
+        (
             ["generator.sampling.top_p=1.5"],
             "config: generator.sampling.top_p=1.5 is out of range: must be in [1e-06, 1]",
         ),
@@ -179,6 +183,17 @@ def test_budgets_of_a_run_without_collectives_draw_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)
         load_config(None, ["trainer.step_timeout_s=20", "trainer.weight_sync_timeout_s=10"])
+
+
+def test_a_rollout_bound_under_the_synchronous_loop_warns_that_it_bounds_nothing():
+    with pytest.warns(
+        ConfigWarning,
+        match=r"generator.rollout_timeout_s=30 applies to trainer.strategy=fully_async only",
+    ):
+        load_config(None, ["generator.rollout_timeout_s=30"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, ["trainer.strategy=fully_async", "generator.rollout_timeout_s=30"])
 
 
 def test_resolved_config_round_trips_through_yaml():

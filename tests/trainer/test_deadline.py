@@ -14,6 +14,7 @@ import trio.testing
 from trainer.errors import StepTimeoutError, WeightSyncTimeoutError
 from trainer.vocabulary import (
     Timer,
+    bounded,
     current_operation,
     current_stage,
     current_step,
@@ -150,6 +151,35 @@ async def test_expiry_in_a_nursery_child_names_the_childs_operation(autojump_clo
     with pytest.raises(StepTimeoutError) as info, step_deadline(4, 30), Timer("generate"):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(rollout)
+    assert (info.value.stage, info.value.operation) == ("generate", "env_step")
+
+
+async def test_bounded_cuts_its_block_off_and_names_where_a_child_waited(autojump_clock):
+    async def rollout() -> None:
+        with operation("env_step"):
+            await trio.sleep_forever()
+
+    with bounded(5) as bound, stage("generate"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rollout)
+    assert bound.expired and bound.elapsed_s == pytest.approx(5)
+    assert bound.hit_at == ("generate", "env_step")
+    assert trio.current_time() == pytest.approx(5)  # and the code after it runs on
+
+
+async def test_bounded_with_none_or_a_block_that_finishes_in_time_is_not_expired(autojump_clock):
+    with bounded(None) as unbounded:
+        await trio.sleep(10_000)
+    with bounded(5) as bound, operation("generate"):
+        await trio.sleep(4)
+    assert not unbounded.expired and not bound.expired and bound.hit_at is None
+
+
+async def test_a_step_deadline_before_a_bound_raises_the_steps_error(autojump_clock):
+    with pytest.raises(StepTimeoutError) as info, step_deadline(2, 3):
+        with bounded(5) as bound, stage("generate"), operation("env_step"):
+            await trio.sleep_forever()
+    assert not bound.expired
     assert (info.value.stage, info.value.operation) == ("generate", "env_step")
 
 

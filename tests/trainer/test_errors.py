@@ -22,6 +22,7 @@ from trainer.errors import (
     InferenceServerTimeoutError,
     RayClusterStartError,
     RefFailed,
+    RolloutTimeoutError,
     StepTimeoutError,
     WeightSyncTimeoutError,
     WorkerError,
@@ -57,6 +58,7 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "data": lambda: DataError("data/train.jsonl:3: missing field 'prompt'"),
     "ray-start": lambda: RayClusterStartError(None, 2, ["node timed out", "again"]),
     "ref-failed": lambda: RefFailed(1, RuntimeError("actor died")),
+    "rollout-timeout": lambda: RolloutTimeoutError(3, (0, 17), 3, 8.0, "generate", "env_step"),
 }
 
 
@@ -169,6 +171,16 @@ def test_group_init_error_names_group_timeout_and_how_to_raise_it():
         assert part in message
 
 
+def test_rollout_timeout_names_prompt_step_attempts_bound_and_the_key_to_raise():
+    error = CASES["rollout-timeout"]()
+    assert str(error) == (
+        "the rollout of prompt (epoch 0, position 17) for step 3 ran past its 8s bound 3 times "
+        "in a row (stage='generate', operation='env_step'); if rollouts are slow but healthy, "
+        "raise generator.rollout_timeout_s (unset, it is trainer.step_timeout_s)"
+    )
+    assert not isinstance(error, TimeoutError | StepTimeoutError)
+
+
 def test_fault_injected_names_operation_and_step():
     assert str(CASES["fault"]()) == "fault injected in 'forward_backward' at step 2: boom"
     assert str(CASES["fault-no-step"]()) == "fault injected in '/pause': boom"
@@ -186,6 +198,7 @@ def test_public_api_is_pinned():
         "InferenceServerTimeoutError",
         "RayClusterStartError",
         "RefFailed",
+        "RolloutTimeoutError",
         "StepTimeoutError",
         "WeightSyncTimeoutError",
         "WorkerError",

@@ -156,6 +156,7 @@ PUBLIC = {
         "InferenceServerTimeoutError",
         "RayClusterStartError",
         "RefFailed",
+        "RolloutTimeoutError",
         "StepTimeoutError",
         "WeightSyncTimeoutError",
         "WorkerError",
@@ -195,7 +196,7 @@ PUBLIC = {
     ],
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
     "trainer.interrupt": ["stop_on_interrupt"],
-    "trainer.fully_async": ["RolloutFeed", "run_fully_async"],
+    "trainer.fully_async": ["ROLLOUT_ATTEMPTS", "RolloutFeed", "run_fully_async"],
     "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights", "train_on"],
     "trainer.metrics": [
         "ETA_WINDOW",
@@ -255,6 +256,7 @@ PUBLIC = {
     ],
     "trainer.vocabulary": [
         "AWAIT",
+        "Bound",
         "FAULTS_ENV",
         "FAULTS_FIRED_ENV",
         "Fault",
@@ -268,6 +270,7 @@ PUBLIC = {
         "Timer",
         "active_faults",
         "at_step",
+        "bounded",
         "cleanup_bracket",
         "cleanup_preserving_primary",
         "current_deadline",

@@ -10,7 +10,8 @@ Rules it implements (DESIGN 3): deadlines are cancel scopes (:func:`step_deadlin
 and operation are context (:func:`stage`, :func:`operation`, :class:`Timer`); waits on
 remote work use the remaining budget (:func:`remaining`, :func:`wait_result`,
 :func:`wait_refs`); cleanup gets what is left (:func:`cleanup_bracket`); every task has an
-owner nursery (:func:`open_owner_nursery`). A debugger reads where another task is with
+owner nursery (:func:`open_owner_nursery`); work given up past its own bound (a rollout)
+says where it was (:func:`bounded`). A debugger reads where another task is with
 :func:`place_of`.
 """
 
@@ -24,6 +25,8 @@ from trainer.vocabulary._context import current_stage as current_stage
 from trainer.vocabulary._context import current_step as current_step
 from trainer.vocabulary._context import operation as operation
 from trainer.vocabulary._context import stage as stage
+from trainer.vocabulary._deadlines import Bound as Bound
+from trainer.vocabulary._deadlines import bounded as bounded
 from trainer.vocabulary._deadlines import current_deadline as current_deadline
 from trainer.vocabulary._deadlines import pending_deadline_error as pending_deadline_error
 from trainer.vocabulary._deadlines import remaining as remaining
@@ -59,6 +62,7 @@ __all__ = [
     "FAULTS_FIRED_ENV",
     "OPERATIONS",
     "STAGES",
+    "Bound",
     "Fault",
     "FaultAction",
     "Faults",
@@ -68,6 +72,7 @@ __all__ = [
     "Timer",
     "active_faults",
     "at_step",
+    "bounded",
     "cleanup_bracket",
     "cleanup_preserving_primary",
     "current_deadline",

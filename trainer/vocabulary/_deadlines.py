@@ -7,6 +7,10 @@ scope catches the cancellation and the parent's error class is raised. The typed
 built in one place (:meth:`_Deadline.error`), whoever raises it: the deadline's own scope,
 a thread wait that timed out (:func:`wait_result`), or a transfer that had to finish first
 (:func:`pending_deadline_error`).
+
+:func:`bounded` is the same kind of scope for work that is given up rather than failed (a
+fully-async rollout past ``generator.rollout_timeout_s``): ``trio.move_on_after`` that also
+says where the block was waiting when its bound cut it off.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from trainer.errors import StepTimeoutError
 from trainer.vocabulary._context import AWAIT, at_step, watching, where
 
 __all__ = [
+    "Bound",
+    "bounded",
     "current_deadline",
     "pending_deadline_error",
     "remaining",
@@ -115,6 +121,51 @@ def step_deadline(
             for note in notes:
                 error.add_note(note)
             raise error from None
+
+
+@attrs.define(eq=False)
+class Bound:
+    """What :func:`bounded` saw of its block: whether the bound cut it off, and where."""
+
+    budget_s: float | None
+    scope: trio.CancelScope
+    #: trio clock at entry.
+    start: float
+    #: (stage, operation) innermost when the bound's cancellation unwound the block.
+    hit_at: tuple[str | None, str] | None = None
+
+    @property
+    def expired(self) -> bool:
+        """The bound cut the block off (not a cancellation from outside, not an error)."""
+        return self.scope.cancelled_caught
+
+    @property
+    def elapsed_s(self) -> float:
+        return trio.current_time() - self.start
+
+    def unwinding(self, stage: str | None, operation: str) -> None:
+        if self.hit_at is None and trio.lowlevel.in_trio_run() and self.scope.cancel_called:
+            self.hit_at = (stage, operation)
+
+
+@contextmanager
+def bounded(budget_s: float | None) -> Iterator[Bound]:
+    """Cancel the enclosed block after ``budget_s`` seconds and carry on after it.
+
+    ``trio.move_on_after`` with a record: :attr:`Bound.expired` says whether the bound cut
+    the block off, :attr:`Bound.hit_at` the innermost (stage, operation) open then (in the
+    block's own task or the tasks it started). ``None`` means no bound. It is not a step
+    deadline: it raises nothing, and an enclosing deadline that fires first (or a
+    cancellation from outside) propagates as usual, with ``expired`` false.
+    """
+    scope = trio.CancelScope()
+    bound = Bound(budget_s, scope, trio.current_time())
+    if budget_s is not None:
+        scope.deadline = bound.start + budget_s
+    with scope, watching(bound):
+        yield bound
+    if bound.expired and bound.hit_at is None:
+        bound.hit_at = (where()[0], AWAIT)
 
 
 def _effective() -> _Deadline | None:
