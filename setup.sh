@@ -5,6 +5,9 @@
 # where `nvidia-smi` works, a torch already importable is kept, else pip picks one.
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "--vllm" ]; then
+    exec bash .setup-vllm.sh  # real vLLM in its own environment, .venv-vllm (docs/vllm.md)
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp="$VENV/.setup-stamp"

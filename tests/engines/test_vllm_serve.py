@@ -159,10 +159,13 @@ def test_the_run_config_becomes_the_servers_it_starts(tmp_path: Path) -> None:
     assert vllm_servers(nccl, tmp_path).gpu_groups == ((1,), (2,))  # GPU 0 trains
 
 
-@pytest.mark.parametrize("transport", ["disk", "gloo"])
-def test_a_transport_vllm_lacks_is_refused_at_load(transport: str) -> None:
-    with pytest.raises(ConfigError, match=r"needs sync.transport=nccl .* or sync.transport=ipc"):
-        load_config(None, ["engine.backend=vllm", f"sync.transport={transport}"])
+def test_a_transport_vllm_lacks_is_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"needs sync.transport=gloo .* nccl .* or ipc"):
+        load_config(None, ["engine.backend=vllm", "sync.transport=disk"])
+
+
+def test_gloo_is_a_transport_vllm_has_through_the_plugin() -> None:
+    load_config(None, ["engine.backend=vllm", "sync.transport=gloo"])
 
 
 def test_the_server_info_fields_read_are_vllms() -> None:
