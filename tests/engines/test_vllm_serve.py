@@ -178,6 +178,8 @@ def test_a_transport_vllm_lacks_is_refused_at_load() -> None:
 
 def test_gloo_is_a_transport_vllm_has_through_the_plugin() -> None:
     load_config(None, ["engine.backend=vllm", "sync.transport=gloo"])
+    with pytest.raises(ConfigError, match=r"vllm_inprocess.*gloo is not built yet"):
+        load_config(None, ["engine.backend=vllm_inprocess", "sync.transport=gloo"])
 
 
 def test_the_server_info_fields_read_are_vllms() -> None:

@@ -109,4 +109,3 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)  # anything of the group the guard left
     except ProcessLookupError:
         pass
-
