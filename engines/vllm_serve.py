@@ -17,7 +17,8 @@ launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.plac
   '{"backend": "nccl"|"ipc"|"gloo"}'`` (``gloo``: the project's plugin, :mod:`engines.vllm`),
   ``--dtype`` (the policy's, so vLLM does not downcast a float32 model), ``--enable-sleep-mode``
   when the run sleeps the engines (``engine.colocated``, ``engine.offload_kv_for_weight_sync``;
-  vLLM on the CPU has no sleep mode), then ``engine.extra_args``
+  vLLM on the CPU has no sleep mode), ``--enforce-eager`` on the CPU (``--no-enforce-eager``
+  in ``engine.extra_args`` undoes it), then ``engine.extra_args``
   as given; every flag is one the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
 - it runs under :mod:`engines.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
@@ -144,6 +145,8 @@ class VllmServers:
         cmd += ["--weight-transfer-config", backend]
         if self.dtype is not None:
             cmd += ["--dtype", self.dtype]
+        if self.cpu:  # torch.compile's warm-up: 64 s to start against 37 s, no faster after
+            cmd.append("--enforce-eager")
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
         return [*cmd, *self.extra_args]

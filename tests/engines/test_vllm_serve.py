@@ -141,6 +141,7 @@ def test_a_cpu_server_gets_kv_cache_space_and_the_policys_dtype(monkeypatch) -> 
     assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     args = serve_args(spec.argv)
     assert args[args.index("--dtype") + 1] == "float32"
+    assert "--enforce-eager" in args  # no torch.compile warm-up on the CPU
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # the user's own setting is kept
     assert "VLLM_CPU_KVCACHE_SPACE" not in VllmServers("/m", "gloo", cpu=True).env(0)
 

@@ -60,7 +60,7 @@ def vllm_server(tmp_path_factory) -> Iterator[RealServer]:
     cmd = [str(VLLM_PYTHON), "-m", "engines.stdin_guard", "--grace-s", "10", "--"]
     cmd += [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--dtype", "float32", "--seed", "0", "--max-model-len", "256"]
+    cmd += ["--dtype", "float32", "--seed", "0", "--max-model-len", "256", "--enforce-eager"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": "gloo"})]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     env["PYTHONPATH"] = str(PROJECT)
