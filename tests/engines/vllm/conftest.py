@@ -30,14 +30,14 @@ START_TIMEOUT_S = 300.0
 
 
 def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).parent
+    """Without ``.venv-vllm`` every test of the tier (marker ``vllm``) is skipped, saying how
+    to get it."""
+    if VLLM_PYTHON.exists():
+        return
+    skip = pytest.mark.skip(reason="needs real vLLM: run `bash setup.sh --vllm`")
     for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.vllm)
-            if not VLLM_PYTHON.exists():
-                item.add_marker(
-                    pytest.mark.skip(reason="needs real vLLM: run `bash setup.sh --vllm`")
-                )
+        if item.get_closest_marker("vllm") is not None:
+            item.add_marker(skip)
 
 
 @attrs.frozen

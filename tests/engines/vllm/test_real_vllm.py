@@ -3,6 +3,7 @@ the ``gloo`` weight-transfer plugin making it serve exactly the policy's weights
 
 from __future__ import annotations
 
+import pytest
 import torch
 import trio
 
@@ -11,6 +12,8 @@ from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer.workers.local import LocalWorkerGroup
+
+pytestmark = pytest.mark.vllm
 
 PROMPT = [5, 6, 7, 8, 9]
 

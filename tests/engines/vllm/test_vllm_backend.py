@@ -9,7 +9,11 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import pytest
+
 from tests.engines.vllm.conftest import PROJECT, VLLM_PYTHON
+
+pytestmark = pytest.mark.vllm
 
 
 def marked_processes(mark: str) -> list[int]:
