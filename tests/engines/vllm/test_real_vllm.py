@@ -58,16 +58,20 @@ def _policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int
     return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
-async def test_a_gloo_sync_makes_the_engine_score_as_the_policy(vllm_server):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "unpacked"])
+async def test_a_gloo_sync_makes_the_engine_score_as_the_policy(vllm_server, packed):
     """The plugin's engine takes the trainer's unchanged sender: after each sync of a moved
-    policy, the engine's logprobs of what it samples are the policy's (1e-4)."""
+    policy, the engine's logprobs of what it samples are the policy's (1e-4). Packed: one
+    ``/update_weights`` in several chunks; unpacked: one per bucket, a broadcast per tensor
+    (each test builds its own group: a second init replaces the first)."""
     workers = await LocalWorkerGroup.create(
         vllm_server.model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False
     )
     model = workers.policy.model
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
     async with InferenceClient([vllm_server.url]) as client:
-        transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)  # several chunks
+        # 64 KiB: several chunks (packed) or buckets (unpacked)
+        transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120, packed=packed)
         with trio.fail_after(300):
             await transport.init(client, workers)
         try:
