@@ -7,6 +7,7 @@ vLLM's factory is imported until a server is started with ``--weight-transfer-co
 """
 
 from engines.vllm._plugin import BACKEND as BACKEND
+from engines.vllm._plugin import BUSY_LOOP_ENV as BUSY_LOOP_ENV
 from engines.vllm._plugin import register as register
 
-__all__ = ["BACKEND", "register"]
+__all__ = ["BACKEND", "BUSY_LOOP_ENV", "register"]

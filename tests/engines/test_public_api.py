@@ -81,7 +81,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "quiet_transformers",
         "resolve_model_path",
     ],
-    "engines.vllm": ["BACKEND", "register"],
+    "engines.vllm": ["BACKEND", "BUSY_LOOP_ENV", "register"],
     "engines.process_group": [
         "BACKSTOP_S",
         "GroupBackend",
