@@ -3,6 +3,11 @@ the ``gloo`` weight-transfer plugin making it serve exactly the policy's weights
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import trio
@@ -11,6 +16,7 @@ from engines.client import InferenceClient
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
+from tests.engines.vllm.conftest import PROJECT
 from trainer.workers.local import LocalWorkerGroup
 
 pytestmark = pytest.mark.vllm
@@ -93,3 +99,21 @@ async def test_a_gloo_sync_makes_the_engine_score_as_the_policy(vllm_server, pac
                 assert max(abs(a - b) for a, b in zip(policy, fresh.logprobs)) < 1e-4
         finally:
             await transport.close(workers)
+
+
+def test_engine_backend_remote_trains_3_steps_with_exact_weights(vllm_server, tmp_path):
+    """The trainer against a vLLM server someone else started (the module's)."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "engine.backend=remote", "sync.transport=gloo"]
+    cmd += [f"engine.urls=[{vllm_server.url}]", "model.path=builtin:tiny-vllm"]
+    cmd += ["trainer.max_steps=3", f"trainer.run_dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert (
+            abs(row["policy/is_ratio_min"] - 1) < 1e-3
+            and abs(row["policy/is_ratio_max"] - 1) < 1e-3
+        )
