@@ -14,7 +14,12 @@ run *ARGS: setup
 # The whole test suite (what CI runs): test files on two worker processes, each file on one
 # (`just test -n 0` runs in this process; `-n 4` on four workers).
 test *ARGS: setup
-    {{py}} -m pytest -q -n 2 --dist loadfile "$@"
+    {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" "$@"
+
+# The real-vLLM tier (marker `vllm`): vLLM's CPU build in .venv-vllm, one server per module.
+test-vllm *ARGS: setup
+    bash setup.sh --vllm
+    {{py}} -m pytest -q -m vllm tests/engines/vllm "$@"
 
 # Format check, lint, the import contracts (.importlinter) and type check.
 lint: setup

@@ -7,6 +7,9 @@
 # it installs torch==2.13.0 from the default index (PyPI's Linux wheel is a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")"
+if [ "${1:-}" = "--vllm" ]; then
+    exec bash .setup-vllm.sh  # real vLLM in its own environment, .venv-vllm (docs/vllm.md)
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp="$VENV/.setup-stamp"

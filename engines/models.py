@@ -23,6 +23,7 @@ from typing import Any
 from trainer.errors import ConfigError
 
 __all__ = [
+    "TINY_VLLM",
     "WORDS",
     "build_tiny_model",
     "load_tokenizer",
@@ -86,6 +87,26 @@ TINY_MODEL_CONFIG: dict[str, Any] = dict(
 )
 
 
+#: ``model.path`` of the built-in tiny model's variant that vLLM can serve on the CPU:
+#: vLLM's CPU attention takes head sizes of 32 and up (the default's is 16), and its CPU
+#: backend does not refresh a tied LM head on a weight reload, so this one's head is its own.
+#: Not the default yet: the README's measured numbers are the default model's.
+TINY_VLLM = "builtin:tiny-vllm"
+
+#: What the vLLM variant changes in :data:`TINY_MODEL_CONFIG` (head_dim 64/2 = 32).
+TINY_VLLM_CHANGES: dict[str, Any] = dict(
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=False,
+)
+
+#: The built-in models by variant: their directory-name prefix and their config.
+_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "default": ("tiny-qwen2", TINY_MODEL_CONFIG),
+    "vllm": ("tiny-qwen2-vllm", {**TINY_MODEL_CONFIG, **TINY_VLLM_CHANGES}),
+}
+
+
 def quiet_transformers() -> None:
     """Silence transformers' per-load progress bars and info logs (they garble the run's display)."""
     from transformers.utils import logging as hf_logging  # heavy: only when a model loads
@@ -98,12 +119,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRAINER_CACHE_DIR", Path.home() / ".cache" / "trainer"))
 
 
-def _fingerprint(seed: int) -> str:
+def _fingerprint(seed: int, cfg: dict[str, Any]) -> str:
     blob = json.dumps(
         {
             "v": BUILDER_VERSION,
             "seed": seed,
-            "cfg": TINY_MODEL_CONFIG,
+            "cfg": cfg,
             "vocab": SPECIAL_TOKENS + WORDS,
             "chat_template": CHAT_TEMPLATE,
         },
@@ -136,10 +157,18 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
-    """Return the directory of the built-in tiny model, building it on first use."""
+def build_tiny_model(
+    cache_dir: Path | None = None, seed: int = 0, variant: str = "default"
+) -> Path:
+    """Return the directory of the built-in tiny model, building it on first use.
+
+    ``variant="vllm"``: the copy vLLM can serve on the CPU (:data:`TINY_VLLM`).
+    """
+    if variant not in _VARIANTS:
+        raise ValueError(f"unknown tiny-model variant {variant!r}; known: {list(_VARIANTS)}")
+    prefix, model_cfg = _VARIANTS[variant]
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"tiny-qwen2-{_fingerprint(seed)}"
+    target = cache_dir / f"{prefix}-{_fingerprint(seed, model_cfg)}"
     if (target / "config.json").exists():
         return target  # before the imports below: they take seconds
     import torch  # heavy: see _build_tokenizer
@@ -153,7 +182,7 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
         pad_token_id=int(tokenizer.pad_token_id),  # type: ignore[arg-type]
         eos_token_id=int(tokenizer.eos_token_id),  # type: ignore[arg-type]
         bos_token_id=int(tokenizer.bos_token_id),  # type: ignore[arg-type]
-        **TINY_MODEL_CONFIG,
+        **model_cfg,
     )
     gen = torch.random.fork_rng()
     with gen:
@@ -179,9 +208,12 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
 
 
 def resolve_model_path(path: str | None, seed: int = 0) -> Path:
-    """``model.path`` if given (checked to be a model directory), else the built-in tiny model."""
+    """``model.path`` if given (checked to be a model directory), else the built-in tiny model;
+    :data:`TINY_VLLM` names the built-in variant vLLM can serve."""
     if path is None:
         return build_tiny_model(seed=seed)
+    if path == TINY_VLLM:
+        return build_tiny_model(seed=seed, variant="vllm")
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ConfigError(

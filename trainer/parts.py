@@ -17,14 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
 import trio
 
 from engines.client import InferenceClient
-from engines.devices import resolve_device
+from engines.devices import resolve_device, resolve_dtype
 from engines.launch import ReferenceServers, ServersSpec, open_engine_processes
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.vllm_inprocess import open_vllm_inprocess_client
 from engines.vllm_serve import VllmServers, check_server_config, gpu_groups
+from engines.weight_transfer import dtype_name
 from sync.transports import (
     BroadcastTransport,
     DiskTransport,
@@ -107,7 +109,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             )
         )
         await client.probe(routes)
-        if cfg.sync.transport in ("nccl", "ipc"):
+        if cfg.sync.transport in ("nccl", "ipc", "gloo"):
             await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
         yield client
 
@@ -120,10 +122,17 @@ def startup_timeout_s(cfg: Config) -> float:
 
 
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
-    """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`)."""
+    """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`).
+
+    Their ``--dtype`` is the policy's (vLLM would otherwise serve a float32 checkpoint in
+    bfloat16 on the CPU); ``cpu`` where this process sees no CUDA (vLLM's CPU build).
+    """
     e = cfg.engine
     transport = cfg.sync.transport
-    assert transport in ("nccl", "ipc"), "validate_cfg allows only vLLM's backends"
+    assert transport in ("nccl", "ipc", "gloo"), "validate_cfg allows only vLLM's backends"
+    cpu = not torch.cuda.is_available()
+    policy_device = resolve_device(cfg.workers.device, key="workers.device")
+    dtype = dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
     groups: tuple[tuple[int, ...], ...] = ()
     if e.placement == "process":  # Ray gives its actors their GPUs
         first = 0 if transport == "ipc" else 1
@@ -137,6 +146,8 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
         enable_sleep_mode=e.colocated or e.offload_kv_for_weight_sync,
         gpu_groups=groups,
         extra_args=e.extra_args,
+        dtype=dtype,
+        cpu=cpu,
     )
 
 

@@ -74,12 +74,14 @@ PUBLIC_API: dict[str, list[str]] = {
     ],
     "engines.local": ["EngineAsleepError", "LocalEngine", "open_local_engine"],
     "engines.models": [
+        "TINY_VLLM",
         "WORDS",
         "build_tiny_model",
         "load_tokenizer",
         "quiet_transformers",
         "resolve_model_path",
     ],
+    "engines.vllm": ["BACKEND", "BUSY_LOOP_ENV", "register"],
     "engines.process_group": [
         "BACKSTOP_S",
         "GroupBackend",

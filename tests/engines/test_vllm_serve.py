@@ -46,9 +46,10 @@ PROJECT = Path(__file__).resolve().parents[2]
 
 
 def serve_args(argv: tuple[str, ...]) -> list[str]:
-    """The arguments after ``vllm serve`` (the guard and the interpreter stripped)."""
+    """The arguments as ``vllm serve`` would take them (the guard and the interpreter
+    stripped; the API server's ``--model M`` is ``vllm serve``'s positional ``M``)."""
     tail = list(argv[argv.index("--") + 1 :])
-    assert tail[:4] == [sys.executable, "-m", VLLM_SERVE_MODULE, "serve"], tail
+    assert tail[:4] == [sys.executable, "-m", VLLM_SERVE_MODULE, "--model"], tail
     return tail[4:]
 
 
@@ -93,6 +94,7 @@ CASES = {
         gpu_groups=((1, 2),),
         extra_args=("--max-model-len", "4096", "--enforce-eager"),
     ),
+    "gloo on the CPU, float32": VllmServers("/m", "gloo", dtype="float32", cpu=True),
 }
 
 
@@ -133,6 +135,17 @@ def test_each_server_gets_its_gpus_its_seed_and_the_dev_routes() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in VllmServers("/m", "nccl")(0, "127.0.0.1").env
 
 
+def test_a_cpu_server_gets_kv_cache_space_and_the_policys_dtype(monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    spec = VllmServers("/m", "gloo", dtype="float32", cpu=True)(0, "127.0.0.1")
+    assert spec.env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    args = serve_args(spec.argv)
+    assert args[args.index("--dtype") + 1] == "float32"
+    assert "--enforce-eager" in args  # no torch.compile warm-up on the CPU
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # the user's own setting is kept
+    assert "VLLM_CPU_KVCACHE_SPACE" not in VllmServers("/m", "gloo", cpu=True).env(0)
+
+
 def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:
     assert gpu_groups([], 2, 2, first=1) == ((1, 2), (3, 4))
     assert gpu_groups([4, 5, 6, 7], 2, 2, first=0) == ((4, 5), (6, 7))
@@ -159,10 +172,15 @@ def test_the_run_config_becomes_the_servers_it_starts(tmp_path: Path) -> None:
     assert vllm_servers(nccl, tmp_path).gpu_groups == ((1,), (2,))  # GPU 0 trains
 
 
-@pytest.mark.parametrize("transport", ["disk", "gloo"])
-def test_a_transport_vllm_lacks_is_refused_at_load(transport: str) -> None:
-    with pytest.raises(ConfigError, match=r"needs sync.transport=nccl .* or sync.transport=ipc"):
-        load_config(None, ["engine.backend=vllm", f"sync.transport={transport}"])
+def test_a_transport_vllm_lacks_is_refused_at_load() -> None:
+    with pytest.raises(ConfigError, match=r"needs sync.transport=gloo .* nccl .* or ipc"):
+        load_config(None, ["engine.backend=vllm", "sync.transport=disk"])
+
+
+def test_gloo_is_a_transport_vllm_has_through_the_plugin() -> None:
+    load_config(None, ["engine.backend=vllm", "sync.transport=gloo"])
+    with pytest.raises(ConfigError, match=r"vllm_inprocess.*gloo is not built yet"):
+        load_config(None, ["engine.backend=vllm_inprocess", "sync.transport=gloo"])
 
 
 def test_the_server_info_fields_read_are_vllms() -> None:
