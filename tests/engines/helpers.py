@@ -1,15 +1,17 @@
 """Real HTTP servers for tests, on hypercorn's trio worker: tiny hand-written ASGI apps for
 client tests, the reference ``ServerApp`` in-process (a server of a test's own), and
-:class:`BackgroundEngines` (reference servers in their own processes, shared by a module)."""
+:class:`BackgroundEngines` (reference servers in their own processes, shared by a module);
+and :class:`StepGate`, which holds an in-process engine's decode steps where a test says."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -18,7 +20,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.launch import launch_local_engines
-from engines.local.engine import open_local_engine
+from engines.local.engine import LocalEngine, open_local_engine
 from engines.local.http import answer_lifespan
 from engines.local.server import ServerApp
 
@@ -152,3 +154,67 @@ class BackgroundEngines:
             except trio.RunFinishedError:
                 pass
         self._thread.join(60)
+
+
+#: How long a held decode step waits for its release before it runs anyway (a test that
+#: failed before releasing it must not leave the engine's thread blocked for ever).
+GATE_TIMEOUT_S = 120.0
+
+
+class StepGate:
+    """Holds chosen decode steps of an in-process :class:`LocalEngine` until the test releases
+    them, so a request is in flight at a known point however fast the engine is.
+
+    Steps are counted from 1 from when the gate is installed (``with StepGate(engine, {3}) as
+    gate:``). Step ``k`` in ``hold`` waits in the engine's worker thread, under its step lock,
+    before its first forward pass: ``await gate.reached(k)`` returns once it waits there
+    (``k - 1`` steps have run), and ``gate.release(k)`` lets it run. A ``pause`` that lands
+    meanwhile lets that one step finish (its tokens are kept) and no further one start. On
+    exit every held step is released and the hook removed.
+
+    Public handles only: a forward pre-hook on ``engine.model``, and the engine's step count
+    (``batch_size_counts``, incremented on the event loop before each step's thread starts).
+    """
+
+    def __init__(self, engine: LocalEngine, hold: Iterable[int]) -> None:
+        self.engine = engine
+        self._reached = {k: trio.Event() for k in hold}
+        self._release = {k: threading.Event() for k in self._reached}
+        self._held: set[int] = set()
+        self._base = 0
+        self._hook: Any = None
+
+    def _steps(self) -> int:
+        return sum(self.engine.batch_size_counts.values()) - self._base
+
+    def __enter__(self) -> StepGate:
+        self._base = self._steps()
+
+        def before_forward(module: Any, args: Any) -> None:
+            k = self._steps()  # the step in flight (a step may run two forward passes)
+            if k in self._reached and k not in self._held:
+                self._held.add(k)
+                trio.from_thread.run_sync(self._reached[k].set)
+                self._release[k].wait(GATE_TIMEOUT_S)
+
+        self._hook = self.engine.model.register_forward_pre_hook(before_forward)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for release in self._release.values():
+            release.set()
+        self._hook.remove()
+
+    async def reached(self, k: int) -> None:
+        """Until step ``k`` waits at the gate (60 s bound)."""
+        with trio.fail_after(60):
+            await self._reached[k].wait()
+
+    def release(self, k: int) -> None:
+        """Let step ``k`` run (now, or when it arrives)."""
+        self._release[k].set()
