@@ -74,10 +74,19 @@ def serve_app(handler: Handler) -> AbstractAsyncContextManager[str]:
 async def serve_reference(model_dir: Path, **server_kwargs: Any) -> AsyncIterator[str]:
     """The real reference server (``ServerApp(engine, **server_kwargs)``) in this process,
     for the block: a server of the test's own, far cheaper than a new process."""
+    async with serve_reference_engine(model_dir, **server_kwargs) as (url, _):
+        yield url
+
+
+@asynccontextmanager
+async def serve_reference_engine(
+    model_dir: Path, **server_kwargs: Any
+) -> AsyncIterator[tuple[str, LocalEngine]]:
+    """:func:`serve_reference`, yielding the served engine too (for a :class:`StepGate`)."""
     async with open_local_engine(model_dir) as engine:
         app = ServerApp(engine, served_model=str(model_dir), **server_kwargs)
         async with serve_asgi(app) as url:
-            yield url
+            yield url, engine
 
 
 async def stats(url: str) -> dict[str, Any]:
@@ -218,3 +227,16 @@ class StepGate:
     def release(self, k: int) -> None:
         """Let step ``k`` run (now, or when it arrives)."""
         self._release[k].set()
+
+    async def pause_at(self, k: int, pause: Callable[[], Awaitable[object]]) -> None:
+        """Run ``pause()`` (whatever ends in the engine's ``pause``: the engine's own, a
+        client's, an HTTP ``/pause``) while step ``k`` is held, then release the step; returns
+        when ``pause()`` does. So the requests in step ``k`` are paused with exactly the tokens
+        of steps 1 to ``k``, however fast the engine."""
+        await self.reached(k)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pause)
+            with trio.fail_after(60):  # the engine's flag is set as its pause starts
+                while not self.engine.is_paused:  # noqa: ASYNC110 - no event for it
+                    await trio.sleep(0.001)
+            self.release(k)

@@ -7,6 +7,7 @@ in-process reference engine, paused and resumed for real while a held decode ste
 from __future__ import annotations
 
 import random
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -212,10 +213,8 @@ async def _roll_during_a_sync(model_dir: Path, mode: str, n: int):
                 nursery.start_soon(roll)
                 await gate.reached(SPLIT)
                 assert client.engine.num_running == n  # all in flight, in the held step
-                nursery.start_soon(_sync_while, client, versions, mode, n if mode == "abort" else 0)
-                while not client.engine.is_paused:  # set as the sync's /pause starts
-                    await trio.lowlevel.checkpoint()
-                gate.release(SPLIT)
+                requeued = n if mode == "abort" else 0
+                await gate.pause_at(SPLIT, partial(_sync_while, client, versions, mode, requeued))
         return out, spy.calls
 
 
