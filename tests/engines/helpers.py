@@ -100,20 +100,6 @@ def steps(s: dict[str, Any]) -> int:
     return sum(s["batch_size_counts"].values())
 
 
-async def wait_running(url: str, n: int) -> dict[str, Any]:
-    """Until ``n`` requests are decoding and at least two steps ran with them (60 s bound)."""
-    with trio.fail_after(60):
-        while True:
-            s = await stats(url)
-            if s["num_requests_running"] >= n:
-                first = steps(s)
-                while steps(s) < first + 2:
-                    await trio.sleep(0.02)
-                    s = await stats(url)
-                return s
-            await trio.sleep(0.02)
-
-
 class BackgroundEngines:
     """``launch_local_engines`` held open in a background thread until :meth:`stop`.
 
@@ -170,26 +156,34 @@ class BackgroundEngines:
 GATE_TIMEOUT_S = 120.0
 
 
+#: A step to hold: its number (from 1, counted from the gate's install), or a condition read
+#: in the engine's thread as each step starts (the first step for which it holds).
+Hold = int | Callable[[], bool]
+
+
 class StepGate:
     """Holds chosen decode steps of an in-process :class:`LocalEngine` until the test releases
     them, so a request is in flight at a known point however fast the engine is.
 
-    Steps are counted from 1 from when the gate is installed (``with StepGate(engine, {3}) as
-    gate:``). Step ``k`` in ``hold`` waits in the engine's worker thread, under its step lock,
-    before its first forward pass: ``await gate.reached(k)`` returns once it waits there
-    (``k - 1`` steps have run), and ``gate.release(k)`` lets it run. A ``pause`` that lands
-    meanwhile lets that one step finish (its tokens are kept) and no further one start. On
-    exit every held step is released and the hook removed.
+    ``with StepGate(engine, hold={3}) as gate:`` holds step 3 (steps counted from 1 from the
+    install); ``hold={cond}`` holds the first step that starts while ``cond()`` is true (e.g.
+    ``lambda: engine.num_running == 4``: all four are in that step's batch). A held step waits
+    in the engine's worker thread, under its step lock, before its first forward pass:
+    ``await gate.reached(h)`` returns once it waits there, and ``gate.release(h)`` lets it
+    run. A ``pause`` that lands meanwhile lets that one step finish (its tokens are kept) and
+    no further one start (:meth:`pause_at`). On exit every held step is released and the
+    hook removed.
 
     Public handles only: a forward pre-hook on ``engine.model``, and the engine's step count
     (``batch_size_counts``, incremented on the event loop before each step's thread starts).
     """
 
-    def __init__(self, engine: LocalEngine, hold: Iterable[int]) -> None:
+    def __init__(self, engine: LocalEngine, hold: Iterable[Hold]) -> None:
         self.engine = engine
-        self._reached = {k: trio.Event() for k in hold}
-        self._release = {k: threading.Event() for k in self._reached}
-        self._held: set[int] = set()
+        self._reached = {h: trio.Event() for h in hold}
+        self._release = {h: threading.Event() for h in self._reached}
+        self._held: set[Hold] = set()
+        self._held_steps: set[int] = set()
         self._base = 0
         self._hook: Any = None
 
@@ -200,11 +194,16 @@ class StepGate:
         self._base = self._steps()
 
         def before_forward(module: Any, args: Any) -> None:
-            k = self._steps()  # the step in flight (a step may run two forward passes)
-            if k in self._reached and k not in self._held:
-                self._held.add(k)
-                trio.from_thread.run_sync(self._reached[k].set)
-                self._release[k].wait(GATE_TIMEOUT_S)
+            k = self._steps()  # the step in flight
+            if k in self._held_steps:
+                return  # its second forward pass (a step may run two)
+            for h in self._reached:
+                if h not in self._held and (h == k if isinstance(h, int) else h()):
+                    self._held.add(h)
+                    self._held_steps.add(k)
+                    trio.from_thread.run_sync(self._reached[h].set)
+                    self._release[h].wait(GATE_TIMEOUT_S)
+                    return
 
         self._hook = self.engine.model.register_forward_pre_hook(before_forward)
         return self
@@ -219,24 +218,24 @@ class StepGate:
             release.set()
         self._hook.remove()
 
-    async def reached(self, k: int) -> None:
-        """Until step ``k`` waits at the gate (60 s bound)."""
+    async def reached(self, h: Hold) -> None:
+        """Until the step held by ``h`` waits at the gate (60 s bound)."""
         with trio.fail_after(60):
-            await self._reached[k].wait()
+            await self._reached[h].wait()
 
-    def release(self, k: int) -> None:
-        """Let step ``k`` run (now, or when it arrives)."""
-        self._release[k].set()
+    def release(self, h: Hold) -> None:
+        """Let the step held by ``h`` run (now, or when it arrives)."""
+        self._release[h].set()
 
-    async def pause_at(self, k: int, pause: Callable[[], Awaitable[object]]) -> None:
+    async def pause_at(self, h: Hold, pause: Callable[[], Awaitable[object]]) -> None:
         """Run ``pause()`` (whatever ends in the engine's ``pause``: the engine's own, a
-        client's, an HTTP ``/pause``) while step ``k`` is held, then release the step; returns
-        when ``pause()`` does. So the requests in step ``k`` are paused with exactly the tokens
-        of steps 1 to ``k``, however fast the engine."""
-        await self.reached(k)
+        client's, an HTTP ``/pause``) while the step held by ``h`` waits, then release it;
+        returns when ``pause()`` does. So the requests of that step are paused with exactly
+        the tokens up to and including it, however fast the engine."""
+        await self.reached(h)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(pause)
             with trio.fail_after(60):  # the engine's flag is set as its pause starts
                 while not self.engine.is_paused:  # noqa: ASYNC110 - no event for it
                     await trio.sleep(0.001)
-            self.release(k)
+            self.release(h)
