@@ -1,15 +1,17 @@
 """Real HTTP servers for tests, on hypercorn's trio worker: tiny hand-written ASGI apps for
 client tests, the reference ``ServerApp`` in-process (a server of a test's own), and
-:class:`BackgroundEngines` (reference servers in their own processes, shared by a module)."""
+:class:`BackgroundEngines` (reference servers in their own processes, shared by a module);
+and :class:`StepGate`, which holds an in-process engine's decode steps where a test says."""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -18,7 +20,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.launch import launch_local_engines
-from engines.local.engine import open_local_engine
+from engines.local.engine import LocalEngine, open_local_engine
 from engines.local.http import answer_lifespan
 from engines.local.server import ServerApp
 
@@ -72,10 +74,19 @@ def serve_app(handler: Handler) -> AbstractAsyncContextManager[str]:
 async def serve_reference(model_dir: Path, **server_kwargs: Any) -> AsyncIterator[str]:
     """The real reference server (``ServerApp(engine, **server_kwargs)``) in this process,
     for the block: a server of the test's own, far cheaper than a new process."""
+    async with serve_reference_engine(model_dir, **server_kwargs) as (url, _):
+        yield url
+
+
+@asynccontextmanager
+async def serve_reference_engine(
+    model_dir: Path, **server_kwargs: Any
+) -> AsyncIterator[tuple[str, LocalEngine]]:
+    """:func:`serve_reference`, yielding the served engine too (for a :class:`StepGate`)."""
     async with open_local_engine(model_dir) as engine:
         app = ServerApp(engine, served_model=str(model_dir), **server_kwargs)
         async with serve_asgi(app) as url:
-            yield url
+            yield url, engine
 
 
 async def stats(url: str) -> dict[str, Any]:
@@ -87,20 +98,6 @@ async def stats(url: str) -> dict[str, Any]:
 def steps(s: dict[str, Any]) -> int:
     """Decode steps run so far, from an ``/engine_stats`` answer."""
     return sum(s["batch_size_counts"].values())
-
-
-async def wait_running(url: str, n: int) -> dict[str, Any]:
-    """Until ``n`` requests are decoding and at least two steps ran with them (60 s bound)."""
-    with trio.fail_after(60):
-        while True:
-            s = await stats(url)
-            if s["num_requests_running"] >= n:
-                first = steps(s)
-                while steps(s) < first + 2:
-                    await trio.sleep(0.02)
-                    s = await stats(url)
-                return s
-            await trio.sleep(0.02)
 
 
 class BackgroundEngines:
@@ -152,3 +149,93 @@ class BackgroundEngines:
             except trio.RunFinishedError:
                 pass
         self._thread.join(60)
+
+
+#: How long a held decode step waits for its release before it runs anyway (a test that
+#: failed before releasing it must not leave the engine's thread blocked for ever).
+GATE_TIMEOUT_S = 120.0
+
+
+#: A step to hold: its number (from 1, counted from the gate's install), or a condition read
+#: in the engine's thread as each step starts (the first step for which it holds).
+Hold = int | Callable[[], bool]
+
+
+class StepGate:
+    """Holds chosen decode steps of an in-process :class:`LocalEngine` until the test releases
+    them, so a request is in flight at a known point however fast the engine is.
+
+    ``with StepGate(engine, hold={3}) as gate:`` holds step 3 (steps counted from 1 from the
+    install); ``hold={cond}`` holds the first step that starts while ``cond()`` is true (e.g.
+    ``lambda: engine.num_running == 4``: all four are in that step's batch). A held step waits
+    in the engine's worker thread, under its step lock, before its first forward pass:
+    ``await gate.reached(h)`` returns once it waits there, and ``gate.release(h)`` lets it
+    run. A ``pause`` that lands meanwhile lets that one step finish (its tokens are kept) and
+    no further one start (:meth:`pause_at`). On exit every held step is released and the
+    hook removed.
+
+    Public handles only: a forward pre-hook on ``engine.model``, and the engine's step count
+    (``batch_size_counts``, incremented on the event loop before each step's thread starts).
+    """
+
+    def __init__(self, engine: LocalEngine, hold: Iterable[Hold]) -> None:
+        self.engine = engine
+        self._reached = {h: trio.Event() for h in hold}
+        self._release = {h: threading.Event() for h in self._reached}
+        self._held: set[Hold] = set()
+        self._held_steps: set[int] = set()
+        self._base = 0
+        self._hook: Any = None
+
+    def _steps(self) -> int:
+        return sum(self.engine.batch_size_counts.values()) - self._base
+
+    def __enter__(self) -> StepGate:
+        self._base = self._steps()
+
+        def before_forward(module: Any, args: Any) -> None:
+            k = self._steps()  # the step in flight
+            if k in self._held_steps:
+                return  # its second forward pass (a step may run two)
+            for h in self._reached:
+                if h not in self._held and (h == k if isinstance(h, int) else h()):
+                    self._held.add(h)
+                    self._held_steps.add(k)
+                    trio.from_thread.run_sync(self._reached[h].set)
+                    self._release[h].wait(GATE_TIMEOUT_S)
+                    return
+
+        self._hook = self.engine.model.register_forward_pre_hook(before_forward)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for release in self._release.values():
+            release.set()
+        self._hook.remove()
+
+    async def reached(self, h: Hold) -> None:
+        """Until the step held by ``h`` waits at the gate (60 s bound)."""
+        with trio.fail_after(60):
+            await self._reached[h].wait()
+
+    def release(self, h: Hold) -> None:
+        """Let the step held by ``h`` run (now, or when it arrives)."""
+        self._release[h].set()
+
+    async def pause_at(self, h: Hold, pause: Callable[[], Awaitable[object]]) -> None:
+        """Run ``pause()`` (whatever ends in the engine's ``pause``: the engine's own, a
+        client's, an HTTP ``/pause``) while the step held by ``h`` waits, then release it;
+        returns when ``pause()`` does. So the requests of that step are paused with exactly
+        the tokens up to and including it, however fast the engine."""
+        await self.reached(h)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pause)
+            with trio.fail_after(60):  # the engine's flag is set as its pause starts
+                while not self.engine.is_paused:  # noqa: ASYNC110 - no event for it
+                    await trio.sleep(0.001)
+            self.release(h)

@@ -19,6 +19,7 @@ import trio
 from engines.local.decode import exponential_noise, sample_tokens
 from engines.local.engine import LocalEngine, open_local_engine
 from engines.types import SamplingParams
+from tests.engines.helpers import StepGate
 
 
 @pytest.fixture(autouse=True)
@@ -41,12 +42,8 @@ def _reference(engine: LocalEngine, prompt: list[int], max_tokens: int) -> list[
     return out[0, len(prompt) :].tolist()
 
 
-def _steps(engine: LocalEngine) -> int:
-    return sum(engine.batch_size_counts.values())
-
-
 async def test_requests_joining_and_leaving_mid_flight_decode_as_if_alone(model_dir: Path) -> None:
-    # (prompt, max_tokens, steps to wait before sending it)
+    # (prompt, max_tokens, steps to run before sending it)
     plan = [
         ([5, 6, 7], 16, 0),
         ([9, 10, 11, 12, 13, 14, 15], 16, 0),
@@ -57,20 +54,29 @@ async def test_requests_joining_and_leaving_mid_flight_decode_as_if_alone(model_
     ]
     results: dict[int, list[int]] = {}
     async with open_local_engine(model_dir) as engine:
+        # each joiner is sent while the step after its count is held, and queues behind it
+        with StepGate(engine, hold={after + 1 for _, _, after in plan if after}) as gate:
 
-        async def one(i: int) -> None:
-            prompt, max_tokens, after = plan[i]
-            # the engine counts its steps and has no event per step: poll the count
-            while _steps(engine) < after:  # noqa: ASYNC110
-                await trio.sleep(0.001)
-            greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-            results[i] = (await engine.generate(prompt, greedy)).token_ids
+            async def one(i: int) -> None:
+                prompt, max_tokens, after = plan[i]
+                if after:
+                    await gate.reached(after + 1)
+                greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                results[i] = (await engine.generate(prompt, greedy)).token_ids
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(plan)):
-                nursery.start_soon(one, i)
+            async with trio.open_nursery() as nursery:
+                for i in range(len(plan)):
+                    nursery.start_soon(one, i)
+                for held in sorted({after + 1 for _, _, after in plan if after}):
+                    await gate.reached(held)
+                    joiners = sum(1 for _, _, after in plan if after + 1 == held)
+                    with trio.fail_after(60):  # the engine has no event for an arrival
+                        while engine.num_waiting < joiners:  # noqa: ASYNC110
+                            await trio.sleep(0.001)
+                    gate.release(held)
         sizes = set(engine.batch_size_counts)
-        assert len(sizes) >= 3, f"the batch never changed shape: {engine.batch_size_counts}"
+        # 3 at first, 2 once [20] left, 4 with the two joiners, 5 with the third
+        assert {2, 3, 4, 5} <= sizes, f"the batch never changed shape: {engine.batch_size_counts}"
         for i, (prompt, max_tokens, _) in enumerate(plan):
             expected = await trio.to_thread.run_sync(_reference, engine, prompt, max_tokens)
             assert results[i] == expected, f"request {i}"

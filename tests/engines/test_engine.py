@@ -11,6 +11,7 @@ import httpx
 import pytest
 import torch
 import trio
+import trio.testing
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
@@ -19,6 +20,7 @@ from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engi
 from engines.local.inprocess import open_inprocess_client
 from engines.local.server import ServerApp
 from engines.types import SamplingParams
+from tests.engines.helpers import StepGate
 from trainer.errors import FaultInjected, InferenceServerError, StepTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 
@@ -60,7 +62,7 @@ async def test_a_request_to_a_paused_sleeping_engine_waits_for_wake_and_resume(
                 )
 
             nursery.start_soon(request)
-            await trio.sleep(0.2)
+            await trio.testing.wait_all_tasks_blocked()  # it went as far as it can
             assert got == [] and engine.num_waiting == 1  # queued, not refused
             await engine.wake_up(["weights"])
             await engine.wake_up(["kv_cache"])
@@ -106,11 +108,12 @@ async def test_keep_pause_runs_no_decode_step_until_resume(model_dir: Path) -> N
             assert c.finish_reason == "length" and len(c.token_ids) == 100
             done.set()
 
-        nursery.start_soon(long)
-        while not engine.batch_size_counts:  # noqa: ASYNC110 - engine counter
-            await trio.sleep(0.01)
-        await engine.pause("keep")
+        with StepGate(engine, hold={2}) as gate:
+            nursery.start_soon(long)
+            # paused while its second step runs: that step finishes, no other starts
+            await gate.pause_at(2, partial(engine.pause, "keep"))
         frozen = sum(engine.batch_size_counts.values())
+        assert frozen == 2
         await trio.sleep(0.3)
         assert sum(engine.batch_size_counts.values()) == frozen
         assert engine.num_requests == 1 and not done.is_set()
@@ -120,8 +123,18 @@ async def test_keep_pause_runs_no_decode_step_until_resume(model_dir: Path) -> N
 
 async def test_a_cancelled_caller_leaves_the_batch(model_dir: Path) -> None:
     async with open_local_engine(model_dir) as engine:
-        with trio.move_on_after(0.2):
-            await engine.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
+        with StepGate(engine, hold={2}) as gate:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    engine.generate, [1, 2], SamplingParams(max_tokens=200, ignore_eos=True)
+                )
+                await gate.reached(2)  # in flight, its second step held
+                nursery.cancel_scope.cancel()  # e.g. a step deadline
+            assert engine.num_requests == 0  # left at once, its step still in flight
+            gate.release(2)
+        # the engine goes on serving (the left request's token of step 2 was dropped)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        assert len((await engine.generate([1, 2], params)).token_ids) == 2
         assert engine.num_requests == 0
 
 

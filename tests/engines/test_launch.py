@@ -20,7 +20,7 @@ from engines.launch import (
 )
 from engines.types import SamplingParams
 from tests.e2e.helpers import pid_alive
-from tests.engines.helpers import wait_running
+from tests.engines.helpers import stats
 from trainer.errors import EngineStartError, InferenceServerError
 
 STARTUP_S = 180.0
@@ -42,11 +42,14 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
                     await client.generate([1, 2], SamplingParams(max_tokens=200, ignore_eos=True))
                 caught.append(info.value)
 
+            # paused first: the request waits in the server, so however fast the engine it
+            # is still unanswered when the server dies
+            await client.pause("keep")
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(generate)
-                await wait_running(victim.url, 1)
-                # frozen in flight, so a fast machine cannot finish the request before the kill
-                await client.pause("keep")
+                with trio.fail_after(60):
+                    while (await stats(victim.url))["num_requests_waiting"] < 1:  # noqa: ASYNC110
+                        await trio.sleep(0.02)
                 os.killpg(victim.pid, signal.SIGKILL)
         assert caught[0].url == victim.url
         assert victim.url in str(caught[0])

@@ -217,8 +217,9 @@ async def test_a_failed_build_is_an_engine_start_error_with_the_reason() -> None
 
 async def test_the_engine_is_shut_down_on_every_exit() -> None:
     llm = StandInAsyncLLM()
-    with trio.move_on_after(0.2):  # a cancellation (a deadline) ends the block
+    with trio.CancelScope() as scope:
         async with open_async_llm(lambda: (llm, recorded_classes()), shutdown_timeout_s=5):
+            scope.cancel()  # a cancellation (a deadline) ends the block
             await trio.sleep_forever()
     assert llm.calls == [("shutdown", {"timeout": 5})]
     other = StandInAsyncLLM()

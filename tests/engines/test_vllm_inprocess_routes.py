@@ -9,6 +9,7 @@ import inspect
 import pickle
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -256,11 +257,21 @@ async def test_a_vllm_exception_becomes_an_inference_server_error_naming_the_rou
     assert isinstance(error.__cause__, RuntimeError)
 
 
+async def _until_called(llm: StandInAsyncLLM, name: str) -> None:
+    """Until the stand-in has been called ``name`` (it records a call as it starts)."""
+    with trio.fail_after(60):
+        while name not in [n for n, _ in llm.calls]:  # noqa: ASYNC110 - asyncio side
+            await trio.sleep(0.01)
+
+
 async def test_a_trio_cancellation_cancels_the_asyncio_task() -> None:
     async with open_stand_in_engine(timeout_s=None) as (engine, llm):
         llm.hang.add("pause_generation")
-        with trio.move_on_after(0.3) as scope:
-            await engine.pause("keep")
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.pause, "keep")
+                await _until_called(llm, "pause_generation")  # hung in asyncio
+                scope.cancel()
         # the trio caller leaves only once the asyncio task has unwound
         assert scope.cancelled_caught
         assert llm.cancelled == ["pause_generation"]
@@ -272,8 +283,11 @@ async def test_a_trio_cancellation_cancels_the_asyncio_task() -> None:
 async def test_a_cancelled_generate_cancels_the_vllm_request() -> None:
     async with open_stand_in_engine() as (engine, llm):
         llm.hang.add("generate")
-        with trio.move_on_after(0.3) as scope:
-            await engine.generate([1, 2], PARAMS, trajectory_id="traj-1")
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(engine.generate, [1, 2], PARAMS, trajectory_id="traj-1"))
+                await _until_called(llm, "generate")  # hung in asyncio
+                scope.cancel()
         assert scope.cancelled_caught
         assert llm.cancelled == ["generate"]
     ((name, arguments),) = llm.calls

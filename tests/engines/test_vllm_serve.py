@@ -241,8 +241,21 @@ async def test_a_server_told_its_port_starts_serves_and_leaves_nothing(
             await check_server_config(client, "nccl", needs_sleep=True)
         group = engine.pid
     assert len(completion.token_ids) == 2
-    with pytest.raises(ProcessLookupError):  # the whole group is gone
+    # the whole group is gone: SIGKILLed at the stop, each member is gone once reaped
+    # (by init, as orphans: not instantly), so a generous bound, not the next instant
+    with trio.fail_after(30):
+        while _group_alive(group):  # noqa: ASYNC110 - no event for another's exit
+            await trio.sleep(0.05)
+    with pytest.raises(ProcessLookupError):
         os.killpg(group, 0)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_the_guard_takes_its_server_down_when_the_launcher_dies(model_dir: Path) -> None:

@@ -2,9 +2,12 @@
 its deadline plus grace, and the engine bracket runs its steps in order whatever happens to
 the transfer (abandonment itself: ``tests/sync/test_bracket_orders.py``, real server).
 
-The engine is a recording fake; the transfer is a real blocking thread (``time.sleep``),
-followed by a cancellable engine call, so only ``save_weights_for_sampler`` itself can
-keep a cancellation from cutting the transfer short.
+The engine is a recording fake; the transfer is a real blocking thread (``time.sleep``, or
+held until the test releases it), followed by a cancellable engine call, so only
+``save_weights_for_sampler`` itself can keep a cancellation from cutting the transfer short.
+A cancellation lands mid-transfer from inside the thread, and a deadline passes mid-transfer
+on ``mock_clock``, moved while the held thread runs: never a race of the thread's sleep
+against a wall-clock deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 
 import pytest
 import trio
+import trio.testing
 
 from sync.weights import abandoned_detail, save_weights_for_sampler
 from trainer.errors import StepTimeoutError, WeightSyncTimeoutError
@@ -90,8 +94,8 @@ async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sync)
         await engine.paused.wait()
-        await trio.sleep(0.05)
-        # a loop frozen by the 0.5 s transfer would wake here only after the bucket was written
+        await trio.testing.wait_all_tasks_blocked()  # the sync waits for its thread
+        # a loop frozen by the 0.5 s transfer would get here only after the bucket was written
         assert "bucket_written" not in events and "broadcast_done" not in events
         assert not result
     assert result["sync/last_weight_sync_seconds"] >= 0.5
@@ -106,23 +110,51 @@ async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
 
 async def test_a_cancellation_waits_for_the_transfer_before_resuming():
     events: list[str] = []
-    transport = BlockingTransport(events, 0.3)
     async with trio.open_nursery() as nursery:
+        transport = CancelAfterThread(events, 0.3, nursery.cancel_scope)  # once its thread runs
         nursery.start_soon(save_weights_for_sampler, RecordingEngine(events), None, transport)
-        await transport.started.wait()
-        await trio.to_thread.run_sync(transport.thread_started.wait)
-        nursery.cancel_scope.cancel()
     assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]
 
 
-async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finishes():
+class HeldTransport(BlockingTransport):
+    """A transfer whose thread runs until the test releases it, for tests on ``mock_clock``
+    (which moves only when told): a deadline passes mid-transfer when the test moves the clock
+    while the thread runs, however fast or slow the machine."""
+
+    def __init__(self, events: list[str], fail: str | None = None) -> None:
+        super().__init__(events, 0.0, fail)
+        self.release = threading.Event()
+
+    def _write_bucket(self) -> None:
+        self.thread_started.set()
+        self.release.wait(60)
+        super()._write_bucket()
+
+    async def transfer(self, engine: object, workers: object) -> None:
+        self.started.set()
+        await trio.to_thread.run_sync(self._write_bucket)
+        await trio.lowlevel.checkpoint()  # /finish_weight_update (the clock stands still)
+        self.events.append("broadcast_done")
+
+
+async def _past_the_deadline_mid_transfer(
+    clock: trio.testing.MockClock, transport: HeldTransport, seconds: float
+) -> None:
+    """Once the transfer's thread runs, move the clock ``seconds`` on, then let it finish."""
+    await trio.to_thread.run_sync(transport.thread_started.wait, 60)
+    clock.jump(seconds)
+    await trio.testing.wait_all_tasks_blocked()  # the expired deadline has cancelled its scope
+    transport.release.set()
+
+
+async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finishes(mock_clock):
     events: list[str] = []
-    transport = BlockingTransport(events, 0.6)
-    t0 = time.monotonic()
-    with pytest.raises(WeightSyncTimeoutError) as info:
-        with step_deadline(3, 0.1, WeightSyncTimeoutError):
-            await save_weights_for_sampler(RecordingEngine(events), None, transport)
-    assert time.monotonic() - t0 >= 0.6  # the transfer was waited for, not abandoned
+    transport = HeldTransport(events)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_past_the_deadline_mid_transfer, mock_clock, transport, 0.5)
+        with pytest.raises(WeightSyncTimeoutError) as info:
+            with step_deadline(3, 0.1, WeightSyncTimeoutError):
+                await save_weights_for_sampler(RecordingEngine(events), None, transport)
     assert info.value.operation == "broadcast_to_inference_engines"
     assert info.value.detail is None  # finished within its grace: not abandoned
     # the transfer finished within its grace (sync.transfer_grace_s), but the deadline had
@@ -131,12 +163,14 @@ async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finis
     assert any("/resume" in n for n in getattr(info.value, "__notes__", ()))
 
 
-async def test_a_cancellation_then_a_failed_transfer_chains_the_transfer_error():
+async def test_a_cancellation_then_a_failed_transfer_chains_the_transfer_error(mock_clock):
     events: list[str] = []
-    transport = BlockingTransport(events, 0.4, fail="bucket 3 went missing")
-    with pytest.raises(WeightSyncTimeoutError) as info:
-        with step_deadline(2, 0.1, WeightSyncTimeoutError):
-            await save_weights_for_sampler(RecordingEngine(events), None, transport)
+    transport = HeldTransport(events, fail="bucket 3 went missing")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_past_the_deadline_mid_transfer, mock_clock, transport, 0.5)
+        with pytest.raises(WeightSyncTimeoutError) as info:
+            with step_deadline(2, 0.1, WeightSyncTimeoutError):
+                await save_weights_for_sampler(RecordingEngine(events), None, transport)
     cause = info.value.__cause__
     assert isinstance(cause, RuntimeError) and str(cause) == "bucket 3 went missing"
     assert events == ["paused", "broadcast_failed"]

@@ -131,8 +131,16 @@ async def test_hang_in_trio_code_never_returns(autojump_clock):
     assert (info.value.stage, info.value.operation) == ("sync_weights", "/pause")
 
 
-async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_it():
-    install_faults("backload_to_gpu:hang@3")
+async def _until_fired(fired: Path) -> None:
+    """Until the fired-faults file names a fault (it is written just before a hang blocks)."""
+    with trio.fail_after(60):
+        while not await trio.Path(fired).read_text():  # noqa: ASYNC110 - by a thread
+            await trio.sleep(0.01)
+
+
+async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_it(tmp_path):
+    fired = tmp_path / "faults_fired.log"
+    install_faults("backload_to_gpu:hang@3", fired_log=fired)
     exited = threading.Event()
     outcome: list[BaseException] = []
 
@@ -164,6 +172,7 @@ async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_
     assert 0.5 <= err.elapsed_s < 10
     assert 0.5 <= waited < 10
     # Only the driver's wait was interrupted: the worker is still hung.
+    await _until_fired(fired)  # in the hang (not still on its way), so the release wakes it
     assert not exited.is_set()
 
     release_hangs()  # test-only
@@ -172,8 +181,9 @@ async def test_hang_really_blocks_a_worker_thread_until_the_step_deadline_names_
     assert outcome[0].step == 3
 
 
-async def test_a_hang_that_fires_after_a_release_blocks_again():
-    install_faults("offload_to_cpu:hang")
+async def test_a_hang_that_fires_after_a_release_blocks_again(tmp_path):
+    fired = tmp_path / "faults_fired.log"
+    install_faults("offload_to_cpu:hang", fired_log=fired)
     release_hangs()
     done = threading.Event()
 
@@ -183,9 +193,14 @@ async def test_a_hang_that_fires_after_a_release_blocks_again():
         except FaultInjected:
             done.set()
 
-    with trio.move_on_after(0.3):
-        await trio.to_thread.run_sync(offload, abandon_on_cancel=True)
-    assert not done.is_set()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            functools.partial(trio.to_thread.run_sync, offload, abandon_on_cancel=True)
+        )
+        await _until_fired(fired)  # it fired after the release above...
+        await trio.to_thread.run_sync(time.sleep, 0.3)  # ...and it still blocks
+        assert not done.is_set()
+        nursery.cancel_scope.cancel()
     release_hangs()
     assert await trio.to_thread.run_sync(done.wait, 10)
 

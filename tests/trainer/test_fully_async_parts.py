@@ -1,12 +1,13 @@
 """The parts of the fully-async strategy alone: admission, the prompt stream, version labels.
 
 Admission waits are checked under trio's MockClock; version labels against the real
-in-process reference engine, paused and resumed for real.
+in-process reference engine, paused and resumed for real while a held decode step is in flight.
 """
 
 from __future__ import annotations
 
 import random
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import trio.testing
 from engines.local.inprocess import open_inprocess_client
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
+from tests.engines.helpers import StepGate
 from trainer.data import PromptLoader, epoch_order, task_examples
 from trainer.errors import ConfigError
 from trainer.prompt_stream import PromptStream
@@ -171,35 +173,48 @@ class _Spy:
         return cs
 
 
-async def _sync_while(client, versions: WeightVersions, mode: str) -> None:
-    """What ``trainer.loop.sync_weights`` does around a transfer, with the engine running."""
+async def _sync_while(client, versions: WeightVersions, mode: str, requeued: int) -> None:
+    """What ``trainer.loop.sync_weights`` does around a transfer, with the engine running.
+
+    The "transfer" lasts until ``requeued`` requests queue behind the pause (with ``abort``,
+    the aborted ones come back as continuations), so they are sent while the sync runs.
+    """
     versions.syncing = True
     await client.pause(mode)
-    await trio.sleep(0.2)  # the "transfer": the aborted request comes back and queues again
+    with trio.fail_after(60):
+        while client.engine.num_waiting < requeued:  # noqa: ASYNC110 (no event for it)
+            await trio.sleep(0.005)
     await client.resume()
     versions.syncing = False
     versions.current += 1
 
 
 LONG = SamplingParams(temperature=1.0, max_tokens=48, seed=7, ignore_eos=True)
+#: The decode step during which the sync's pause lands: the tokens of the steps up to and
+#: including it are sampled on version 0 (the step in flight finishes), the rest on version 1.
+SPLIT = 5
 
 
 async def _roll_during_a_sync(model_dir: Path, mode: str, n: int):
+    """``n`` samples of one prompt, with a weight sync that pauses the engine while step
+    ``SPLIT`` runs (held at a :class:`StepGate`, so however fast the engine, the requests are
+    in flight with ``SPLIT`` tokens each when the weights change)."""
     async with open_inprocess_client(model_dir) as client:
         spy = _Spy(client)
         versions = WeightVersions(current=0)
         engine = VersionedEngine(spy, versions, mode)  # type: ignore[arg-type]
         out = []
-        async with trio.open_nursery() as nursery:
+        with StepGate(client.engine, hold={SPLIT}) as gate:
+            async with trio.open_nursery() as nursery:
 
-            async def roll() -> None:
-                out.extend(await engine.generate_n([1, 2, 3], LONG, n))
+                async def roll() -> None:
+                    out.extend(await engine.generate_n([1, 2, 3], LONG, n))
 
-            nursery.start_soon(roll)
-            while client.engine.num_running < n:  # noqa: ASYNC110 (the engine has no event for it)
-                await trio.sleep(0.005)
-            await trio.sleep(0.05)  # some tokens sampled on version 0
-            await _sync_while(client, versions, mode)
+                nursery.start_soon(roll)
+                await gate.reached(SPLIT)
+                assert client.engine.num_running == n  # all in flight, in the held step
+                requeued = n if mode == "abort" else 0
+                await gate.pause_at(SPLIT, partial(_sync_while, client, versions, mode, requeued))
         return out, spy.calls
 
 
@@ -209,7 +224,7 @@ async def test_with_abort_a_sync_splits_a_request_and_each_part_carries_its_vers
     for i, c in enumerate(out):
         # the engine saw the first part end in an abort and the rest sent as prompt + tokens
         first = calls[i]
-        assert first[1] == "abort" and 0 < first[2] < 48, calls
+        assert first[1] == "abort" and first[2] == SPLIT, calls
         assert len(c.token_ids) == len(c.logprobs) == len(c.weight_versions) == 48
         assert c.weight_versions == [0] * first[2] + [1] * (48 - first[2])
         assert c.prompt_token_ids == [1, 2, 3]
@@ -220,7 +235,7 @@ async def test_with_abort_a_sync_splits_a_request_and_each_part_carries_its_vers
 async def test_with_keep_a_frozen_request_is_labelled_with_the_version_it_started_on(model_dir):
     out, calls = await _roll_during_a_sync(model_dir, "keep", n=1)
     (c,) = out
-    assert len(calls) == 1 and c.finish_reason == "length"
+    assert len(calls) == 1 and c.finish_reason == "length"  # frozen, then continued: one request
     assert c.weight_versions == [0] * 48
 
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
 from engines.models import build_tiny_model
 from trainer.errors import StepTimeoutError
@@ -60,24 +63,40 @@ async def test_shutdown_waits_for_a_call_abandoned_mid_computation(model_dir):
     """A cancelled wait abandons the thread; shutdown lets it finish before the process may
     exit (exiting while a thread is inside a torch kernel can abort the process)."""
     group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     order: list[str] = []
 
     def compute() -> dict[str, float]:
+        started.set()
         release.wait(30)  # a long optimizer step, really blocking its thread
         order.append("computation returned")
         return {}
 
     group.policy.optim_step = compute  # type: ignore[method-assign]
-    with trio.move_on_after(0.2):
-        await group.optim_step()
-    threading.Timer(0.5, release.set).start()
-    await group.shutdown()
-    order.append("shutdown returned")
+    await _abandon_once(group.optim_step, started)
+
+    async def shut_down() -> None:
+        await group.shutdown()
+        order.append("shutdown returned")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shut_down)
+        await trio.testing.wait_all_tasks_blocked()  # shutdown waits for the computation
+        assert order == []
+        release.set()
     assert order == ["computation returned", "shutdown returned"]
 
 
-def _wait_in_rendezvous(model, release: threading.Event) -> None:
+async def _abandon_once(call: Callable[..., Awaitable[object]], started: threading.Event, *args):
+    """Call ``call(*args)`` and cancel the wait once ``started`` is set (its thread runs)."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, *args)
+        assert await trio.to_thread.run_sync(started.wait, 60)
+        nursery.cancel_scope.cancel()
+
+
+def _wait_in_rendezvous(model, started: threading.Event, release: threading.Event) -> None:
+    started.set()
     release.wait(60)
 
 
@@ -86,20 +105,25 @@ async def test_shutdown_leaves_a_rank0_call_left_waiting_at_once(model_dir):
     by its own timeout: exiting does not wait for it (before, a failed group init held the
     run's exit for SHUTDOWN_WAIT_S)."""
     group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     try:
-        with trio.move_on_after(0.2):
-            await group.run_on_rank0(_wait_in_rendezvous, release, abandon_on_cancel=True)
+        rank0 = partial(group.run_on_rank0, abandon_on_cancel=True)
+        await _abandon_once(rank0, started, _wait_in_rendezvous, started, release)
         with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
             await group.shutdown()
     finally:
         release.set()
 
 
-async def test_shutdown_leaves_a_thread_held_by_a_hang_fault_at_once(model_dir):
+async def test_shutdown_leaves_a_thread_held_by_a_hang_fault_at_once(model_dir, tmp_path):
     group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
-    install_faults("offload_to_cpu:hang")
-    with trio.move_on_after(0.2):
-        await group.offload_to_cpu()  # the thread waits in the fault, not in a kernel
+    fired = tmp_path / "faults_fired.log"
+    install_faults("offload_to_cpu:hang", fired_log=fired)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(group.offload_to_cpu)  # the thread waits in the fault, not in a kernel
+        with trio.fail_after(60):  # the fault appends to the file as it fires
+            while not fired.read_text():  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
     with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
         await group.shutdown()
