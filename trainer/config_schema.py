@@ -42,7 +42,7 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
     (
         "sync.transport",
         "broadcast",
-    ): "gloo (the CPU stand-in for vLLM's nccl backend; nccl on GPUs)",
+    ): "gloo (vLLM's nccl messages over a gloo group, on the CPU; nccl on GPUs)",
 }
 
 

@@ -7,7 +7,7 @@ unset, chosen by the first ``init_info``: vLLM's ``nccl`` shape (``master_addres
 means ``nccl`` when the model is on a GPU, else ``gloo``; vLLM's ``ipc`` shape
 (``{"packed": ...}``) means ``ipc``; ``{"backend": "disk"}`` means ``disk``.
 
-- ``gloo`` (CPU; the stand-in for vLLM's ``nccl``) and ``nccl`` (GPU): ``init_info`` and
+- ``gloo`` (CPU; vLLM's ``nccl`` messages over gloo) and ``nccl`` (GPU): ``init_info`` and
   ``update_info`` are exactly vLLM's ``nccl`` bodies (see :mod:`engines.weight_transfer`);
   the server joins the group as rank ``rank_offset`` in a thread (the call answers once
   joined), and each ``update_info`` is received from rank 0's broadcasts (packed chunks cut
