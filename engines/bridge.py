@@ -135,6 +135,25 @@ class Bridge:
                     await self.loop.run_aio_coroutine(aclose())
 
 
+def _accept_any_executor(loop: trio_asyncio.TrioEventLoop) -> None:
+    """Let ``loop.run_in_executor`` take any ``concurrent.futures.Executor``, as asyncio's does.
+
+    trio-asyncio's takes only its own ``TrioExecutor`` (or None) and asserts otherwise; vLLM's
+    ``AsyncLLM`` hands it a ``ThreadPoolExecutor`` of its own (``pause_generation`` clears its
+    renderer's cache there). Any other executor gets the job submitted to it and its future
+    wrapped for this loop (``asyncio.wrap_future``: the result comes back through
+    ``call_soon_threadsafe``, which trio-asyncio's loop has).
+    """
+    own = loop.run_in_executor
+
+    def run_in_executor(executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if executor is None or isinstance(executor, trio_asyncio.TrioExecutor):
+            return own(executor, func, *args)
+        return asyncio.wrap_future(executor.submit(func, *args), loop=loop)
+
+    loop.run_in_executor = run_in_executor  # type: ignore[method-assign]
+
+
 @asynccontextmanager
 async def open_bridge() -> AsyncIterator[Bridge]:
     """Open an asyncio loop for the block's life (see the module docstring).
@@ -143,6 +162,7 @@ async def open_bridge() -> AsyncIterator[Bridge]:
     """
     closed = trio.Event()
     async with trio_asyncio.open_loop() as loop:
+        _accept_any_executor(loop)
         try:
             yield Bridge(loop, closed)
         finally:

@@ -23,7 +23,7 @@ from typing import Any
 from trainer.errors import ConfigError
 
 __all__ = [
-    "TINY_VLLM",
+    "TINY_MODEL_CONFIG",
     "WORDS",
     "build_tiny_model",
     "load_tokenizer",
@@ -75,36 +75,19 @@ WORDS = [
     *["user", "assistant", "tool", "call", "result", "error", "ok", "yes", "no"],
 ]
 
+#: The built-in model's architecture. vLLM on the CPU serves it: its CPU attention takes head
+#: sizes of 32 and up (64 / 2 heads), and its CPU backend does not refresh a tied LM head on a
+#: weight reload (the embeddings change, the head keeps the old ones), so the head is its own.
 TINY_MODEL_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=256,
     num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rope_theta=10000.0,
-    tie_word_embeddings=True,
-)
-
-
-#: ``model.path`` of the built-in tiny model's variant that vLLM can serve on the CPU:
-#: vLLM's CPU attention takes head sizes of 32 and up (the default's is 16), and its CPU
-#: backend does not refresh a tied LM head on a weight reload, so this one's head is its own.
-#: Not the default yet: the README's measured numbers are the default model's.
-TINY_VLLM = "builtin:tiny-vllm"
-
-#: What the vLLM variant changes in :data:`TINY_MODEL_CONFIG` (head_dim 64/2 = 32).
-TINY_VLLM_CHANGES: dict[str, Any] = dict(
     num_attention_heads=2,
     num_key_value_heads=1,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
     tie_word_embeddings=False,
 )
-
-#: The built-in models by variant: their directory-name prefix and their config.
-_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "default": ("tiny-qwen2", TINY_MODEL_CONFIG),
-    "vllm": ("tiny-qwen2-vllm", {**TINY_MODEL_CONFIG, **TINY_VLLM_CHANGES}),
-}
 
 
 def quiet_transformers() -> None:
@@ -157,18 +140,11 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(
-    cache_dir: Path | None = None, seed: int = 0, variant: str = "default"
-) -> Path:
-    """Return the directory of the built-in tiny model, building it on first use.
-
-    ``variant="vllm"``: the copy vLLM can serve on the CPU (:data:`TINY_VLLM`).
-    """
-    if variant not in _VARIANTS:
-        raise ValueError(f"unknown tiny-model variant {variant!r}; known: {list(_VARIANTS)}")
-    prefix, model_cfg = _VARIANTS[variant]
+def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
+    """Return the directory of the built-in tiny model, building it on first use."""
+    model_cfg = TINY_MODEL_CONFIG
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache_dir / f"{prefix}-{_fingerprint(seed, model_cfg)}"
+    target = cache_dir / f"tiny-qwen2-{_fingerprint(seed, model_cfg)}"
     if (target / "config.json").exists():
         return target  # before the imports below: they take seconds
     import torch  # heavy: see _build_tokenizer
@@ -208,12 +184,9 @@ def build_tiny_model(
 
 
 def resolve_model_path(path: str | None, seed: int = 0) -> Path:
-    """``model.path`` if given (checked to be a model directory), else the built-in tiny model;
-    :data:`TINY_VLLM` names the built-in variant vLLM can serve."""
+    """``model.path`` if given (checked to be a model directory), else the built-in tiny model."""
     if path is None:
         return build_tiny_model(seed=seed)
-    if path == TINY_VLLM:
-        return build_tiny_model(seed=seed, variant="vllm")
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ConfigError(

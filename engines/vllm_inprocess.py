@@ -47,7 +47,7 @@ import os
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
@@ -60,7 +60,7 @@ from engines.control_plane import (
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
 from engines.vllm_control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
-from engines.vllm_serve import require_vllm
+from engines.vllm_serve import WeightTransferBackend, cpu_env, require_vllm
 from engines.vllm_start import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     DEFAULT_VLLM_STARTUP_TIMEOUT_S,
@@ -92,8 +92,8 @@ def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, A
     """Keyword arguments of ``vllm.SamplingParams`` for our ``SamplingParams`` and ``n`` samples.
 
     Always asks for the sampled token's logprob (``logprobs=0``). ``output_kind`` stays vLLM's
-    default (cumulative), so the last ``RequestOutput`` that ``generate`` yields holds the
-    whole completion.
+    default (cumulative): each ``RequestOutput`` that ``generate`` yields holds the whole
+    completion so far of each sample it carries (with ``n`` > 1, only the samples that moved).
     """
     return {
         "n": n,
@@ -185,16 +185,21 @@ class VLLMInProcessEngine:
         params = self.classes.sampling_params(**to_vllm_sampling_kwargs(sampling, n))
         request_id = f"{trajectory_id or 'gen'}-{uuid.uuid4().hex}"
 
-        async def final() -> Any:
-            last = None
+        async def final() -> list[Completion]:
+            # cumulative outputs: with n > 1 each carries the samples that moved (vLLM's
+            # ParentRequest), so each sample's last one is kept, by its index
+            last, samples = None, {}
             prompt = {"prompt_token_ids": list(prompt_ids)}
             async for out in self.llm.generate(prompt, params, request_id):
                 last = out
-            return last
+                samples.update((int(sample.index), sample) for sample in out.outputs)
+            if last is None or sorted(samples) != list(range(n)):
+                raise ValueError(f"vLLM returned samples {sorted(samples)} of a request for {n}")
+            return [_sample_completion(last, samples[i]) for i in range(n)]
 
         with operation("generate"):
             await fire_fault("generate")
-            return completions_from_output(await self.bridge.run(final))
+            return await self.bridge.run(final)
 
     # -- control plane: ControlPlane's signatures --------------------------------------------------
 
@@ -312,8 +317,10 @@ async def open_vllm_inprocess_client(
     gpu_memory_utilization: float | None = None,
     seed: int = 0,
     enable_sleep_mode: bool = False,
-    weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl",
+    weight_transfer_backend: WeightTransferBackend | None = "nccl",
     extra_args: Sequence[str] = (),
+    dtype: str | None = None,
+    cpu: bool = False,
     control_plane_timeout_s: float | None = None,
     startup_timeout_s: float = DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
@@ -322,10 +329,14 @@ async def open_vllm_inprocess_client(
 
     The settings become ``vllm serve`` flags (``--model``, ``--tensor-parallel-size``,
     ``--gpu-memory-utilization`` (None: vLLM's default), ``--seed``, ``--enable-sleep-mode``,
-    ``--weight-transfer-config '{"backend": ...}'`` (None: no weight-transfer routes)), after
-    ``extra_args``, all parsed by vLLM's own engine-args parser. With ``ipc`` it sets
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless already set, so vLLM's workers (child
-    processes) unpickle the handles the ``ipc`` transport sends.
+    ``--weight-transfer-config '{"backend": ...}'`` (None: no weight-transfer routes; ``gloo``
+    and ``disk``: the project's plugin), ``--dtype``, ``--enforce-eager`` with ``cpu``), after
+    ``extra_args``, all parsed by vLLM's own engine-args parser (:func:`engine_argv`). With
+    ``ipc`` it sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless already set, so vLLM's
+    workers (child processes) unpickle the handles the ``ipc`` transport sends; with ``cpu``,
+    what :func:`engines.vllm_serve.cpu_env` gives a CPU server (KV-cache space, the spin),
+    for each variable not set: vLLM's engine core and workers are child processes of this
+    one, and read them from its environment.
 
     Raises ``EngineStartError``: at once without vLLM (one line), or for ``extra_args`` that
     set one of these settings; with vLLM's reason when the build fails; past
@@ -346,12 +357,17 @@ async def open_vllm_inprocess_client(
             enable_sleep_mode=enable_sleep_mode,
             weight_transfer_backend=weight_transfer_backend,
             extra_args=extra_args,
+            dtype=dtype,
+            cpu=cpu,
         )
     except ValueError as exc:
         raise EngineStartError(VLLM_URL, str(exc)) from None
     if weight_transfer_backend == "ipc" and _INSECURE_SERIALIZATION_ENV not in os.environ:
         os.environ[_INSECURE_SERIALIZATION_ENV] = "1"
         log.info("set %s=1 for vLLM's ipc weight transfer", _INSECURE_SERIALIZATION_ENV)
+    for key, value in (cpu_env() if cpu else {}).items():
+        os.environ[key] = value  # before the build thread starts vLLM's child processes
+        log.info("set %s=%s for vLLM on the CPU", key, value)
     build = functools.partial(build_async_llm, argv)
     async with open_bridge() as bridge:
         async with open_async_llm(

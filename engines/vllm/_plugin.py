@@ -1,22 +1,27 @@
-"""The ``vllm.general_plugins`` entry point (pyproject.toml): registers the ``gloo`` engine."""
+"""The ``vllm.general_plugins`` entry point (pyproject.toml): registers the ``gloo`` and ``disk``
+engines."""
 
 from __future__ import annotations
 
 import os
 
-__all__ = ["BACKEND", "BUSY_LOOP_ENV", "register"]
+__all__ = ["BACKENDS", "BUSY_LOOP_ENV", "register"]
 
-#: The ``--weight-transfer-config`` backend name the plugin registers.
-BACKEND = "gloo"
-#: Experimental: seconds vLLM's message-queue readers busy-spin after each message (vLLM's
-#: ``SpinCondition(busy_loop_s=1)``); unset: vLLM's own. On a small CPU machine the spin
-#: takes a core from training after every engine step.
+#: The ``--weight-transfer-config`` backend names the plugin registers: their engine classes.
+BACKENDS = {
+    "gloo": ("engines.vllm.gloo_engine", "GlooWeightTransferEngine"),
+    "disk": ("engines.vllm.disk_engine", "DiskWeightTransferEngine"),
+}
+#: Seconds vLLM's message-queue readers busy-spin after each message (vLLM's
+#: ``SpinCondition(busy_loop_s=1)``); unset: vLLM's own. The trainer sets it for the vLLM it
+#: starts on the CPU (``engines.vllm_serve.DEFAULT_CPU_BUSY_LOOP_S``, which says why); a
+#: server a user starts gets it from its own environment.
 BUSY_LOOP_ENV = "TRAINER_VLLM_BUSY_LOOP_S"
 
 
 def register() -> None:
-    """Register :class:`~engines.vllm.gloo_engine.GlooWeightTransferEngine` as ``gloo`` in
-    vLLM's ``WeightTransferEngineFactory`` (lazily: by module path).
+    """Register :data:`BACKENDS` in vLLM's ``WeightTransferEngineFactory`` (lazily: by module
+    path, so nothing is imported until a server uses one).
 
     vLLM may call this more than once per process; a second call is a no-op. A vLLM without
     the factory (older than weight transfer) is left alone.
@@ -25,12 +30,11 @@ def register() -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     except ImportError:
         return
-    try:
-        WeightTransferEngineFactory.register_engine(
-            BACKEND, "engines.vllm.gloo_engine", "GlooWeightTransferEngine"
-        )
-    except ValueError:
-        pass  # already registered in this process
+    for name, (module, cls) in BACKENDS.items():
+        try:
+            WeightTransferEngineFactory.register_engine(name, module, cls)
+        except ValueError:
+            pass  # already registered in this process
     if os.environ.get(BUSY_LOOP_ENV):
         _set_busy_loop(float(os.environ[BUSY_LOOP_ENV]))
 

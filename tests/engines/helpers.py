@@ -239,3 +239,17 @@ class StepGate:
                 while not self.engine.is_paused:  # noqa: ASYNC110 - no event for it
                     await trio.sleep(0.001)
             self.release(h)
+
+
+def greedy_reference(model: Any, prompt: list[int], max_tokens: int) -> list[int]:
+    """``max_tokens`` greedy tokens of ``prompt`` alone from transformers' own forward, EOS an
+    ordinary token (what ``ignore_eos=True`` asks of the engine; ``generate``'s
+    ``min_new_tokens`` would forbid EOS instead, a different distribution)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            token = model(ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, token.view(1, 1)], dim=1)
+    return ids[0, len(prompt) :].tolist()

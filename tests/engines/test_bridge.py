@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
@@ -123,6 +125,26 @@ async def test_a_deadline_cancels_a_pending_next_item() -> None:
         assert scope.cancelled_caught
         assert seen == [1]
         assert cancelled == [True]
+
+
+async def test_run_in_executor_takes_an_executor_of_the_librarys_own() -> None:
+    """vLLM's ``AsyncLLM.pause_generation`` runs a job on its own ``ThreadPoolExecutor``
+    (trio-asyncio's loop alone takes only a ``TrioExecutor``)."""
+    seen: list[str] = []
+
+    def job(x: int) -> int:
+        seen.append(threading.current_thread().name)
+        return x + 1
+
+    async def library() -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        with ThreadPoolExecutor(1, thread_name_prefix="library") as pool:
+            theirs = await loop.run_in_executor(pool, job, 1)
+        return theirs, await loop.run_in_executor(None, job, 2)  # the loop's own, as before
+
+    async with open_bridge() as bridge:
+        assert await bridge.run(library) == (2, 3)
+    assert seen[0].startswith("library")
 
 
 async def test_the_bridge_refuses_calls_after_its_block() -> None:

@@ -1,6 +1,6 @@
 """The reference engine's decode step: packed KV caches and batched sampling.
 
-Greedy results are checked against ``transformers``' own ``generate`` of each prompt alone,
+Greedy results are checked against ``transformers``' own forward of each prompt alone,
 through every path a cache takes: one prefill shared by identical prompts, a batch decoding
 together (its cache used as it is), requests joining mid-flight (rows gathered from several
 caches of different widths) and requests finishing early (a subset of a cache's rows).
@@ -17,9 +17,9 @@ import torch
 import trio
 
 from engines.local.decode import exponential_noise, sample_tokens
-from engines.local.engine import LocalEngine, open_local_engine
+from engines.local.engine import open_local_engine
 from engines.types import SamplingParams
-from tests.engines.helpers import StepGate
+from tests.engines.helpers import StepGate, greedy_reference
 
 
 @pytest.fixture(autouse=True)
@@ -28,18 +28,6 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(saved)
-
-
-def _reference(engine: LocalEngine, prompt: list[int], max_tokens: int) -> list[int]:
-    out = engine.model.generate(
-        torch.tensor([prompt]),
-        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_tokens,
-        min_new_tokens=max_tokens,
-        do_sample=False,
-        pad_token_id=engine.pad_token_id,
-    )
-    return out[0, len(prompt) :].tolist()
 
 
 async def test_requests_joining_and_leaving_mid_flight_decode_as_if_alone(model_dir: Path) -> None:
@@ -78,7 +66,9 @@ async def test_requests_joining_and_leaving_mid_flight_decode_as_if_alone(model_
         # 3 at first, 2 once [20] left, 4 with the two joiners, 5 with the third
         assert {2, 3, 4, 5} <= sizes, f"the batch never changed shape: {engine.batch_size_counts}"
         for i, (prompt, max_tokens, _) in enumerate(plan):
-            expected = await trio.to_thread.run_sync(_reference, engine, prompt, max_tokens)
+            expected = await trio.to_thread.run_sync(
+                greedy_reference, engine.model, prompt, max_tokens
+            )
             assert results[i] == expected, f"request {i}"
 
 
@@ -178,7 +168,9 @@ async def test_a_stop_string_ends_the_completion_at_the_token_that_completes_it(
     async with open_local_engine(model_dir) as engine:
         free = await engine.generate([5, 6, 7], params)
         words = engine.tokenizer.convert_ids_to_tokens(free.token_ids)
-        stopped = await engine.generate([5, 6, 7], attrs.evolve(params, stop=(words[3],)))
-    first = words.index(words[3])
+        special = set(engine.tokenizer.all_special_ids)  # not in the text: never a stop
+        word = next(w for w, t in zip(words[3:], free.token_ids[3:]) if t not in special)
+        stopped = await engine.generate([5, 6, 7], attrs.evolve(params, stop=(word,)))
+    first = words.index(word)
     assert stopped.token_ids == free.token_ids[: first + 1]
-    assert stopped.finish_reason == "stop" and stopped.stop_reason == words[3]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == word

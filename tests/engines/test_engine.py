@@ -20,7 +20,7 @@ from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engi
 from engines.local.inprocess import open_inprocess_client
 from engines.local.server import ServerApp
 from engines.types import SamplingParams
-from tests.engines.helpers import StepGate
+from tests.engines.helpers import StepGate, greedy_reference
 from trainer.errors import FaultInjected, InferenceServerError, StepTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 
@@ -202,19 +202,9 @@ async def test_batched_greedy_decoding_matches_transformers_generate(model_dir: 
                 nursery.start_soon(one, i)
         assert max(engine.batch_size_counts) == len(prompts)  # they really shared steps
 
-        def reference(prompt: list[int]) -> list[int]:
-            out = engine.model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=24,
-                min_new_tokens=24,
-                do_sample=False,
-                pad_token_id=engine.pad_token_id,
-            )
-            return out[0, len(prompt) :].tolist()
-
         for i, prompt in enumerate(prompts):
-            assert results[i] == await trio.to_thread.run_sync(reference, prompt)
+            expected = await trio.to_thread.run_sync(greedy_reference, engine.model, prompt, 24)
+            assert results[i] == expected
 
 
 async def test_the_inprocess_client_samples_n_like_n_seeded_requests(model_dir: Path) -> None:

@@ -85,3 +85,13 @@ def test_extra_args_may_not_set_what_the_engine_sets(extra: list[str]) -> None:
         engine_argv("m", extra_args=extra)
     field = next(f for f, flags in ENGINE_ARG_FLAGS.items() if f in str(info.value))
     assert field in ENGINE_ARG_FLAGS
+
+
+def test_on_the_cpu_the_engine_serves_the_policys_dtype_eagerly_unless_told_otherwise() -> None:
+    argv = engine_argv("m", dtype="float32", cpu=True)
+    assert argv[argv.index("--dtype") + 1] == "float32" and "--enforce-eager" in argv
+    theirs = engine_argv(
+        "m", dtype="float32", cpu=True, extra_args=["--dtype=bfloat16", "--no-enforce-eager"]
+    )
+    assert "--dtype" not in theirs and "--enforce-eager" not in theirs  # the user's own flags win
+    assert "--enforce-eager" not in engine_argv("m", dtype="float32")  # a GPU compiles

@@ -22,6 +22,7 @@ import pytest
 
 from engines.models import build_tiny_model
 from engines.process_group import free_port
+from engines.vllm_serve import cpu_env
 
 PROJECT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = PROJECT / ".venv-vllm" / "bin" / "python"
@@ -42,27 +43,34 @@ def pytest_collection_modifyitems(config, items):
 
 @attrs.frozen
 class RealServer:
-    """A running vLLM server (the tiny vLLM-servable model, float32, backend gloo)."""
+    """A running vLLM server (the tiny model, float32) and its weight-transfer backend."""
 
     url: str
     model_dir: Path
     log: Path
     pid: int
+    backend: str
 
 
 @pytest.fixture(scope="module")
 def vllm_server(tmp_path_factory) -> Iterator[RealServer]:
-    """One real vLLM server for the module, under the project's stdin guard (a killed pytest
-    takes it down); stopped, its whole process group, when the module ends."""
-    model_dir = build_tiny_model(variant="vllm")
+    """One real vLLM server for the module, weight-transfer backend ``gloo``."""
+    yield from serve(tmp_path_factory, "gloo")
+
+
+def serve(tmp_path_factory, backend: str) -> Iterator[RealServer]:
+    """A real vLLM server with this weight-transfer backend (the project's plugin's ``gloo`` or
+    ``disk``), started as docs/vllm.md tells a user to start one, under the project's stdin
+    guard (a killed pytest takes it down); stopped, its whole process group, at the end."""
+    model_dir = build_tiny_model()
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     cmd = [str(VLLM_PYTHON), "-m", "engines.stdin_guard", "--grace-s", "10", "--"]
     cmd += [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server"]
     cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--dtype", "float32", "--seed", "0", "--max-model-len", "256", "--enforce-eager"]
-    cmd += ["--weight-transfer-config", json.dumps({"backend": "gloo"})]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **cpu_env()}
     env["PYTHONPATH"] = str(PROJECT)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -77,7 +85,7 @@ def vllm_server(tmp_path_factory) -> Iterator[RealServer]:
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, log)
-        yield RealServer(url, model_dir, log, proc.pid)
+        yield RealServer(url, model_dir, log, proc.pid, backend)
     finally:
         _stop(proc)
 

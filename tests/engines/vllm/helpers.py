@@ -1,0 +1,90 @@
+"""What the real-vLLM tests check of every weight-transfer backend: a sync makes the engine
+score exactly as the policy, and a run against the server trains with exact weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from engines.client import InferenceClient
+from engines.types import SamplingParams
+from sync.weights import save_weights_for_sampler
+from tests.engines.vllm.conftest import PROJECT, RealServer
+from trainer.workers.local import LocalWorkerGroup
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The policy's logprob of each of ``tokens`` after ``prompt``."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+async def assert_syncs_make_the_engine_score_as_the_policy(
+    server: RealServer, transport: Any
+) -> None:
+    """Twice: move the policy away from what the engine serves (checked: its logprobs differ
+    by more than 1e-3), sync through ``transport``, and the engine's logprobs of what it
+    samples are the policy's within 1e-4."""
+    workers = await LocalWorkerGroup.create(
+        server.model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False
+    )
+    model = workers.policy.model
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    async with InferenceClient([server.url]) as client:
+        with trio.fail_after(300):
+            await transport.init(client, workers)
+        try:
+            for _ in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn_like(p))
+                stale = await client.generate(PROMPT, sampling)
+                policy = await trio.to_thread.run_sync(
+                    policy_logprobs, model, PROMPT, stale.token_ids
+                )
+                assert max(abs(a - b) for a, b in zip(policy, stale.logprobs)) > 1e-3
+                with trio.fail_after(300):
+                    await save_weights_for_sampler(client, workers, transport)
+                fresh = await client.generate(PROMPT, sampling)
+                policy = await trio.to_thread.run_sync(
+                    policy_logprobs, model, PROMPT, fresh.token_ids
+                )
+                assert max(abs(a - b) for a, b in zip(policy, fresh.logprobs)) < 1e-4
+        finally:
+            await transport.close(workers)
+
+
+def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:
+    """The run's ``steps`` metrics lines, each with every importance ratio within 1e-3 of 1
+    (the engine sampled with exactly the policy's weights)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert abs(row["policy/is_ratio_min"] - 1) < 1e-3, row
+        assert abs(row["policy/is_ratio_max"] - 1) < 1e-3, row
+    return rows
+
+
+def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:
+    """``engine.backend=remote`` against ``server`` (its backend as ``sync.transport``): 3
+    exact steps."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trainer", "engine.backend=remote"]
+    cmd += [f"sync.transport={server.backend}", f"engine.urls=[{server.url}]"]
+    cmd += ["trainer.max_steps=3", f"trainer.run_dir={run_dir}"]
+    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
+    proc = subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_exact_steps(run_dir, 3)
