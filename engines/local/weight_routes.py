@@ -14,7 +14,7 @@ means ``nccl`` when the model is on a GPU, else ``gloo``; vLLM's ``ipc`` shape
   as vLLM cuts them, or one tensor at a time), in a thread;
 - ``ipc`` (GPU, same device as the trainer): vLLM's ``ipc`` bodies; the server maps the
   trainer's CUDA IPC buffer once and copies out of it;
-- ``disk`` (this project's; vLLM has no such backend): ``init_info`` is ``{"backend":
+- ``disk`` (this project's; in real vLLM, the plugin's :mod:`engines.vllm.disk_engine`): ``init_info`` is ``{"backend":
   "disk"}`` and each ``update_info`` names a safetensors file (vLLM's ``names``,
   ``dtype_names`` and ``shapes``, plus ``path``) that the server reads in a thread.
 
