@@ -30,20 +30,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RECORD = ROOT / "docs" / "measured_runs.json"
 PY = ".venv/bin/python"
+VLLM_PY = ".venv-vllm/bin/python"
 #: The documented commands, as the docs spell them (``.venv/bin/python`` is this interpreter).
 COMMANDS = {
     "default": f"{PY} -m trainer trainer.run_dir=runs/default",
     "first": f"{PY} -m trainer trainer.max_steps=2 trainer.run_dir=runs/first",
+    "vllm": f"{VLLM_PY} -m trainer engine.backend=vllm sync.transport=gloo trainer.run_dir=runs/vllm",
 }
 #: Where each record is quoted.
-DOCS = {"default": ROOT / "README.md", "first": ROOT / "docs" / "quickstart.md"}
+DOCS = {
+    "default": ROOT / "README.md",
+    "first": ROOT / "docs" / "quickstart.md",
+    "vllm": ROOT / "docs" / "vllm.md",
+}
 BLOCK = re.compile(r"(<!-- BEGIN MEASURED: (\w+) -->\n)(.*?)(<!-- END MEASURED -->)", re.S)
 STARTUP = re.compile(r"^startup: .* ready in (\d+\.\d)s$")
 
 
 def run(name: str) -> dict:
     """Run one documented command; what it printed on stderr, its wall time and step times."""
-    argv = [sys.executable, *COMMANDS[name].split()[1:]]
+    python, *args = COMMANDS[name].split()
+    argv = [sys.executable if python == PY else str(ROOT / python), *args]
     started = time.monotonic()
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, check=True)
     wall = time.monotonic() - started
@@ -65,6 +72,14 @@ def render(name: str, rec: dict, record: dict) -> str:
         return "```\n" + "\n".join(rec["stderr"]) + "\n```\n"
     summary = rec["stderr"][-1]
     first, last = (float(x) for x in re.findall(r"\d+\.\d+", summary)[:2])
+    if name == "vllm":
+        return (
+            f"Measured {rec['measured']} ({rec['machine']}): **{rec['wall_s']:.0f} s** wall for\n"
+            f"the whole command, {rec['startup_s']:.0f} s of it startup (most of it vLLM's);\n"
+            f"then each step takes {rec['step_s_median']:.2f} s (median). The end of the output:\n"
+            "\n```\n" + "\n".join(rec["stderr"][-2:]) + "\n```\n\n"
+            f"The mean reward climbs from {first:.2f} to {last:.2f}, as with the reference engine.\n"
+        )
     return (
         f"Measured {record['measured']} ({record['machine']}): **{rec['wall_s']:.0f} s** wall\n"
         f"for the whole command, {rec['startup_s']:.0f} s of it startup (building the model,\n"
@@ -98,12 +113,17 @@ def main() -> None:
     args = parser.parse_args()
     if not args.docs:
         load = os.getloadavg()[0]
-        runs = {name: run(name) for name in COMMANDS}
+        names = [n for n in COMMANDS if n != "vllm" or (ROOT / VLLM_PY).exists()]
+        if "vllm" not in names:
+            print(f"no {VLLM_PY} (bash setup.sh --vllm): keeping the recorded vllm run")
+        old = json.loads(RECORD.read_text())["runs"] if RECORD.exists() else {}
         record = {
             "measured": datetime.date.today().isoformat(),
             "machine": f"{os.cpu_count()} cores, load average {load:.2f} before the runs",
-            "runs": runs,
+            "runs": {**old, **{name: run(name) for name in names}},
         }
+        for name in names:  # each run says when it was measured (a kept one keeps its own)
+            record["runs"][name] |= {"measured": record["measured"], "machine": record["machine"]}
         RECORD.write_text(json.dumps(record, indent=2) + "\n")
     record = json.loads(RECORD.read_text())
     for path, text in rendered_docs(record).items():
