@@ -38,6 +38,7 @@ so in its ``detail``. The run then ends; its teardown stops the engines and the 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import os
@@ -49,9 +50,12 @@ import trio
 
 from engines.types import EngineClient, PauseMode
 from sync.transports.base import Rank0, WeightTransport
+from trainer.errors import EngineUnusableError, StepTimeoutError
 from trainer.vocabulary import (
+    Operation,
     cleanup_bracket,
     current_deadline,
+    fire_fault,
     fire_fault_sync,
     operation,
     pending_deadline_error,
@@ -69,6 +73,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 OP = "broadcast_to_inference_engines"
+#: The trainer-side fault points inside a transfer (once per sync, never in its re-send).
+AFTER_FIRST_BUCKET: Operation = "transfer_after_first_bucket"
+BEFORE_FINISH: Operation = "transfer_before_finish"
 #: Default of ``sync.transfer_grace_s``: how long past its deadline a transfer may still run.
 TRANSFER_GRACE_S = 10.0
 #: Test-only: set to 1, the transfer's fault (a slow transfer, ``sleep=S``) blocks the trio
@@ -103,9 +110,64 @@ class _Rank0DuringTransfer:
 
 
 class _Outcome:
-    """Whether the transfer was abandoned (then no cleanup may touch the engines)."""
+    """Whether the transfer was abandoned, or left the engines broken (then no cleanup may
+    touch them: resuming or waking them would serve partial weights)."""
 
     abandoned = False
+    broken = False
+
+
+class _EngineDuringTransfer:
+    """The engines as one transfer attempt sees them: whether it reached them, how far it got,
+    and the two trainer-side fault points inside it (first attempt only)."""
+
+    def __init__(self, engine: EngineClient, *, fire: bool) -> None:
+        self._engine = engine
+        self._fire = fire
+        self._updates = 0
+        #: ``/start_weight_update`` was sent: from then on the engines hold partial weights
+        #: (real vLLM: its layers are reloaded as they arrive) until a finish succeeds.
+        self.started = False
+        self.finished = False
+        #: The engines accepted the start and no update failed there: the update is open
+        #: (real vLLM then refuses a second start, and a layer sent twice).
+        self.open = False
+        #: Every bucket was accepted: the transfer had reached its finish.
+        self.all_sent = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    async def control(self, method: str, path: str, params: Any = None, json: Any = None) -> Any:
+        if path == "/start_weight_update":
+            self.started = True
+        elif path == "/finish_weight_update":
+            self.all_sent = self.open
+            await self._point(BEFORE_FINISH)
+        try:
+            answer = await self._engine.control(method, path, params, json)
+        except BaseException:
+            if path == "/update_weights":
+                self.open = False  # what the engines kept of the update is unknown
+            raise
+        if path == "/start_weight_update":
+            self.open = True
+        elif path == "/update_weights":
+            self._updates += 1
+            if self._updates == 1:
+                await self._point(AFTER_FIRST_BUCKET)
+        elif path == "/finish_weight_update":
+            self.finished, self.open = True, False
+        return answer
+
+    async def _point(self, op: Operation) -> None:
+        if self._fire:
+            with operation(op):
+                await fire_fault(op)
+
+    @property
+    def broken(self) -> bool:
+        return self.started and not self.finished
 
 
 async def run_transfer(
@@ -113,6 +175,7 @@ async def run_transfer(
     *,
     grace_s: float = TRANSFER_GRACE_S,
     outcome: _Outcome | None = None,
+    fire: bool = True,
 ) -> float:
     """Run ``transfer()`` to completion even if cancelled; return its wall seconds.
 
@@ -122,7 +185,8 @@ async def run_transfer(
     raised with the transfer's error as ``__cause__``. The shielded scope's own deadline is
     the step's deadline plus ``grace_s``: a transfer still running then is abandoned and
     the deadline's typed error is raised with :func:`abandoned_detail` (``outcome`` records
-    it for the caller's cleanups).
+    it for the caller's cleanups). ``fire``: whether the ``broadcast_to_inference_engines``
+    fault fires (not on a re-send).
     """
     t0 = time.perf_counter()
     failure: BaseException | None = None
@@ -130,7 +194,9 @@ async def run_transfer(
         with trio.CancelScope(shield=True, deadline=current_deadline() + grace_s) as bound:
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
-                if os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
+                if not fire:
+                    pass
+                elif os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
                     _block_event_loop_on_fault()
                 else:
                     await trio.to_thread.run_sync(fire_fault_sync, OP, abandon_on_cancel=True)
@@ -184,20 +250,82 @@ async def save_weights_for_sampler(
     abandoned at the deadline plus ``grace_s`` leaves the engines as the transfer found
     them (paused or asleep): no cleanup runs.
     """
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"sync/resends": 0.0}
     outcome = _Outcome()
 
-    async def transfer_and_record() -> None:
+    attempts: list[_EngineDuringTransfer] = []
+
+    async def attempt(fire: bool) -> None:
+        attempts.append(seen := _EngineDuringTransfer(engine, fire=fire))
         out["sync/last_weight_sync_seconds"] = await run_transfer(
-            lambda: transport.transfer(engine, _Rank0DuringTransfer(workers)),
+            lambda: transport.transfer(seen, _Rank0DuringTransfer(workers)),
             grace_s=grace_s,
             outcome=outcome,
+            fire=fire,
         )
+
+    async def transfer_and_record() -> None:
+        try:
+            await attempt(fire=True)
+        except BaseException as failure:
+            if outcome.abandoned or not attempts[-1].broken:
+                raise  # abandoned: left paused; not reached the engines: they are intact
+            why = await resend_once(failure)
+            if why is not None:
+                outcome.broken = True
+                if isinstance(failure, Exception) and not isinstance(failure, StepTimeoutError):
+                    raise EngineUnusableError(list(engine.urls), why) from failure
+                failure.add_note(str(EngineUnusableError(list(engine.urls), why)))
+                raise
+            out["sync/resends"] = 1.0
+            if not isinstance(failure, Exception) or isinstance(failure, StepTimeoutError):
+                raise  # a deadline or a cancellation still ends the step, engines intact
+            log.warning(
+                "weight sync: the transfer broke off (%s: %s) and was sent again, complete",
+                type(failure).__name__,
+                failure,
+            )
+
+    async def resend_once(failure: BaseException) -> str | None:
+        """Complete the broken-off transfer, whatever cancels the step, within its deadline;
+        None once the engines hold one complete version, else why not.
+
+        - every bucket was accepted (it broke off before the finish): the finish alone;
+        - the update is open with buckets missing: refused (real vLLM takes neither a second
+          start nor a layer twice in one update); its finish is sent, best effort, so that
+          a later complete sync is accepted, and the engines stay paused;
+        - the update is not open (an update failed on the engines): the whole transfer again.
+        """
+        first = attempts[-1]
+        refusal = getattr(transport, "resend_refusal", None)
+        if current_deadline() <= trio.current_time():
+            return "no time was left to send the weights again"
+        with trio.CancelScope(shield=True, deadline=current_deadline()):
+            try:
+                if first.open and first.all_sent:
+                    await engine.control("POST", "/finish_weight_update", json={})
+                    return None
+                if first.open:
+                    with contextlib.suppress(Exception):
+                        await engine.control("POST", "/finish_weight_update", json={})
+                    return (
+                        "its update was open with buckets missing, which an engine cannot "
+                        "take again within one update (real vLLM refuses a second start)"
+                    )
+                if refusal is not None:
+                    return f"the transport cannot send again: {refusal}"
+                await attempt(fire=False)
+            except BaseException as exc:  # any way it ends, the engines hold partial weights
+                return f"sending the weights again failed too ({type(exc).__name__}: {exc})"
+        return None
 
     def after(cleanup: Callable[[], Awaitable[object]], label: str):
         async def unless_abandoned() -> None:
             if outcome.abandoned:
                 log.warning("%s skipped: the weight transfer was abandoned", label)
+                return
+            if outcome.broken:
+                log.warning("%s skipped: the engines hold partial weights", label)
                 return
             await cleanup()
 

@@ -57,6 +57,8 @@ STAGES = tuple(
 )
 #: Programs the project does not ship that the docs may name (on the machines they run on).
 EXTERNAL = {"curl", "vllm", "nvidia-smi"}
+#: The Python of ``bash setup.sh --vllm``'s environment (vLLM's CPU build beside the project).
+VLLM_PY = ".venv-vllm/bin/python"
 CKPT_SUBCOMMANDS = {"list", "show", "verify", "prune"}
 _OPERATORS = {"&&", "||", ";", "|"}
 _REDIRECTS = {"<", ">", ">>", "<<", "2>", "2>&1"}
@@ -97,6 +99,8 @@ def simple_commands(cmd: Command) -> list[tuple[dict[str, str], list[str]]]:
 
 def trainer_args(words: list[str]) -> list[str] | None:
     """The arguments of a training command (``-m trainer`` or ``just run``), else None."""
+    if words[:1] == [VLLM_PY]:  # the same trainer, in vLLM's environment
+        words = [".venv/bin/python", *words[1:]]
     if words[:3] == [".venv/bin/python", "-m", "trainer"] and (
         len(words) == 3 or words[3] not in ("ckpt", "debug", "plot")
     ):
@@ -131,6 +135,10 @@ def help_text(*argv: str) -> str:
 def program_problem(words: list[str]) -> str | None:
     """What is wrong with the program a command names (None when it exists)."""
     prog, rest = words[0], words[1:]
+    if prog == VLLM_PY:  # made by `bash setup.sh --vllm`: the project's modules, and vLLM's
+        if rest[:1] == ["-m"] and len(rest) > 1 and rest[1].split(".")[0] == "vllm":
+            return None
+        prog = ".venv/bin/python"
     if prog in ("python", "python3", "ray", "pip", "pytest"):
         return f"use .venv/bin/{'python' if prog.startswith('python') else prog}, as README does"
     if prog in EXTERNAL:

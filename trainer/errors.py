@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── InferenceServerError           an engine answered non-2xx or a malformed body
     │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
     │   ├── EngineStartError               an engine server died or never became healthy
+    │   ├── EngineUnusableError            a weight transfer broke off and no complete one followed
     │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
     │   ├── CheckpointError                a checkpoint is missing, incomplete or corrupted
     │   ├── WorkerError                    a policy/ref worker failed or died
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "EngineStartError",
+    "EngineUnusableError",
     "FaultInjected",
     "InferenceServerError",
     "InferenceServerTimeoutError",
@@ -172,6 +174,30 @@ class EngineStartError(RuntimeError):
     def __str__(self) -> str:
         tail = f"\n--- server log (tail) ---\n{self.log_tail}" if self.log_tail else ""
         return f"engine server {self.url}: {self.reason}{tail}"
+
+
+class EngineUnusableError(RuntimeError):
+    """A weight transfer into the engines broke off and no complete one followed.
+
+    Real vLLM loads a transfer layer by layer and is broken (its next generation crashes its
+    worker) until one complete start / update / finish has succeeded, so the trainer left
+    these engines paused rather than resume them. ``urls``: the engines; ``reason``: why the
+    re-send could not complete; ``log_tail``: the end of their logs, where the trainer has them.
+    """
+
+    def __init__(self, urls: list[str], reason: str, log_tail: str = "") -> None:
+        super().__init__(urls, reason, log_tail)
+        self.urls = urls
+        self.reason = reason
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        tail = f"\n--- engine log (tail) ---\n{self.log_tail}" if self.log_tail else ""
+        return (
+            f"engine {', '.join(self.urls)} left paused and unusable: a weight transfer broke "
+            f"off and {self.reason}; it must not serve until a complete weight sync succeeds "
+            f"(a resumed run sends one first){tail}"
+        )
 
 
 class CheckpointEngineInitError(RuntimeError):

@@ -15,6 +15,7 @@ from typing import Any
 from sync.weights import save_weights_for_sampler
 from trainer import stages
 from trainer.data import Example
+from trainer.engine_logs import engine_logs_on_unusable
 from trainer.errors import WeightSyncTimeoutError
 from trainer.generators.base import GeneratorOutput
 from trainer.run_context import RunContext
@@ -92,17 +93,18 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
         if versions is not None:
             versions.syncing = True
         try:
-            with ctx.stalls.window() as stall:
-                result = await save_weights_for_sampler(
-                    ctx.engine,
-                    ctx.workers,
-                    ctx.transport,
-                    pause_mode=e.pause_mode,
-                    colocated=e.colocated,
-                    offload_kv=e.offload_kv_for_weight_sync,
-                    fully_async=versions is not None,
-                    grace_s=ctx.cfg.sync.transfer_grace_s,
-                )
+            async with engine_logs_on_unusable(ctx.run_dir):
+                with ctx.stalls.window() as stall:
+                    result = await save_weights_for_sampler(
+                        ctx.engine,
+                        ctx.workers,
+                        ctx.transport,
+                        pause_mode=e.pause_mode,
+                        colocated=e.colocated,
+                        offload_kv=e.offload_kv_for_weight_sync,
+                        fully_async=versions is not None,
+                        grace_s=ctx.cfg.sync.transfer_grace_s,
+                    )
         finally:
             if versions is not None:
                 versions.syncing = False

@@ -41,6 +41,10 @@ class WeightTransport(Protocol):
     ``operation("broadcast_to_inference_engines")`` with generation paused and returns once
     every engine serves the new weights (applied atomically with respect to requests, by
     the engine); ``close`` releases what ``init`` built (bounded; safe after a failure).
+
+    A transport may also have ``resend_refusal``: why it cannot run ``transfer`` again after
+    one failed midway (None, or no such attribute: it can). ``sync.weights`` sends the
+    weights once more after a transfer that reached the engines broke off.
     """
 
     async def init(self, engine: Any, workers: Rank0) -> None: ...

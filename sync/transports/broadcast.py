@@ -318,6 +318,9 @@ class BroadcastTransport:
         #: This transport's group, unique in rank 0's process.
         self.group_id = f"{GROUP}-{uuid.uuid4().hex[:8]}"
         self.initialized = False
+        #: Why this transport cannot send the weights again after a failed transfer (None:
+        #: it can); ``sync.weights`` reads it before a re-send.
+        self.resend_refusal: str | None = None
 
     async def init(self, engine: Any, workers: Rank0) -> None:
         """Build the group (policy rank 0, one rank per server) within ``group_init_timeout_s``.
@@ -402,10 +405,25 @@ class BroadcastTransport:
             self.packed,
             timeout_s,
         )
-        async with open_owner_nursery() as nursery:
-            nursery.start_soon(send)
-            for bucket in buckets:
-                await engine.control("POST", "/update_weights", json={"update_info": bucket})
+        sent = False
+
+        async def send_all() -> None:
+            nonlocal sent
+            await send()
+            sent = True
+
+        try:
+            async with open_owner_nursery() as nursery:
+                nursery.start_soon(send_all)
+                for bucket in buckets:
+                    await engine.control("POST", "/update_weights", json={"update_info": bucket})
+        except BaseException:
+            if not sent:  # its thread is given up on, maybe still inside a collective
+                self.resend_refusal = (
+                    "rank 0's broadcast was cut off mid-transfer, so the weight-sync group may "
+                    "still carry its messages"
+                )
+            raise
         await engine.control("POST", "/finish_weight_update", json={})
 
     async def close(self, workers: Rank0) -> None:

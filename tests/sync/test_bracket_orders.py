@@ -10,7 +10,7 @@ before any weight-transfer call, so the server sees the bracket alone.
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,7 +24,6 @@ from engines.client import InferenceClient
 from engines.models import build_tiny_model
 from sync.transports import DiskTransport
 from sync.weights import abandoned_detail, save_weights_for_sampler
-from tests.engines.helpers import BackgroundEngines
 from trainer.config import load_config
 from trainer.config_schema import Config
 from trainer.errors import FaultInjected, WeightSyncTimeoutError
@@ -59,26 +58,6 @@ SHAPES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
 def cleanups(after: list[str]) -> list[str]:
     """The calls after the transfer that are cleanups (run even when it failed)."""
     return [call for call in after if not call.startswith("/reset_prefix_cache")]
-
-
-@pytest.fixture(scope="module")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    engines = BackgroundEngines(
-        1, build_tiny_model(), tmp_path_factory.mktemp("engine-logs")
-    ).start()
-    try:
-        yield engines.urls[0]
-    finally:
-        engines.stop()
-
-
-@pytest.fixture
-async def client(server_url: str) -> AsyncIterator[InferenceClient]:
-    async with InferenceClient([server_url]) as client:
-        yield client
-        # whatever a test did (or failed to undo), the next one finds the server serving
-        await client.resume()
-        await client.wake_up()
 
 
 @asynccontextmanager

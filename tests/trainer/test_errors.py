@@ -17,6 +17,7 @@ from trainer.errors import (
     ConfigError,
     DataError,
     EngineStartError,
+    EngineUnusableError,
     FaultInjected,
     InferenceServerError,
     InferenceServerTimeoutError,
@@ -47,6 +48,7 @@ CASES: dict[str, Callable[[], BaseException]] = {
     ),
     "server-timeout": lambda: InferenceServerTimeoutError(URL, "/pause", 5),
     "engine-start": lambda: EngineStartError(URL, "exited with code 1", "OSError: port in use"),
+    "engine-unusable": lambda: EngineUnusableError([URL], "the re-send failed: boom", "segfault"),
     "group-init": lambda: CheckpointEngineInitError("weight_sync", 600),
     "checkpoint": lambda: CheckpointError(
         "runs/x/checkpoints/global_step_4: manifest.json is missing"
@@ -193,6 +195,7 @@ def test_public_api_is_pinned():
         "ConfigError",
         "DataError",
         "EngineStartError",
+        "EngineUnusableError",
         "FaultInjected",
         "InferenceServerError",
         "InferenceServerTimeoutError",

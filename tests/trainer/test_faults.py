@@ -28,7 +28,8 @@ from trainer.vocabulary import (
 
 
 def test_operations_are_those_of_design_4_3():
-    # plus issue 17's wait_for_batch (fully-async's wait for a batch of rollouts)
+    # plus issue 17's wait_for_batch (fully-async's wait for a batch of rollouts) and issue
+    # 28's two points inside a transfer (fired on the trainer's side, so against real vLLM)
     assert OPERATIONS == (
         "generate",
         "env_step",
@@ -38,6 +39,8 @@ def test_operations_are_those_of_design_4_3():
         "offload_to_cpu",
         "backload_to_gpu",
         "broadcast_to_inference_engines",
+        "transfer_after_first_bucket",
+        "transfer_before_finish",
         "init_process_group",
         "save_checkpoint",
         "wait_for_batch",

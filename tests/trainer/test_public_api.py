@@ -151,6 +151,7 @@ PUBLIC = {
         "ConfigError",
         "DataError",
         "EngineStartError",
+        "EngineUnusableError",
         "FaultInjected",
         "InferenceServerError",
         "InferenceServerTimeoutError",

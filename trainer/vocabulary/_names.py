@@ -33,6 +33,10 @@ Operation = Literal[
     "offload_to_cpu",
     "backload_to_gpu",
     "broadcast_to_inference_engines",
+    # points inside a transfer, fired on the trainer's side (so against any engine), once per
+    # sync: after /start_weight_update and the first /update_weights, and before the finish
+    "transfer_after_first_bucket",
+    "transfer_before_finish",
     "init_process_group",
     "save_checkpoint",
     # fully-async only: the trainer's wait for a batch of finished rollout groups

@@ -77,14 +77,20 @@ def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
-def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:
-    """``engine.backend=remote`` against ``server`` (its backend as ``sync.transport``): 3
-    exact steps."""
-    run_dir = tmp_path / "run"
+def run_remote(
+    server: RealServer, run_dir: Path, steps: int, *overrides: str
+) -> subprocess.CompletedProcess[str]:
+    """``engine.backend=remote`` against ``server`` (its backend as ``sync.transport``) for
+    ``steps`` steps, in this Python."""
     cmd = [sys.executable, "-m", "trainer", "engine.backend=remote"]
     cmd += [f"sync.transport={server.backend}", f"engine.urls=[{server.url}]"]
-    cmd += ["trainer.max_steps=3", f"trainer.run_dir={run_dir}"]
+    cmd += [f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    proc = subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    return subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+
+
+def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:
+    """3 exact steps of :func:`run_remote`."""
+    proc = run_remote(server, tmp_path / "run", 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_exact_steps(run_dir, 3)
+    assert_exact_steps(tmp_path / "run", 3)

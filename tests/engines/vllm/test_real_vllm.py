@@ -3,14 +3,17 @@ the ``gloo`` weight-transfer plugin making it serve exactly the policy's weights
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 from engines.client import InferenceClient
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
 from tests.engines.vllm.helpers import (
+    assert_exact_steps,
     assert_remote_run_is_exact,
     assert_syncs_make_the_engine_score_as_the_policy,
+    run_remote,
 )
 
 pytestmark = pytest.mark.vllm
@@ -63,3 +66,52 @@ async def test_a_gloo_sync_makes_the_engine_score_as_the_policy(vllm_server, pac
 def test_engine_backend_remote_trains_3_steps_with_exact_weights(vllm_server, tmp_path):
     """The trainer against a vLLM server someone else started (the module's)."""
     assert_remote_run_is_exact(vllm_server, tmp_path)
+
+
+#: A weight transfer into real vLLM broken off at each point (the sync after step 2), and how
+#: the run ends: (fault, exit code, the typed error on stderr or None, steps recorded). In
+#: this order: each run starts with a complete sync into the same server, so its first step,
+#: exact, shows that what the cell before left behind was made whole by one complete sync.
+BROKEN_TRANSFERS = {
+    "before-start-error": ("broadcast_to_inference_engines:error=boom@2", 1, "FaultInjected", 1),
+    "before-start-hang": ("broadcast_to_inference_engines:hang@2", 1, "WeightSyncTimeoutError", 1),
+    "before-finish-error": ("transfer_before_finish:error=boom@2", 0, None, 3),
+    "after-first-bucket-error": ("transfer_after_first_bucket:error=boom@2", 1, "EngineUnusableError", 1),
+}  # fmt: skip
+#: Hung past the sync's deadline and grace after the start: abandoned, vLLM left paused with
+#: its update open. It then refuses a new start ("a weight update is already active"), so the
+#: next run against it fails at its first sync (measured: the before-finish hang after this
+#: one): a restart is what recovers it (issue 31). Run last.
+HUNG_MID_TRANSFER = {
+    "after-first-bucket-hang": ("transfer_after_first_bucket:hang@2", 1, "WeightSyncTimeoutError", 1),
+}  # fmt: skip
+
+
+def _broken_run(server, tmp_path, cell: tuple[str, int, str | None, int]) -> None:
+    fault, code, error, steps = cell
+    run_dir = tmp_path / "run"
+    overrides = [f"faults={fault}", "trainer.weight_sync_timeout_s=10", "sync.transfer_grace_s=3"]
+    proc = run_remote(server, run_dir, 3, *overrides)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    if error is not None:
+        assert error in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    rows = assert_exact_steps(run_dir, steps)
+    assert sum(r.get("sync/resends", 0) for r in rows) == (1 if code == 0 else 0)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("cell", list(BROKEN_TRANSFERS))
+def test_a_broken_transfer_into_real_vllm_ends_typed_or_is_completed(vllm_server, tmp_path, cell):
+    """Broken off before its finish, the transfer is finished and the run goes on; with
+    buckets missing, the run ends typed and vLLM stays paused (its open update closed, so
+    the next run's complete sync is accepted)."""
+    _broken_run(vllm_server, tmp_path, BROKEN_TRANSFERS[cell])
+
+
+def test_after_the_broken_transfers_one_complete_sync_serves_one_version(vllm_server, tmp_path):
+    assert_remote_run_is_exact(vllm_server, tmp_path)
+
+
+@pytest.mark.parametrize("cell", list(HUNG_MID_TRANSFER))
+def test_a_transfer_hung_mid_update_ends_with_the_deadlines_error(vllm_server, tmp_path, cell):
+    _broken_run(vllm_server, tmp_path, HUNG_MID_TRANSFER[cell])
