@@ -145,6 +145,7 @@ PUBLIC = {
         "where_line",
     ],
     "trainer.debug_cli": ["debug_main"],
+    "trainer.engine_logs": ["engine_logs_on_unusable", "engine_logs_tail"],
     "trainer.errors": [
         "CheckpointEngineInitError",
         "CheckpointError",
