@@ -125,10 +125,13 @@ class ControlPlane:
         self.max_backoff_s = max_backoff_s
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Control-plane calls get their own pool, so a /pause never waits behind frozen
-        # generation requests holding every data-plane connection.
+        # generation requests holding every data-plane connection. It keeps no connection
+        # alive: real vLLM resets a connection after answering a failed route 500, and the
+        # next request sent on it would fail (measured: "Connection reset by peer"). A
+        # handful of control calls a step can afford a connection each.
         self._control_http = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=4 * len(self.urls)),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
 
     @property

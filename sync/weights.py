@@ -294,7 +294,9 @@ async def save_weights_for_sampler(
         - the update is open with buckets missing: refused (real vLLM takes neither a second
           start nor a layer twice in one update); its finish is sent, best effort, so that
           a later complete sync is accepted, and the engines stay paused;
-        - the update is not open (an update failed on the engines): the whole transfer again.
+        - the update is not open (its start or an update failed on the engines): the open
+          update an earlier, abandoned transfer may have left is closed (a finish, best
+          effort: real vLLM refuses a start while one is open), then the whole transfer again.
         """
         first = attempts[-1]
         refusal = getattr(transport, "resend_refusal", None)
@@ -314,6 +316,8 @@ async def save_weights_for_sampler(
                     )
                 if refusal is not None:
                     return f"the transport cannot send again: {refusal}"
+                with contextlib.suppress(Exception):
+                    await engine.control("POST", "/finish_weight_update", json={})
                 await attempt(fire=False)
             except BaseException as exc:  # any way it ends, the engines hold partial weights
                 return f"sending the weights again failed too ({type(exc).__name__}: {exc})"

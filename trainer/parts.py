@@ -35,6 +35,7 @@ from sync.transports import (
     WeightTransport,
 )
 from trainer.config_schema import Config
+from trainer.errors import ConfigError
 from trainer.off_policy import resolve_correction
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
@@ -45,6 +46,7 @@ __all__ = [
     "open_ray_cluster",
     "open_transport",
     "open_workers",
+    "refuse_sleep_on_the_cpu",
     "uses_ray",
 ]
 
@@ -73,6 +75,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     routes = (*routes, *SLEEP_ROUTES) if sleeps else routes
     if e.backend == "vllm_inprocess":
         assert cfg.sync.transport in VLLM_TRANSPORTS, "validate_cfg allows only vLLM's backends"
+        refuse_sleep_on_the_cpu(cfg, not torch.cuda.is_available())
         async with open_vllm_inprocess_client(
             model_dir,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -129,6 +132,20 @@ def policy_dtype(cfg: Config) -> str:
     return dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
 
 
+def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
+    """``ConfigError`` when the run sleeps a vLLM engine that runs on the CPU (vLLM's CPU build
+    has no sleep mode: it refuses ``--enable-sleep-mode`` at start, and its ``/sleep`` answers
+    200 and does nothing)."""
+    e = cfg.engine
+    if cpu and (e.colocated or e.offload_kv_for_weight_sync):
+        key = "engine.colocated" if e.colocated else "engine.offload_kv_for_weight_sync"
+        raise ConfigError(
+            f"config: {key}=true sleeps the engine during weight syncs, and vLLM on the CPU "
+            "has no sleep mode (it refuses --enable-sleep-mode at start): unset it, or run "
+            "vLLM on a GPU"
+        )
+
+
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
     """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`).
 
@@ -164,6 +181,7 @@ async def _start_servers(
     e = cfg.engine
     servers: ServersSpec
     if e.backend == "vllm":
+        refuse_sleep_on_the_cpu(cfg, not torch.cuda.is_available())
         servers = vllm_servers(cfg, model_dir)
     else:
         servers = ReferenceServers(str(model_dir), cfg.trainer.seed, devices=tuple(devices))

@@ -36,7 +36,7 @@ from engines.vllm_serve import (
 )
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.parts import vllm_servers
+from trainer.parts import refuse_sleep_on_the_cpu, vllm_servers
 from trainer.run import train
 
 REFERENCE = Path(__file__).parent / "reference"
@@ -150,6 +150,14 @@ def test_a_cpu_server_gets_kv_cache_space_and_the_policys_dtype(monkeypatch) -> 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # the user's own settings are kept
     monkeypatch.setenv("TRAINER_VLLM_BUSY_LOOP_S", "1")
     assert VllmServers("/m", "gloo", cpu=True).env(0) == {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+@pytest.mark.parametrize("key", ["engine.colocated", "engine.offload_kv_for_weight_sync"])
+def test_a_run_that_sleeps_vllm_on_the_cpu_is_refused_before_it_starts(tmp_path, key) -> None:
+    cfg = load_config(None, ["engine.backend=vllm", "sync.transport=gloo", f"{key}=true"])
+    with pytest.raises(ConfigError, match=rf"{key}=true .* vLLM on the CPU has no sleep mode"):
+        refuse_sleep_on_the_cpu(cfg, cpu=True)
+    refuse_sleep_on_the_cpu(cfg, cpu=False)  # on a GPU it sleeps
 
 
 def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:

@@ -229,6 +229,7 @@ PUBLIC = {
         "open_ray_cluster",
         "open_transport",
         "open_workers",
+        "refuse_sleep_on_the_cpu",
         "uses_ray",
     ],
     "trainer.plots": ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"],
