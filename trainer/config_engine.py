@@ -157,3 +157,17 @@ class SyncConfig:
         "weights may be partial) and the run ends with WeightSyncTimeoutError saying so.",
         check=at_least(0),
     )
+    verify: Literal["first", "every", "never"] = _field(
+        "first",
+        "Check a weight sync: each engine samples a fixed probe and the policy scores the "
+        "same tokens; a logprob apart by more than sync.verify_tolerance ends the run with "
+        "WeightSyncMismatchError, before a rollout trains on those weights. 'first': the "
+        "initial sync (and a resumed run's); 'every': every sync; 'never'. Skipped (logged) "
+        "for a policy sharded over Ray workers.",
+    )
+    verify_tolerance: float | None = _field(
+        None,
+        "Largest logprob difference sync.verify accepts; None: 1e-3 for a float32 policy, "
+        "0.1 for bfloat16 or float16 (the engine's kernels round differently).",
+        check=positive,
+    )

@@ -14,6 +14,7 @@ Hierarchy::
     │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
     │   ├── EngineStartError               an engine server died or never became healthy
     │   ├── EngineUnusableError            a weight transfer broke off and no complete one followed
+    │   ├── WeightSyncMismatchError        after a sync an engine scores a probe unlike the policy
     │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
     │   ├── CheckpointError                a checkpoint is missing, incomplete or corrupted
     │   ├── WorkerError                    a policy/ref worker failed or died
@@ -45,6 +46,7 @@ __all__ = [
     "RefFailed",
     "RolloutTimeoutError",
     "StepTimeoutError",
+    "WeightSyncMismatchError",
     "WeightSyncTimeoutError",
     "WorkerError",
 ]
@@ -197,6 +199,43 @@ class EngineUnusableError(RuntimeError):
             f"engine {', '.join(self.urls)} left paused and unusable: a weight transfer broke "
             f"off and {self.reason}; it must not serve until a complete weight sync succeeds "
             f"(a resumed run sends one first){tail}"
+        )
+
+
+class WeightSyncMismatchError(RuntimeError):
+    """After a weight sync, engine ``url`` scores the probe's token at ``position`` (``token``)
+    ``engine_logprob``, the policy ``policy_logprob``: further apart than ``tolerance``
+    (``sync.verify_tolerance``), so the engine does not serve the policy's weights."""
+
+    def __init__(
+        self,
+        url: str,
+        position: int,
+        token: int,
+        engine_logprob: float,
+        policy_logprob: float,
+        tolerance: float,
+        weight_version: int,
+    ) -> None:
+        super().__init__(
+            url, position, token, engine_logprob, policy_logprob, tolerance, weight_version
+        )
+        self.url = url
+        self.position = position
+        self.token = token
+        self.engine_logprob = engine_logprob
+        self.policy_logprob = policy_logprob
+        self.tolerance = tolerance
+        self.weight_version = weight_version
+
+    def __str__(self) -> str:
+        diff = abs(self.engine_logprob - self.policy_logprob)
+        return (
+            f"weight sync {self.weight_version} into {self.url} does not match the policy: at "
+            f"probe position {self.position} (token {self.token}) the engine's logprob is "
+            f"{self.engine_logprob:.6f}, the policy's {self.policy_logprob:.6f} (apart by "
+            f"{diff:.2e}, sync.verify_tolerance {self.tolerance:g}); a weight the engine did not "
+            "take (a tied LM head into vLLM on the CPU, a name it maps differently) looks so"
         )
 
 

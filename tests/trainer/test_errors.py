@@ -18,6 +18,7 @@ from trainer.errors import (
     DataError,
     EngineStartError,
     EngineUnusableError,
+    WeightSyncMismatchError,
     FaultInjected,
     InferenceServerError,
     InferenceServerTimeoutError,
@@ -49,6 +50,7 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "server-timeout": lambda: InferenceServerTimeoutError(URL, "/pause", 5),
     "engine-start": lambda: EngineStartError(URL, "exited with code 1", "OSError: port in use"),
     "engine-unusable": lambda: EngineUnusableError([URL], "the re-send failed: boom", "segfault"),
+    "sync-mismatch": lambda: WeightSyncMismatchError(URL, 3, 17, -3.6, -1.8, 1e-3, 2),
     "group-init": lambda: CheckpointEngineInitError("weight_sync", 600),
     "checkpoint": lambda: CheckpointError(
         "runs/x/checkpoints/global_step_4: manifest.json is missing"
@@ -203,6 +205,7 @@ def test_public_api_is_pinned():
         "RefFailed",
         "RolloutTimeoutError",
         "StepTimeoutError",
+        "WeightSyncMismatchError",
         "WeightSyncTimeoutError",
         "WorkerError",
     ]

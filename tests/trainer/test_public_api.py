@@ -160,6 +160,7 @@ PUBLIC = {
         "RefFailed",
         "RolloutTimeoutError",
         "StepTimeoutError",
+        "WeightSyncMismatchError",
         "WeightSyncTimeoutError",
         "WorkerError",
     ],
