@@ -105,6 +105,7 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
                         fully_async=versions is not None,
                         grace_s=ctx.cfg.sync.transfer_grace_s,
                     )
+            result |= await stages.verify_weights(ctx, step, ctx.weight_version + 1)
         finally:
             if versions is not None:
                 versions.syncing = False

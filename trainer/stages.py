@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from sync.verify import verify_sync
 from trainer.algorithms import compute_advantages
 from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
@@ -26,6 +28,7 @@ __all__ = [
     "save_checkpoint",
     "train_policy",
     "trajectory_seed",
+    "verify_weights",
 ]
 
 
@@ -182,3 +185,27 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
         "eval/reward_mean": statistics.fmean(rewards),
         "eval/num_prompts": float(len(rewards)),
     }
+
+
+#: The probe's prompt: fixed token ids any vocabulary has (``sync.verify``).
+PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+_log = logging.getLogger("trainer.run")
+
+
+async def verify_weights(ctx: RunContext, step: int, weight_version: int) -> dict[str, float]:
+    """``sync.verify``: after the sync of ``step`` (``first``: the process's first sync), each
+    engine against the policy (:func:`sync.verify.verify_sync`); {} when not due."""
+    cfg = ctx.cfg
+    due = cfg.sync.verify == "every" or (cfg.sync.verify == "first" and step < ctx.first_step)
+    if not due:
+        return {}
+    if cfg.workers.backend == "ray" and cfg.workers.num_policy_workers > 1:
+        _log.info("sync.verify skipped: the policy may be sharded over its Ray workers")
+        return {}
+    return await verify_sync(
+        ctx.engine,
+        ctx.workers,
+        PROBE_PROMPT,
+        tolerance=cfg.sync.verify_tolerance,
+        weight_version=weight_version,
+    )

@@ -42,6 +42,7 @@ PUBLIC = {
     "sync.transports.disk": ["DiskTransport", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
     "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],
+    "sync.verify": ["DEFAULT_TOLERANCE", "LOW_PRECISION_TOLERANCE", "PROBE_TOKENS", "verify_sync"],
     "sync.weights": [
         "TRANSFER_GRACE_S",
         "TRANSFER_ON_EVENT_LOOP_ENV",

@@ -18,7 +18,6 @@ from trainer.errors import (
     DataError,
     EngineStartError,
     EngineUnusableError,
-    WeightSyncMismatchError,
     FaultInjected,
     InferenceServerError,
     InferenceServerTimeoutError,
@@ -26,6 +25,7 @@ from trainer.errors import (
     RefFailed,
     RolloutTimeoutError,
     StepTimeoutError,
+    WeightSyncMismatchError,
     WeightSyncTimeoutError,
     WorkerError,
 )

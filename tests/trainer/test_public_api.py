@@ -246,6 +246,7 @@ PUBLIC = {
         "save_checkpoint",
         "train_policy",
         "trajectory_seed",
+        "verify_weights",
     ],
     "trainer.trackers": [
         "CLOSE_TIMEOUT_S",
