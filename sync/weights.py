@@ -270,23 +270,27 @@ async def save_weights_for_sampler(
         except BaseException as failure:
             if outcome.abandoned or not attempts[-1].broken:
                 raise  # abandoned: left paused; not reached the engines: they are intact
-            why = await resend_once(failure)
+            # a deadline or a cancellation ends the step whatever the re-send does
+            ends_the_step = not isinstance(failure, Exception) or isinstance(
+                failure, StepTimeoutError
+            )
+            why = await resend_once()
             if why is not None:
                 outcome.broken = True
-                if isinstance(failure, Exception) and not isinstance(failure, StepTimeoutError):
+                if not ends_the_step:
                     raise EngineUnusableError(list(engine.urls), why) from failure
                 failure.add_note(str(EngineUnusableError(list(engine.urls), why)))
                 raise
             out["sync/resends"] = 1.0
-            if not isinstance(failure, Exception) or isinstance(failure, StepTimeoutError):
-                raise  # a deadline or a cancellation still ends the step, engines intact
+            if ends_the_step:
+                raise  # engines intact
             log.warning(
                 "weight sync: the transfer broke off (%s: %s) and was sent again, complete",
                 type(failure).__name__,
                 failure,
             )
 
-    async def resend_once(failure: BaseException) -> str | None:
+    async def resend_once() -> str | None:
         """Complete the broken-off transfer, whatever cancels the step, within its deadline;
         None once the engines hold one complete version, else why not.
 
