@@ -136,10 +136,14 @@ class ReferenceServers:
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
+    #: ``--enable-sleep-mode``: the run sleeps its engines (without it ``/sleep`` is refused).
+    enable_sleep_mode: bool = False
 
     def __call__(self, index: int, host: str) -> ServerSpec:
         cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
         cmd += ["--seed", str(self.seed + index), "--exit-on-stdin-eof"]
+        if self.enable_sleep_mode:
+            cmd.append("--enable-sleep-mode")
         if self.model_dir is not None:
             cmd += ["--model", str(self.model_dir)]
         device = self.devices[index % len(self.devices)] if self.devices else None

@@ -72,7 +72,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     if e.backend == "inprocess" or (e.backend == "local" and e.placement == "process"):
         for device in devices:  # here, before a server starts: a clear ConfigError
             resolve_device(device, key="engine.device")
-    sleeps = e.colocated or e.offload_kv_for_weight_sync
+    sleeps = sleeps_engines(cfg)
     routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
     routes = (*routes, *SLEEP_ROUTES) if sleeps else routes
     if e.backend == "vllm_inprocess":
@@ -135,12 +135,18 @@ def policy_dtype(cfg: Config) -> str:
     return dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
 
 
+def sleeps_engines(cfg: Config) -> bool:
+    """Whether the run sleeps its engines during weight syncs (their servers then need
+    sleep mode: ``--enable-sleep-mode``)."""
+    return cfg.engine.colocated or cfg.engine.offload_kv_for_weight_sync
+
+
 def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
     """``ConfigError`` when the run sleeps a vLLM engine that runs on the CPU (vLLM's CPU build
     has no sleep mode: it refuses ``--enable-sleep-mode`` at start, and its ``/sleep`` answers
     200 and does nothing)."""
     e = cfg.engine
-    if cpu and (e.colocated or e.offload_kv_for_weight_sync):
+    if cpu and sleeps_engines(cfg):
         key = "engine.colocated" if e.colocated else "engine.offload_kv_for_weight_sync"
         raise ConfigError(
             f"config: {key}=true sleeps the engine during weight syncs, and vLLM on the CPU "
@@ -188,7 +194,7 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
         tensor_parallel_size=e.tensor_parallel_size,
         gpu_memory_utilization=e.gpu_memory_utilization,
         seed=cfg.trainer.seed,
-        enable_sleep_mode=e.colocated or e.offload_kv_for_weight_sync,
+        enable_sleep_mode=sleeps_engines(cfg),
         gpu_groups=groups,
         extra_args=e.extra_args,
         dtype=policy_dtype(cfg),
@@ -207,7 +213,12 @@ async def _start_servers(
         await refuse_a_tied_head_on_the_cpu(model_dir, not torch.cuda.is_available())
         servers = vllm_servers(cfg, model_dir)
     else:
-        servers = ReferenceServers(str(model_dir), cfg.trainer.seed, devices=tuple(devices))
+        servers = ReferenceServers(
+            str(model_dir),
+            cfg.trainer.seed,
+            devices=tuple(devices),
+            enable_sleep_mode=sleeps_engines(cfg),
+        )
     started = {"api_key": e.api_key, "startup_timeout_s": startup_timeout_s(cfg)}
     if e.placement == "process":
         engines = await stack.enter_async_context(

@@ -4,7 +4,8 @@
 
     python -m engines.local serve [--model DIR] [--host 127.0.0.1] [--port 8000]
                                   [--api-key KEY] [--seed N] [--exit-on-stdin-eof]
-                                  [--no-weight-transfer] [--device auto|cpu|cuda|cuda:N]
+                                  [--no-weight-transfer] [--enable-sleep-mode]
+                                  [--device auto|cpu|cuda|cuda:N]
                                   [--dtype auto|float32|bfloat16]
 
 ``--device auto`` (the default) runs on CUDA when this process sees a GPU, else on the CPU;
@@ -13,7 +14,9 @@ CUDA the model is bfloat16 unless ``--dtype`` says otherwise; sampling stays on 
 
 Once listening it prints one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
 (``--port 0`` picks a free port; launchers read the port from this line). SIGTERM/SIGINT
-shut it down gracefully (in-flight requests get a couple of seconds). With
+shut it down gracefully (in-flight requests get a couple of seconds), and so does the death
+of its engine (a decode step over partial weights, as real vLLM's worker crashes), which
+exits 1. With
 ``--exit-on-stdin-eof`` it also shuts down when its stdin reaches end-of-file: a launcher
 that holds the write end of a pipe makes the server die with it, even on SIGKILL.
 """
@@ -36,7 +39,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from engines.devices import DTYPES, resolve_device
-from engines.local.engine import DEFAULT_BATCH_WAIT_S, open_local_engine
+from engines.local.engine import DEFAULT_BATCH_WAIT_S, LocalEngine, open_local_engine
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
@@ -142,6 +145,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_STORE_TIMEOUT_S:g})",
     )
     s.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="serve /sleep and /wake_up (refused without it, as where vLLM cannot sleep; "
+        "the reference sleeps on the CPU too)",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -165,8 +174,16 @@ async def _watch_stdin(on_eof: Callable[[], None]) -> None:
     on_eof()
 
 
-async def serve(args: argparse.Namespace) -> None:
-    """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return."""
+async def _watch_death(engine: LocalEngine, on_death: Callable[[], None]) -> None:
+    await engine.died.wait()
+    log.error("the engine died: shutting down (the requests in flight are answered 500)")
+    on_death()
+
+
+async def serve(args: argparse.Namespace) -> bool:
+    """Load the model, serve until SIGTERM/SIGINT (or stdin EOF with the flag), then return
+    whether it ended because the engine died (real vLLM's server exits then too: its
+    ``EngineDeadError``; :mod:`engines.local.engine` says when the reference's dies)."""
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     resolve_device(args.device, key="--device")  # refuse CUDA where there is none, at once
@@ -184,11 +201,13 @@ async def serve(args: argparse.Namespace) -> None:
             device=args.device,
             dtype=args.dtype,
         ) as engine:
+            nursery.start_soon(_watch_death, engine, shutdown.set)
             app = ServerApp(
                 engine,
                 served_model=args.served_model_name or args.model or str(model_dir),
                 api_key=args.api_key,
                 weight_transfer_routes=args.weight_transfer_routes,
+                sleep_mode=args.enable_sleep_mode,
                 weight_receiver=WeightReceiver(
                     configured=args.weight_transfer_config,
                     store_timeout_s=args.weight_transfer_timeout_s,
@@ -212,7 +231,9 @@ async def serve(args: argparse.Namespace) -> None:
                 )
                 port = int(binds[0].rsplit(":", 1)[1])
                 print(f"{READY_PREFIX} port={port} url=http://{host}:{port}", flush=True)
+            died = engine.died.is_set()
         nursery.cancel_scope.cancel()
+    return died
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        trio.run(serve, args)
+        if trio.run(serve, args):
+            return 1
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # a start-up failure: one clear line for the launcher's log tail

@@ -95,12 +95,12 @@ async def weight_checker(engine: LocalEngine, request: Request) -> Response:
         raise ProtocolError(
             400, f"action must be one of checksum|reset|compare, got {action!r}", "action"
         )
-    if engine.is_paused or engine.is_sleeping:
-        raise ProtocolError(409, "weight_checker requires an awake, unpaused engine")
-    if action == "reset":
-        shapes = {n: p.shape for n, p in engine.model.named_parameters()}
+    if engine.is_sleeping:  # vLLM on the CPU cannot sleep; the reference's weights are away
+        raise ProtocolError(409, "weight_checker requires an awake engine")
+    if action == "reset":  # vLLM's: every weight zeroed
+        shapes = {n: (p.shape, p.dtype) for n, p in engine.model.named_parameters()}
         state = await trio.to_thread.run_sync(
-            lambda: {n: torch.randn(s) for n, s in shapes.items()}
+            lambda: {n: torch.zeros(s, dtype=d) for n, (s, d) in shapes.items()}
         )
         await engine.load_weights(state)
         return json_response({"status": "reset"})

@@ -20,6 +20,11 @@ Control-plane state (each change wakes the scheduler):
   then ``wake_up(["kv_cache"])``, or ``wake_up()`` for both. While either half sleeps no decode
   step runs and ``generate`` raises ``EngineAsleepError``; ``load_weights`` needs the weights
   half awake.
+- *weights partial* (``weights_partial``, set by the weight routes from
+  ``/start_weight_update`` until a ``/finish_weight_update`` succeeds): real vLLM's layers
+  hold partial weights then, and its worker crashes on the next forward pass. So does this
+  engine: a decode step due while the weights are partial ends the engine instead
+  (``died``; every request and every later one raises ``EngineDeadError``, vLLM's words).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from trainer.vocabulary import open_owner_nursery
 __all__ = [
     "DEFAULT_BATCH_WAIT_S",
     "EngineAsleepError",
+    "EngineDeadError",
     "LocalEngine",
     "TokenCallback",
     "open_local_engine",
@@ -54,6 +60,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: vLLM's ``/weight_checker`` key prefix of its one worker (data, pipeline, context, tensor rank).
+WORKER_PREFIX = "dp0:pp0:pcp0:tp0:"
 #: Longest gap between two arriving requests that still joins them into one first step.
 DEFAULT_BATCH_WAIT_S = 0.002
 
@@ -67,6 +75,17 @@ class EngineAsleepError(RuntimeError):
     """A generation was asked of an engine whose weights are offloaded (``/sleep``)."""
 
 
+#: vLLM's ``EngineDeadError`` message, which its server answers (500) once its engine died.
+ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+
+
+class EngineDeadError(RuntimeError):
+    """The engine died (it ran a decode step on partial weights, as vLLM's worker crashes)."""
+
+    def __init__(self) -> None:
+        super().__init__(ENGINE_DEAD_MESSAGE)
+
+
 @attrs.define(eq=False)
 class _Request:
     prompt_ids: list[int]
@@ -76,6 +95,8 @@ class _Request:
     out_ids: list[int] = attrs.field(factory=list)
     out_logprobs: list[float] = attrs.field(factory=list)
     out_top: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    #: Set when the engine died with the request in it.
+    error: BaseException | None = None
     on_token: TokenCallback | None = None
     stop_reason: int | str | None = None
     #: KV cache of ``prompt_ids + out_ids[:-1]``; None until prefilled (or after a drop).
@@ -133,6 +154,10 @@ class LocalEngine:
         #: How many decode steps ran at each batch size (tests and /metrics read it).
         self.batch_size_counts: Counter[int] = Counter()
         self.weight_version = 0
+        #: Why the weights are partial (an update started and not finished); None: whole.
+        self.weights_partial: str | None = None
+        #: Set once the engine died (see the module docstring); the server then shuts down.
+        self.died = trio.Event()
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -157,6 +182,8 @@ class LocalEngine:
         sleeps, and wakes before it resumes). If the caller is
         cancelled the request leaves the batch at once (a step in flight finishes without it).
         """
+        if self.died.is_set():
+            raise EngineDeadError()
         if not self._awake and not self._paused:
             raise EngineAsleepError(self._asleep_detail())
         if not prompt_ids:
@@ -184,6 +211,8 @@ class LocalEngine:
                 req.finish("abort")  # wakes a pause(mode="wait") draining it
                 self._poke()
         assert req.finish_reason is not None
+        if req.error is not None:
+            raise req.error
         return Completion(
             req.out_ids,
             req.out_logprobs,
@@ -368,10 +397,11 @@ class LocalEngine:
         return state_checksum(dict(self.model.named_parameters()))
 
     def weight_checksums(self) -> dict[str, str]:
-        """sha256 of each parameter's float32 bytes, by name (vLLM ``/weight_checker`` shape)."""
+        """vLLM's ``/weight_checker`` digests: sha256 of each parameter's own bytes (its dtype),
+        keyed by the worker's ranks and the name (``dp0:pp0:pcp0:tp0:NAME``)."""
         return {
-            name: hashlib.sha256(
-                p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()
+            f"{WORKER_PREFIX}{name}": hashlib.sha256(
+                p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
             ).hexdigest()
             for name, p in sorted(self.model.named_parameters())
         }
@@ -421,6 +451,9 @@ class LocalEngine:
                 batch = self._runnable()  # re-read: a pause may have landed meanwhile
                 if not batch:
                     continue
+                if self.weights_partial is not None:
+                    self._die(len(batch))
+                    return
                 self.batch_size_counts[len(batch)] += 1
                 result = await trio.to_thread.run_sync(self._decode_step, batch)
             finished = False
@@ -482,6 +515,24 @@ class LocalEngine:
 
     def _decode_step(self, batch: list[_Request]) -> StepResult:
         return decode_step(self.model, batch, self.pad_token_id)
+
+    def _die(self, batch_size: int) -> None:
+        """What real vLLM's worker does on a forward pass over partial weights: it crashes.
+        Every request fails with ``EngineDeadError``, and so does every later one."""
+        log.error(
+            "the engine died: a decode step of %d request(s) was due while the weights are "
+            "partial (%s); real vLLM's worker crashes there (EngineDeadError). Only a "
+            "complete /start_weight_update, /update_weights, /finish_weight_update makes "
+            "an engine whole; resuming generation before that kills it",
+            batch_size,
+            self.weights_partial,
+        )
+        for req in (*self._active, *self._pending):
+            req.error = EngineDeadError()
+            req.finish("abort")
+        self._active.clear()
+        self._pending.clear()
+        self.died.set()
 
     def _drop_kv(self) -> None:
         for req in (*self._active, *self._pending):

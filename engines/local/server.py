@@ -35,7 +35,7 @@ import trio
 
 from engines.local.chat_protocol import chat_response, parse_chat_request
 from engines.local.control_routes import CONTROL_ROUTES, ControlHandler
-from engines.local.engine import EngineAsleepError, LocalEngine
+from engines.local.engine import EngineAsleepError, EngineDeadError, LocalEngine
 from engines.local.http import (
     MAX_BODY_BYTES,
     Request,
@@ -51,7 +51,7 @@ from engines.local.protocol import (
     parse_json_object,
 )
 from engines.local.streaming import ChatChunks, ChunkFormat, CompletionChunks, stream_events
-from engines.local.validation import GenerationOptions
+from engines.local.validation import GenerationOptions, refusal
 from engines.local.weight_routes import (
     WEIGHT_TRANSFER_PATHS,
     WeightReceiver,
@@ -77,6 +77,14 @@ Handler = Callable[["ServerApp", Request], Awaitable[Response]]
 CONTROL_LOG_SIZE = 1000
 
 
+SLEEP_PATHS = ("/sleep", "/wake_up")
+#: The refusal of ``/sleep`` and ``/wake_up`` by a server started without sleep mode.
+SLEEP_MODE_OFF = (
+    "sleep mode is off: start the server with --enable-sleep-mode (vLLM's CPU build has no "
+    "sleep mode: there, /sleep answers 200, sleeps nothing, and completions wait until /wake_up)"
+)
+
+
 class ServerApp:
     """ASGI app over one :class:`LocalEngine` (whose scheduler runs elsewhere)."""
 
@@ -88,8 +96,12 @@ class ServerApp:
         api_key: str | None = None,
         weight_transfer_routes: bool = True,
         weight_receiver: WeightReceiver | None = None,
+        sleep_mode: bool = False,
     ) -> None:
         self.engine = engine
+        #: False (``serve`` without ``--enable-sleep-mode``): ``/sleep`` and ``/wake_up`` are
+        #: refused, where vLLM cannot sleep (its CPU build answers 200 and does nothing).
+        self.sleep_mode = sleep_mode
         self.served_model = served_model
         self.api_key = api_key
         #: False: the weight-transfer routes answer 404 (no ``--weight-transfer-config``).
@@ -194,6 +206,8 @@ class ServerApp:
             return error_response(
                 405, f"{request.method} {request.path}: method not allowed ({allowed})"
             )
+        if request.path in SLEEP_PATHS and not self.sleep_mode:
+            return error_response(400, SLEEP_MODE_OFF)
         return handler
 
     async def _until_disconnect(
@@ -324,19 +338,19 @@ class ServerApp:
         """One completion per ``(prompt ids, params)``, concurrently (they batch); 409 while
         the engine sleeps."""
         results: list[Completion | None] = [None] * len(jobs)
-        asleep: list[str] = []
+        refused: list[ProtocolError] = []
 
         async def one(i: int) -> None:
             try:
                 results[i] = await self.engine.generate(*jobs[i])
-            except EngineAsleepError as exc:
-                asleep.append(str(exc))
+            except (EngineAsleepError, EngineDeadError) as exc:
+                refused.append(refusal(exc))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(jobs)):
                 nursery.start_soon(one, i)
-        if asleep:
-            raise ProtocolError(409, asleep[0])
+        if refused:
+            raise refused[0]
         return [c for c in results if c is not None]
 
     def _event_stream(

@@ -27,10 +27,10 @@ import attrs
 import trio
 
 from engines.local.chat_protocol import chat_logprobs
-from engines.local.engine import EngineAsleepError, TokenCallback
+from engines.local.engine import EngineAsleepError, EngineDeadError, TokenCallback
 from engines.local.protocol import completion_logprobs, usage
 from engines.local.text import TextStream
-from engines.local.validation import error_body
+from engines.local.validation import ProtocolError, refusal
 from engines.types import Completion, SamplingParams
 from trainer.vocabulary import open_owner_nursery
 
@@ -217,7 +217,9 @@ async def stream_events(
 ) -> None:
     """Generate ``jobs`` (one ``(prompt ids, params)`` per choice, choice ``i`` = job ``i``)
     and write their chunks as the tokens come (see the module docstring)."""
-    send, receive = trio.open_memory_channel[_Token | tuple[int, Completion | str]](math.inf)
+    send, receive = trio.open_memory_channel[_Token | tuple[int, Completion | ProtocolError]](
+        math.inf
+    )
     texts = [TextStream(decode, p.stop, include_stop_str) for _, p in jobs]
 
     async def run(index: int, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -226,9 +228,11 @@ async def stream_events(
 
         callback: TokenCallback = on_token
         try:
-            result: Completion | str = await generate(prompt_ids, params, on_token=callback)
-        except EngineAsleepError as exc:
-            result = str(exc)
+            result: Completion | ProtocolError = await generate(
+                prompt_ids, params, on_token=callback
+            )
+        except (EngineAsleepError, EngineDeadError) as exc:
+            result = refusal(exc)
         send.send_nowait((index, result))
 
     prompt_tokens = sum(len(p) for p, _ in jobs)
@@ -252,8 +256,8 @@ async def stream_events(
                 continue
             index, result = event
             running -= 1
-            if isinstance(result, str):
-                await write(sse(error_body(409, result)))
+            if isinstance(result, ProtocolError):
+                await write(sse(result.body()))
                 nursery.cancel_scope.cancel()
                 break
             completion_tokens += len(result.token_ids)

@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 
+from engines.local.engine import EngineAsleepError, EngineDeadError
 from engines.types import SamplingParams
 
 __all__ = [
@@ -73,6 +74,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
         status, "BadRequestError" if status < 500 else "InternalServerError"
     )
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def refusal(exc: EngineAsleepError | EngineDeadError) -> ProtocolError:
+    """The answer to a generation the engine refused: 409 while asleep, 500 once dead (vLLM's
+    answer once its engine died; its server then shuts down, as the reference's does)."""
+    return ProtocolError(500 if isinstance(exc, EngineDeadError) else 409, str(exc))
 
 
 def _reject_constant(name: str) -> Any:

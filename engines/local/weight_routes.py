@@ -18,10 +18,26 @@ means ``nccl`` when the model is on a GPU, else ``gloo``; vLLM's ``ipc`` shape
   "disk"}`` and each ``update_info`` names a safetensors file (vLLM's ``names``,
   ``dtype_names`` and ``shapes``, plus ``path``) that the server reads in a thread.
 
-``finish`` applies everything staged in one step, between two decode steps, so no request
-ever samples from half-updated weights. Until ``finish`` the engine serves the old weights.
-A new ``start`` discards a staged update that was never finished (an interrupted sync).
-``nccl`` and ``ipc`` need CUDA: on a machine without it their init is refused (400).
+The update follows real vLLM 0.32's session, which loads the layers as their weights arrive
+(its layerwise reload), where the trainer relies on it:
+
+- ``start`` opens an update and leaves the weights *partial* (``LocalEngine.weights_partial``)
+  until a ``finish`` of that update succeeds; a decode step due meanwhile kills the engine
+  (vLLM's worker crashes there) and the server exits;
+- ``start`` while an update is open is refused; a tensor sent twice in one update fails;
+- a failed ``update`` closes the update and leaves the weights partial: ``finish`` is then
+  refused, and only a new complete start, update(s), finish makes the engine whole;
+- a ``finish`` of an open update with tensors missing keeps their previous values (vLLM keeps
+  a layer that received nothing; a half-received layer is undefined there);
+- the engine-side failures of these routes answer as vLLM's do: 500, ``Call to
+  collective_rpc method failed: Worker failed with error '...'``; a body that is not the
+  route's shape is a 400.
+
+What the reference does in its own way (docs/engines.md, "Where the reference engine differs
+from vLLM"): it stages the tensors and loads them at ``finish``, between two decode steps (so
+a finished update is never seen half-applied); it needs ``/init_weight_transfer_engine``
+before a ``start`` (vLLM's engine exists from start-up). ``nccl`` and ``ipc`` need CUDA: on a
+machine without it their init is refused.
 """
 
 from __future__ import annotations
@@ -94,7 +110,7 @@ class WeightReceiver:
     pools: StagingPools = attrs.Factory(StagingPools)
     #: The trainer's IPC buffer, mapped once (``ipc``).
     ipc_mapped: dict[tuple, Any] = attrs.Factory(dict)
-    #: Tensors received since ``/start_weight_update``; None outside an update.
+    #: Tensors received since ``/start_weight_update``; None outside an open update.
     staged: dict[str, torch.Tensor] | None = None
     #: Updates applied by ``/finish_weight_update`` so far.
     updates_finished: int = 0
@@ -118,9 +134,7 @@ def _choose_backend(engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any
     return "ipc"
 
 
-async def _init(engine: LocalEngine, rx: WeightReceiver, info: Any) -> Response:
-    if not isinstance(info, dict):
-        raise ProtocolError(400, "init_info must be a JSON object", "init_info")
+async def _init(engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any]) -> None:
     backend = _choose_backend(engine, rx, info)
     try:
         if backend in ("gloo", "nccl"):
@@ -137,61 +151,110 @@ async def _init(engine: LocalEngine, rx: WeightReceiver, info: Any) -> Response:
     except (ValueError, RuntimeError) as exc:
         raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
     rx.backend = backend
-    return json_response({"message": "Weight transfer initialized"})
+
+
+#: vLLM's answers when a weight-update call comes out of turn (its worker's words).
+NOT_STARTED = "start_weight_update must be called before update_weights."
+NOT_STARTED_FINISH = "finish_weight_update called without a matching start_weight_update."
+ALREADY_ACTIVE = (
+    "start_weight_update called while a weight update is already active. "
+    "Call finish_weight_update first."
+)
+
+
+def worker_failed(message: str) -> ProtocolError:
+    """vLLM's answer when a weight route's call fails in its worker: a 500 in this frame."""
+    return ProtocolError(
+        500,
+        f"Call to collective_rpc method failed: Worker failed with error '{message}', "
+        "please check the stack trace above for the root cause",
+    )
 
 
 async def handle_weight_transfer(
     engine: LocalEngine, rx: WeightReceiver, request: Request
 ) -> Response:
     """Answer one of :data:`WEIGHT_TRANSFER_PATHS` (POST only) for ``engine``, whose
-    protocol state is ``rx``. Bad input raises ``ProtocolError`` (a 4xx)."""
+    protocol state is ``rx``. A body of the wrong shape raises a 400 ``ProtocolError``; a
+    failure of the call itself, vLLM's 500 (:func:`worker_failed`)."""
     if request.method != "POST":
         raise ProtocolError(405, f"{request.path} accepts POST only")
     body = parse_json_object(request.body) if request.body.strip() else {}
-    if request.path == "/init_weight_transfer_engine":
-        return await _init(engine, rx, body.get("init_info", {}))
-    if rx.backend is None:
-        raise ProtocolError(409, "call /init_weight_transfer_engine first")
-    if request.path == "/start_weight_update":
+    if request.path == "/update_weights" and not isinstance(body.get("update_info"), dict):
+        raise ProtocolError(400, "the body needs an 'update_info' object", "update_info")
+    if request.path == "/init_weight_transfer_engine" and not isinstance(
+        body.get("init_info", {}), dict
+    ):
+        raise ProtocolError(400, "init_info must be a JSON object", "init_info")
+    try:
+        await _call(engine, rx, request.path, body)
+    except Exception as exc:
+        if request.path == "/update_weights":
+            rx.staged = None  # vLLM closes the update; its weights stay partial
+        message = exc.message if isinstance(exc, ProtocolError) else f"{exc}"
+        log.warning("%s failed: %s", request.path, message)
+        raise worker_failed(message) from None
+    return json_response({"message": _DONE[request.path]})
+
+
+_DONE = {
+    "/init_weight_transfer_engine": "Weight transfer initialized",
+    "/start_weight_update": "Weight update started",
+    "/update_weights": "Weights updated",
+    "/finish_weight_update": "Weight update finished",
+}
+
+
+async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[str, Any]) -> None:
+    if path == "/init_weight_transfer_engine":
+        await _init(engine, rx, body.get("init_info", {}))
+    elif path == "/start_weight_update":
+        if rx.backend is None:
+            raise ValueError("Weight transfer not initialized: call /init_weight_transfer_engine")
         if rx.staged is not None:
-            log.warning("a weight update was started and never finished: discarding it")
+            raise ValueError(ALREADY_ACTIVE)
         rx.staged = {}
         rx.pools.start()
-        return json_response({"message": "Weight update started"})
-    if rx.staged is None:
-        raise ProtocolError(
-            409, f"{request.path} outside an update: call /start_weight_update first"
-        )
-    if request.path == "/update_weights":
-        info = body.get("update_info")
-        if not isinstance(info, dict):
-            raise ProtocolError(400, "the body needs an 'update_info' object", "update_info")
-        if rx.backend in ("gloo", "nccl"):
-            bucket, rx.last_update = await receive_collective(
-                engine,
-                rx.group,
-                rx.pools,
-                info,
-                packed=rx.packed,
-                buffer_size_bytes=rx.packed_buffer_size_bytes,
-                last=rx.last_update,
-            )
-        elif rx.backend == "ipc":
-            bucket = await receive_ipc(
-                engine, rx.pools, info, packed=rx.packed, mapped=rx.ipc_mapped
-            )
-        else:
-            bucket = await _read_bucket(engine, info)
+        engine.weights_partial = f"update {rx.updates_finished + 1} was started and not finished"
+    elif path == "/update_weights":
+        if rx.staged is None:
+            raise ValueError(NOT_STARTED)
+        bucket = await _receive(engine, rx, body["update_info"])
+        again = next((n for n in bucket if n in rx.staged), None)
+        if again is not None:
+            raise ValueError(f"{again} was already loaded in this update")
         rx.staged.update(bucket)
-        return json_response({"message": "Weights updated"})
-    staged, rx.staged = rx.staged, None
-    try:
-        adopted = await engine.load_weights(staged, adopt=rx.backend != "disk")
-    except EngineAsleepError as exc:
-        raise ProtocolError(409, f"{exc} before finishing a weight update") from None
-    rx.pools.adopted(adopted)
-    rx.updates_finished += 1
-    return json_response({"message": "Weight update finished"})
+    else:
+        if rx.staged is None:
+            raise ValueError(NOT_STARTED_FINISH)
+        try:
+            adopted = await engine.load_weights(rx.staged, adopt=rx.backend != "disk")
+        except EngineAsleepError as exc:
+            raise ValueError(f"{exc} before finishing a weight update") from None
+        rx.staged = None
+        engine.weights_partial = None
+        rx.pools.adopted(adopted)
+        rx.updates_finished += 1
+
+
+async def _receive(
+    engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any]
+) -> dict[str, torch.Tensor]:
+    """One ``update_info``'s tensors, by the backend's channel."""
+    if rx.backend in ("gloo", "nccl"):
+        bucket, rx.last_update = await receive_collective(
+            engine,
+            rx.group,
+            rx.pools,
+            info,
+            packed=rx.packed,
+            buffer_size_bytes=rx.packed_buffer_size_bytes,
+            last=rx.last_update,
+        )
+        return bucket
+    if rx.backend == "ipc":
+        return await receive_ipc(engine, rx.pools, info, packed=rx.packed, mapped=rx.ipc_mapped)
+    return await _read_bucket(engine, info)
 
 
 async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> Any:

@@ -23,8 +23,10 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine_urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """One reference server for the whole module (its log under a temp dir)."""
-    engines = BackgroundEngines(1, model_dir, tmp_path_factory.mktemp("engine-logs")).start()
+    """One reference server for the whole module (its log under a temp dir), sleep mode on."""
+    engines = BackgroundEngines(
+        1, model_dir, tmp_path_factory.mktemp("engine-logs"), extra_args=("--enable-sleep-mode",)
+    ).start()
     try:
         yield engines.urls
     finally:

@@ -413,7 +413,7 @@ async def test_sleep_and_wake_up_follow_vllms_state_machine(model_dir) -> None:
     params = SamplingParams(max_tokens=4)
     # a server of its own: sleeping at level 2 discards the weights the shared one must keep
     async with (
-        serve_reference(model_dir) as url,
+        serve_reference(model_dir, sleep_mode=True) as url,
         InferenceClient([url]) as client,
         httpx.AsyncClient() as http,
     ):
@@ -464,3 +464,14 @@ async def test_probe_names_the_vllm_flag_when_the_weight_transfer_routes_are_off
     assert "--weight-transfer-config" in str(info.value)
     assert all(route in str(info.value) for route in WEIGHT_TRANSFER_ROUTES)
     assert posted.value.status == 404
+
+
+async def test_without_sleep_mode_sleep_and_wake_up_are_refused_saying_how(model_dir) -> None:
+    """``serve`` without ``--enable-sleep-mode``: 400 naming the flag; the engine serves on."""
+    async with serve_reference(model_dir) as url, httpx.AsyncClient(timeout=60) as http:
+        for path in ("/sleep?level=1", "/wake_up"):
+            r = await http.post(f"{url}{path}")
+            assert r.status_code == 400 and "--enable-sleep-mode" in r.text
+        assert (await http.get(f"{url}/is_sleeping")).json()["is_sleeping"] is False
+        body = {"prompt": [5, 6, 7], "max_tokens": 2}
+        assert (await http.post(f"{url}/v1/completions", json=body)).status_code == 200

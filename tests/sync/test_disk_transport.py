@@ -50,7 +50,9 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
     assert not list((tmp_path / "sync").glob("v*"))  # bucket files are removed after the sync
 
 
-async def test_protocol_misuse_and_bad_buckets_are_4xx_not_5xx(tmp_path):
+async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(tmp_path):
+    """Each a 500 in vLLM's frame (tests/engines/test_weight_transfer_routes.py); a failed
+    update closes the update, as vLLM's does, so each bad bucket gets its own start."""
     model_dir = build_tiny_model()
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
         async with InferenceClient(urls) as client:
@@ -61,26 +63,26 @@ async def test_protocol_misuse_and_bad_buckets_are_4xx_not_5xx(tmp_path):
                 assert info.value.status is not None
                 return info.value.status
 
-            assert await status_of("/start_weight_update", {}) == 409  # before init
+            assert await status_of("/start_weight_update", {}) == 500  # before init
             assert (
                 await status_of("/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})
-                == 400
+                == 500
             )
             await client.control(
                 "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
             )
             assert (
-                await status_of("/update_weights", {"update_info": {}}) == 409
+                await status_of("/update_weights", {"update_info": {}}) == 500
             )  # outside an update
-            assert await status_of("/finish_weight_update", {}) == 409
-            await client.control("POST", "/start_weight_update", json={})
+            assert await status_of("/finish_weight_update", {}) == 500
             unknown = {
                 "names": ["no.such"],
                 "dtype_names": ["float32"],
                 "shapes": [[1]],
                 "path": "/nope",
             }
-            assert await status_of("/update_weights", {"update_info": unknown}) == 400
+            await client.control("POST", "/start_weight_update", json={})
+            assert await status_of("/update_weights", {"update_info": unknown}) == 500
             name = "model.norm.weight"
             missing_file = {
                 "names": [name],
@@ -88,14 +90,18 @@ async def test_protocol_misuse_and_bad_buckets_are_4xx_not_5xx(tmp_path):
                 "shapes": [[64]],
                 "path": "/nope",
             }
-            assert await status_of("/update_weights", {"update_info": missing_file}) == 400
+            await client.control("POST", "/start_weight_update", json={})
+            assert await status_of("/update_weights", {"update_info": missing_file}) == 500
             wrong_shape = {
                 "names": [name],
                 "dtype_names": ["float32"],
                 "shapes": [[3]],
                 "path": "/nope",
             }
-            assert await status_of("/update_weights", {"update_info": wrong_shape}) == 400
+            await client.control("POST", "/start_weight_update", json={})
+            assert await status_of("/update_weights", {"update_info": wrong_shape}) == 500
+            assert await status_of("/finish_weight_update", {}) == 500  # the update was closed
+            await client.control("POST", "/start_weight_update", json={})
             await client.control(
                 "POST", "/finish_weight_update", json={}
             )  # an empty update is fine
