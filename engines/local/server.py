@@ -172,8 +172,10 @@ class ServerApp:
             if request.path in CONTROL_PLANE_PATHS:
                 if request.method == "POST":  # not a probe's GET
                     self._record_control_call(request)
-                # TRAINER_FAULTS fire where the work runs
-                await fire_fault(request.path, request.step)
+                # TRAINER_FAULTS fire where the work runs (a weight route's inside its call,
+                # which its failure ends as any failure of the call: weight_routes)
+                if request.path not in WEIGHT_TRANSFER_PATHS:
+                    await fire_fault(request.path, request.step)
             if request.path in GENERATION_PATHS:
                 return await self._until_disconnect(lambda: handler(self, request), receive)
             return await handler(self, request)

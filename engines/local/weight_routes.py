@@ -62,6 +62,7 @@ from engines.weight_transfer import (
     NCCL_INIT_FIELDS,
     parse_info,
 )
+from trainer.vocabulary import fire_fault
 
 __all__ = [
     "BACKENDS",
@@ -187,6 +188,7 @@ async def handle_weight_transfer(
     ):
         raise ProtocolError(400, "init_info must be a JSON object", "init_info")
     try:
+        await fire_fault(request.path, request.step)  # TRAINER_FAULTS: a failure of the call
         await _call(engine, rx, request.path, body)
     except Exception as exc:
         if request.path == "/update_weights":

@@ -77,16 +77,26 @@ def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:
     return rows
 
 
+def remote_command(server: RealServer, run_dir: Path, steps: int, *overrides: str) -> list[str]:
+    """``python -m trainer`` with ``engine.backend=remote`` against ``server`` (its backend as
+    ``sync.transport``) for ``steps`` steps, in this Python."""
+    cmd = [sys.executable, "-m", "trainer", "engine.backend=remote"]
+    cmd += [f"sync.transport={server.backend}", f"engine.urls=[{server.url}]"]
+    return [*cmd, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *overrides]
+
+
+#: The environment :func:`remote_command` runs in.
+REMOTE_ENV = {**os.environ, "PYTHONPATH": str(PROJECT)}
+
+
 def run_remote(
     server: RealServer, run_dir: Path, steps: int, *overrides: str
 ) -> subprocess.CompletedProcess[str]:
-    """``engine.backend=remote`` against ``server`` (its backend as ``sync.transport``) for
-    ``steps`` steps, in this Python."""
-    cmd = [sys.executable, "-m", "trainer", "engine.backend=remote"]
-    cmd += [f"sync.transport={server.backend}", f"engine.urls=[{server.url}]"]
-    cmd += [f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(PROJECT)}
-    return subprocess.run(cmd, env=env, cwd=PROJECT, capture_output=True, text=True, timeout=600)
+    """:func:`remote_command`, run to its end."""
+    cmd = remote_command(server, run_dir, steps, *overrides)
+    return subprocess.run(
+        cmd, env=REMOTE_ENV, cwd=PROJECT, capture_output=True, text=True, timeout=600
+    )
 
 
 def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:

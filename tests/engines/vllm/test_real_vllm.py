@@ -3,16 +3,23 @@ the ``gloo`` weight-transfer plugin making it serve exactly the policy's weights
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
+
 import httpx
 import pytest
 
 from engines.client import InferenceClient
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
+from tests.engines.vllm.conftest import PROJECT
 from tests.engines.vllm.helpers import (
+    REMOTE_ENV,
     assert_exact_steps,
     assert_remote_run_is_exact,
     assert_syncs_make_the_engine_score_as_the_policy,
+    remote_command,
     run_remote,
 )
 from trainer.errors import InferenceServerError
@@ -123,6 +130,39 @@ def test_a_transfer_hung_mid_update_ends_with_the_deadlines_error(vllm_server, t
 def test_after_the_hung_transfers_the_next_run_mends_the_engine(vllm_server, tmp_path):
     """The update the last hang left open is closed, the weights sent whole: 3 exact steps."""
     assert_remote_run_is_exact(vllm_server, tmp_path)
+
+
+def test_a_trainer_killed_mid_transfer_and_resumed_mends_the_engine(vllm_server, tmp_path):
+    """SIGKILL of the trainer while its transfer hangs after a first bucket (vLLM paused, its
+    update open, half its layers reloaded); the run resumed from its step-1 checkpoint: its
+    first sync is refused its start, closes the open update and sends the whole transfer
+    again, and steps 2 and 3 are exact."""
+    run_dir = tmp_path / "run"
+    fired = run_dir / "faults_fired.log"
+    cmd = remote_command(
+        vllm_server,
+        run_dir,
+        3,
+        "faults=transfer_after_first_bucket:hang@2",
+        "trainer.ckpt_interval=1",
+    )
+    with open(tmp_path / "killed.log", "wb") as out:
+        proc = subprocess.Popen(cmd, env=REMOTE_ENV, cwd=PROJECT, stdout=out, stderr=out)
+    try:
+        deadline = time.monotonic() + 300
+        while not (fired.exists() and fired.read_text().strip()):
+            assert proc.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the transfer's fault never fired"
+            time.sleep(0.2)
+        time.sleep(1)  # the hang holds: vLLM has the start and a first bucket
+    finally:
+        proc.kill()
+        proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = run_remote(vllm_server, run_dir, 3, "trainer.resume_mode=latest")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "already active" in resumed.stderr  # the killed run's open update, closed
+    assert [r["step"] for r in assert_exact_steps(run_dir, 3)] == [1, 2, 3]
 
 
 async def test_the_client_survives_vllms_connection_reset_after_a_500(vllm_server):
