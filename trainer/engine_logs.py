@@ -25,6 +25,8 @@ async def engine_logs_tail(run_dir: Path, chars: int = LOG_TAIL_CHARS) -> str:
                 text = log.read_bytes()[-chars:].decode(errors="replace")
             except OSError:
                 continue
+            # a progress bar's carriage returns: what a terminal would show of each line
+            text = "\n".join(line.rsplit("\r", 1)[-1] for line in text.split("\n"))
             tails.append(f"[{log.name}]\n{text}")
         return "\n".join(tails)
 

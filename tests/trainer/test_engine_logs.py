@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.engine_logs import engine_logs_on_unusable
+from trainer.engine_logs import engine_logs_on_unusable, engine_logs_tail
 from trainer.errors import EngineUnusableError
 
 
@@ -31,3 +31,20 @@ async def test_without_logs_the_error_is_raised_as_it_was(tmp_path):
         async with engine_logs_on_unusable(tmp_path):
             raise original
     assert info.value is original
+
+
+async def test_a_progress_bar_shows_as_a_terminal_shows_it(tmp_path):
+    """Carriage returns (tqdm's) would break the error's last line: only what follows the
+    last one on each line is kept."""
+    (tmp_path / "engines").mkdir()
+    (tmp_path / "engines" / "engine-0.log").write_text(
+        "Loading weights:   0%|   | 0/27\rLoading weights: 100%|###| 27/27\nENGINE_READY port=1\n"
+    )
+    (tmp_path / "engines" / "engine-1.log").write_text("the engine died\n")
+    tail = await engine_logs_tail(tmp_path)
+    assert "\r" not in tail
+    assert tail == (
+        "[engine-0.log]\nLoading weights: 100%|###| 27/27\nENGINE_READY port=1\n\n"
+        "[engine-1.log]\nthe engine died\n"
+    )
+    assert await engine_logs_tail(tmp_path / "nowhere") == ""
