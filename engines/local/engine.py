@@ -401,7 +401,7 @@ class LocalEngine:
         keyed by the worker's ranks and the name (``dp0:pp0:pcp0:tp0:NAME``)."""
         return {
             f"{WORKER_PREFIX}{name}": hashlib.sha256(
-                p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
             ).hexdigest()
             for name, p in sorted(self.model.named_parameters())
         }
