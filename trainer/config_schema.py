@@ -248,7 +248,9 @@ class GeneratorConfig:
 @attrs.define
 class ModelConfig:
     path: str | None = _field(
-        None, "Hugging Face causal-LM directory (None: the built-in tiny model)."
+        None,
+        "Hugging Face causal-LM directory, a .gguf file, or a packaged GGUF model's short "
+        "name (smollm2-135m-instruct); None: the built-in tiny model.",
     )
 
 

