@@ -315,10 +315,21 @@ class DataConfig:
         "(response, answer, *, extra) -> float to get the row's extra fields (None: the task's).",
         check=module_attr,
     )
-    task: Literal["max_digit", "modular_sum"] = _field(
-        "max_digit", "Built-in task when data.train is None (see docs/concepts.md)."
+    task: Literal["max_digit", "modular_sum", "addition"] = _field(
+        "max_digit",
+        "Built-in task when data.train is None (see docs/concepts.md); 'addition' is a chat "
+        "task for pretrained instruct models (docs/real_model.md).",
     )
     num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
+    digits: int = _field(
+        1, "data.task=addition: digits of each operand (1: 0-9, 2: 0-99).", check=in_range(1, 9)
+    )
+    num_eval_examples: int | None = _field(
+        None,
+        "Eval prompts the built-in task generates (None: 100 for the digit tasks, which train on "
+        "the same pairs; for addition a fifth of its pairs, at most 200, held out of training).",
+        check=at_least(1),
+    )
 
 
 @attrs.define

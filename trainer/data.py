@@ -48,7 +48,6 @@ __all__ = [
     "digit_task_reward",
     "epoch_order",
     "exact_match_reward",
-    "load_examples",
     "load_jsonl",
     "modular_sum_examples",
     "resolve_reward_fn",
@@ -292,15 +291,6 @@ def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFunction:
             f"config: data.reward_fn={spec!r}: {module_name} has no callable {attr!r}"
         )
     return reward_function(typing.cast(RewardFn, fn), where=f"data.reward_fn={spec!r}")
-
-
-def load_examples(
-    train: str | None, task: str, num_examples: int, seed: int
-) -> tuple[list[Example], RewardFn]:
-    """The training examples and their default reward function."""
-    if train is not None:
-        return load_jsonl(train), exact_match_reward
-    return task_examples(task, num_examples, seed), digit_task_reward
 
 
 def check_same_order(state: dict[str, Any], *fields: tuple[str, str, int]) -> None:

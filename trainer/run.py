@@ -29,13 +29,8 @@ from engines.vllm_serve import require_vllm
 from trainer.checkpoint import CheckpointManager
 from trainer.config import to_dict
 from trainer.config_schema import Config
-from trainer.data import (
-    PromptLoader,
-    load_examples,
-    load_jsonl,
-    resolve_reward_fn,
-    task_examples,
-)
+from trainer.data import PromptLoader
+from trainer.datasets import load_datasets
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.fully_async import run_fully_async
@@ -192,18 +187,15 @@ async def _train(
     with progress.phase("model"):
         model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
-    examples, default_reward = load_examples(
-        cfg.data.train, cfg.data.task, cfg.data.num_examples, t.seed
+    data = await trio.to_thread.run_sync(load_datasets, cfg.data, t.seed)
+    examples, eval_examples, reward_fn = data.train, data.eval, data.reward_fn
+    # chat prompts render with this tokenizer, or fail here
+    sources = (
+        (cfg.data.train or f"data.task={cfg.data.task}", examples),
+        (cfg.data.eval or f"data.task={cfg.data.task} (eval)", eval_examples),
     )
-    reward_fn = resolve_reward_fn(cfg.data.reward_fn, default_reward)
-    eval_examples = (
-        load_jsonl(cfg.data.eval)
-        if cfg.data.eval
-        else task_examples(cfg.data.task, 100, t.seed + 1)
-    )
-    for source, checked in ((cfg.data.train, examples), (cfg.data.eval, eval_examples)):
-        if source is not None:  # chat prompts render with this tokenizer, or fail here
-            await trio.to_thread.run_sync(check_prompts, tokenizer, checked, source)
+    for source, checked in sources:
+        await trio.to_thread.run_sync(check_prompts, tokenizer, checked, source)
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
     last_step = loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:

@@ -106,6 +106,7 @@ PUBLIC = {
         "WatchdogConfig",
         "WorkersConfig",
     ],
+    "trainer.addition": ["PROMPT", "addition_examples", "addition_reward", "default_num_eval"],
     "trainer.data": [
         "ChatMessage",
         "Example",
@@ -118,13 +119,13 @@ PUBLIC = {
         "digit_task_reward",
         "epoch_order",
         "exact_match_reward",
-        "load_examples",
         "load_jsonl",
         "modular_sum_examples",
         "resolve_reward_fn",
         "reward_function",
         "task_examples",
     ],
+    "trainer.datasets": ["DIGIT_TASK_EVAL", "Datasets", "load_datasets"],
     "trainer.debug": [
         "DEBUG_FILE",
         "Dumper",
