@@ -20,12 +20,10 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from engines.models import build_directory_atomically
 from trainer.errors import ConfigError
 
 __all__ = ["PACKAGED", "converted_gguf", "gguf_source"]
@@ -85,22 +83,12 @@ def converted_gguf(source: Path, cache_dir: Path) -> Path:
             f"model.path names a GGUF file ({source}); reading it needs the gguf package: "
             "pip install gguf (bash setup.sh --smollm2 installs it)"
         )
-    cache_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     size_mb = source.stat().st_size / 2**20
     log.info(
         "converting %s (%.0f MB) to a Hugging Face directory, once: %s", source, size_mb, target
     )
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
-    try:
-        _convert(source, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race to another run: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    build_directory_atomically(target, lambda tmp: _convert(source, tmp))
     log.info("converted %s in %.1fs", source.name, time.monotonic() - t0)
     return target
 

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from trainer.errors import ConfigError
 __all__ = [
     "TINY_MODEL_CONFIG",
     "WORDS",
+    "build_directory_atomically",
     "build_tiny_model",
     "load_tokenizer",
     "quiet_transformers",
@@ -77,8 +79,8 @@ WORDS = [
 ]
 
 #: The built-in model's architecture. vLLM on the CPU serves it: its CPU attention takes head
-#: sizes of 32 and up (64 / 2 heads), and its CPU backend does not refresh a tied LM head on a
-#: weight reload (the embeddings change, the head keeps the old ones), so the head is its own.
+#: sizes of 32 and up (64 / 2 heads). Its LM head is its own (``build_tiny_model(tied=True)``
+#: ties it, for tests of a tied head's sync: ``engines.vllm.tied_head``).
 TINY_MODEL_CONFIG: dict[str, Any] = dict(
     hidden_size=64,
     intermediate_size=256,
@@ -141,9 +143,32 @@ def _build_tokenizer():
     return fast
 
 
-def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
-    """Return the directory of the built-in tiny model, building it on first use."""
-    model_cfg = TINY_MODEL_CONFIG
+def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(tmp)`` into a temporary directory beside it, then renamed:
+    a half-built directory is never at ``target`` (a crash leaves a ``.build-*`` directory,
+    removed at once when it is ours). A concurrent builder that renamed first wins; ours is
+    discarded. Blocking."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+    try:
+        build(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another builder: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tiny_model(cache_dir: Path | None = None, seed: int = 0, *, tied: bool = False) -> Path:
+    """Return the directory of the built-in tiny model, building it on first use.
+
+    ``tied``: the same architecture with its LM head tied to its embeddings (as most small
+    pretrained models have it), for tests of the tied head's sync.
+    """
+    model_cfg = {**TINY_MODEL_CONFIG, "tie_word_embeddings": True} if tied else TINY_MODEL_CONFIG
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"tiny-qwen2-{_fingerprint(seed, model_cfg)}"
     if (target / "config.json").exists():
@@ -152,7 +177,6 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     quiet_transformers()
-    cache_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     cfg = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -165,8 +189,8 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
     with gen:
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir))
-    try:
+
+    def build(tmp: Path) -> None:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         # Without this, AutoTokenizer maps model_type=qwen2 to Qwen2's BPE tokenizer class.
@@ -174,14 +198,8 @@ def build_tiny_model(cache_dir: Path | None = None, seed: int = 0) -> Path:
         tok_cfg = json.loads(tok_cfg_path.read_text())
         tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
         tok_cfg_path.write_text(json.dumps(tok_cfg, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race to another builder: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_directory_atomically(target, build)
 
 
 def resolve_model_path(path: str | None, seed: int = 0) -> Path:

@@ -4,8 +4,8 @@ Each engine samples a fixed probe (``PROBE_TOKENS`` tokens of a fixed prompt, se
 reports each token's logprob; policy rank 0 scores the same tokens; the largest difference
 must be within ``tolerance``, or :class:`~trainer.errors.WeightSyncMismatchError` names the
 engine, the position and both logprobs. A wrong sync is otherwise silent: the run trains on,
-and only ``policy/is_ratio`` drifting shows it (a tied LM head into vLLM on the CPU does
-exactly that). One short completion per engine and one forward of the policy.
+and only ``policy/is_ratio`` drifting shows it (vLLM's CPU build did exactly that with a
+tied LM head before ``engines.vllm.tied_head``). One short completion per engine and one forward of the policy.
 """
 
 from __future__ import annotations

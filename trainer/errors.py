@@ -235,7 +235,7 @@ class WeightSyncMismatchError(RuntimeError):
             f"probe position {self.position} (token {self.token}) the engine's logprob is "
             f"{self.engine_logprob:.6f}, the policy's {self.policy_logprob:.6f} (apart by "
             f"{diff:.2e}, sync.verify_tolerance {self.tolerance:g}); a weight the engine did not "
-            "take (a tied LM head into vLLM on the CPU, a name it maps differently) looks so"
+            "take (a stale LM head, a name it maps differently) looks so"
         )
 
 

@@ -9,7 +9,6 @@ when the run started it). Modules that import Ray are imported only by runs that
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import AsyncIterator
@@ -47,7 +46,6 @@ __all__ = [
     "open_ray_cluster",
     "open_transport",
     "open_workers",
-    "refuse_a_tied_head_on_the_cpu",
     "refuse_sleep_on_the_cpu",
     "uses_ray",
 ]
@@ -78,7 +76,6 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
     if e.backend == "vllm_inprocess":
         assert cfg.sync.transport in VLLM_TRANSPORTS, "validate_cfg allows only vLLM's backends"
         refuse_sleep_on_the_cpu(cfg, not torch.cuda.is_available())
-        await refuse_a_tied_head_on_the_cpu(model_dir, not torch.cuda.is_available())
         async with open_vllm_inprocess_client(
             model_dir,
             tensor_parallel_size=e.tensor_parallel_size,
@@ -155,25 +152,6 @@ def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
         )
 
 
-async def refuse_a_tied_head_on_the_cpu(model_dir: Path, cpu: bool) -> None:
-    """``ConfigError`` for a model with a tied LM head (``tie_word_embeddings``) served by
-    vLLM on the CPU: its CPU backend does not refresh a tied head on a weight reload (the
-    embeddings change, the head keeps the checkpoint's), so every sync would be wrong."""
-    if not cpu:
-        return
-    try:
-        config = json.loads(await trio.Path(model_dir / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # the engine's own load says what is wrong with the directory
-    if config.get("tie_word_embeddings"):
-        raise ConfigError(
-            f"config: model.path={model_dir} ties its LM head to its embeddings, and vLLM on "
-            "the CPU does not refresh a tied head when weights are synced (it would serve the "
-            "new embeddings with the old head): use engine.backend=local (the reference "
-            "engine), an untied model, or vLLM on a GPU"
-        )
-
-
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
     """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`).
 
@@ -210,7 +188,6 @@ async def _start_servers(
     servers: ServersSpec
     if e.backend == "vllm":
         refuse_sleep_on_the_cpu(cfg, not torch.cuda.is_available())
-        await refuse_a_tied_head_on_the_cpu(model_dir, not torch.cuda.is_available())
         servers = vllm_servers(cfg, model_dir)
     else:
         servers = ReferenceServers(

@@ -10,7 +10,8 @@ exactly as to the reference server (``engines/local/weight_routes.py``, backend 
   ``path``, a safetensors file on a filesystem this server sees; the file must hold exactly
   those tensors with those dtypes and shapes, or the update fails naming the first mismatch.
 - Start and finish are the ``nccl`` engine's: vLLM's layerwise reload, so the weights are
-  loaded with the model's own ``load_weights`` (fused projections, repacking, as at start-up).
+  loaded with the model's own ``load_weights`` (fused projections, repacking, as at start-up),
+  and after the finish a tied LM head prepared again (:mod:`engines.vllm.tied_head`).
   A failed update leaves the layers half-loaded (vLLM's behaviour, not this engine's).
 - Chosen over vLLM's ``/collective_rpc reload_weights`` (a whole checkpoint directory per
   call): this keeps the trainer's four-phase protocol, its buckets and its per-route
@@ -27,6 +28,8 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferEngine,
     NCCLWeightTransferUpdateInfo,
 )
+
+from engines.vllm.tied_head import refresh_tied_heads
 
 __all__ = ["DiskInitInfo", "DiskUpdateInfo", "DiskWeightTransferEngine"]
 
@@ -62,6 +65,12 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
 
     def init_transfer_engine(self, init_info: Any) -> None:
         """Nothing to join: the trainer writes files this server reads."""
+
+    def finish_weight_update(self) -> None:
+        """vLLM's finish (the layerwise reload finalised), then a tied LM head prepared again
+        where vLLM's CPU build would keep it stale (:mod:`engines.vllm.tied_head`)."""
+        super().finish_weight_update()
+        refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The base's, without its ``torch.accelerator.synchronize()`` (a CPU server has no

@@ -13,8 +13,9 @@ engine exactly as to the reference server (``engines/local/weight_receive.py``).
 - Packed (the trainer's default): each chunk is one ``uint8`` broadcast cut as vLLM's
   consumer cuts it (:func:`engines.weight_transfer.packed_chunks`), unpacked into views and
   handed to the model's ``load_weights``; unpacked: one broadcast per tensor.
-- Start and finish are the ``nccl`` engine's: vLLM's layerwise reload. A failed update
-  leaves the layers half-loaded (vLLM's behaviour, not this engine's).
+- Start and finish are the ``nccl`` engine's: vLLM's layerwise reload, and after the finish a
+  tied LM head prepared again (:mod:`engines.vllm.tied_head`). A failed update leaves the
+  layers half-loaded (vLLM's behaviour, not this engine's).
 - No CUDA call: ``update_weights`` is overridden because the base ends it with
   ``torch.accelerator.synchronize()`` ("Cannot access accelerator device" on the CPU).
 - Bounded: the store and every collective time out after
@@ -37,6 +38,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from engines.process_group import GroupHandle, join_group
+from engines.vllm.tied_head import refresh_tied_heads
 from engines.weight_transfer import packed_chunks
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooWeightTransferEngine"]
@@ -88,6 +90,12 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
             world_size=init_info.world_size,
             store_timeout_s=_timeout_s(),
         )
+
+    def finish_weight_update(self) -> None:
+        """vLLM's finish (the layerwise reload finalised), then a tied LM head prepared again
+        where vLLM's CPU build would keep it stale (:mod:`engines.vllm.tied_head`)."""
+        super().finish_weight_update()
+        refresh_tied_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The base's, without its ``torch.accelerator.synchronize()`` (CPU: nothing to wait

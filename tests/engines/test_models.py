@@ -10,7 +10,18 @@ from engines.models import build_tiny_model, resolve_model_path
 def test_the_tiny_model_has_vllms_cpu_head_size_and_its_own_head(tmp_path):
     cfg = json.loads((build_tiny_model(tmp_path) / "config.json").read_text())
     assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32  # vLLM's CPU attention
-    assert cfg["tie_word_embeddings"] is False  # vLLM's CPU reload keeps a tied head stale
+    assert cfg["tie_word_embeddings"] is False  # its measured curves were made untied
+
+
+def test_a_tied_tiny_model_is_its_own_directory_storing_the_head_once(tmp_path):
+    from safetensors import safe_open
+
+    tied = build_tiny_model(tmp_path, tied=True)
+    assert tied != build_tiny_model(tmp_path)
+    assert json.loads((tied / "config.json").read_text())["tie_word_embeddings"] is True
+    with safe_open(str(tied / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    assert not list(tmp_path.glob(".build-*"))  # built into a temporary directory, renamed
 
 
 def test_an_unset_model_path_is_the_tiny_model(monkeypatch, tmp_path):

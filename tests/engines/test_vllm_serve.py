@@ -25,7 +25,6 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import ServerSpec, open_engine_processes
-from engines.models import build_tiny_model
 from engines.process_group import free_port
 from engines.types import SamplingParams
 from engines.vllm_serve import (
@@ -37,7 +36,7 @@ from engines.vllm_serve import (
 )
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.parts import refuse_a_tied_head_on_the_cpu, refuse_sleep_on_the_cpu, vllm_servers
+from trainer.parts import refuse_sleep_on_the_cpu, vllm_servers
 from trainer.run import train
 
 REFERENCE = Path(__file__).parent / "reference"
@@ -159,14 +158,6 @@ def test_a_run_that_sleeps_vllm_on_the_cpu_is_refused_before_it_starts(tmp_path,
     with pytest.raises(ConfigError, match=rf"{key}=true .* vLLM on the CPU has no sleep mode"):
         refuse_sleep_on_the_cpu(cfg, cpu=True)
     refuse_sleep_on_the_cpu(cfg, cpu=False)  # on a GPU it sleeps
-
-
-async def test_a_tied_head_into_vllm_on_the_cpu_is_refused_before_it_starts(tmp_path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
-    with pytest.raises(ConfigError, match="does not refresh a tied head"):
-        await refuse_a_tied_head_on_the_cpu(tmp_path, cpu=True)
-    await refuse_a_tied_head_on_the_cpu(tmp_path, cpu=False)  # on a GPU it syncs
-    await refuse_a_tied_head_on_the_cpu(build_tiny_model(), cpu=True)  # untied
 
 
 def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:

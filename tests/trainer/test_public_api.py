@@ -231,7 +231,6 @@ PUBLIC = {
         "open_ray_cluster",
         "open_transport",
         "open_workers",
-        "refuse_a_tied_head_on_the_cpu",
         "refuse_sleep_on_the_cpu",
         "uses_ray",
     ],

@@ -58,11 +58,12 @@ def vllm_server(tmp_path_factory) -> Iterator[RealServer]:
     yield from serve(tmp_path_factory, "gloo")
 
 
-def serve(tmp_path_factory, backend: str) -> Iterator[RealServer]:
+def serve(tmp_path_factory, backend: str, model_dir: Path | None = None) -> Iterator[RealServer]:
     """A real vLLM server with this weight-transfer backend (the project's plugin's ``gloo`` or
     ``disk``), started as docs/vllm.md tells a user to start one, under the project's stdin
-    guard (a killed pytest takes it down); stopped, its whole process group, at the end."""
-    model_dir = build_tiny_model()
+    guard (a killed pytest takes it down); stopped, its whole process group, at the end. It
+    serves ``model_dir`` (default: the built-in tiny model)."""
+    model_dir = model_dir or build_tiny_model()
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     cmd = [str(VLLM_PYTHON), "-m", "engines.stdin_guard", "--grace-s", "10", "--"]
