@@ -149,8 +149,19 @@ class TrainerConfig:
     )
     eval_interval: int = _field(
         0,
-        "Evaluate on data.eval every this many steps (0: never), after the step, under its "
-        "own step_timeout_s.",
+        "Evaluate on the eval prompts (data.eval, or the task's) every this many steps (0: "
+        "never), after the step, under its own step_timeout_s: greedy, eval/reward_mean.",
+        check=at_least(0),
+    )
+    eval_before_train: bool = _field(
+        False,
+        "Also evaluate after the first weight sync, before step 1 (logged as step 0; a resumed "
+        "run does not repeat it).",
+    )
+    eval_n_samples_per_prompt: int = _field(
+        0,
+        "Each eval also samples this many responses per eval prompt with generator.sampling: "
+        "eval/sampled_reward_mean (0: greedy only).",
         check=at_least(0),
     )
     progress: bool = _field(

@@ -38,7 +38,7 @@ from trainer import stages
 from trainer.data import Example
 from trainer.errors import RolloutTimeoutError
 from trainer.generators.base import GeneratorInput, GeneratorOutput
-from trainer.loop import run_eval, sync_weights, train_on
+from trainer.loop import eval_if_due, sync_weights, train_on
 from trainer.prompt_stream import PromptKey, PromptStream
 from trainer.rollout_versions import WeightVersions
 from trainer.run_context import RunContext
@@ -68,6 +68,7 @@ async def run_fully_async(ctx: RunContext) -> None:
     """Sync the policy to the engines, start the rollouts, then run the steps (eval where due)."""
     with ctx.progress.phase("first weight sync"):
         await sync_weights(ctx, ctx.first_step - 1)
+    await eval_if_due(ctx, ctx.first_step - 1)  # before the rollouts start
     feed = RolloutFeed(ctx)
     async with open_owner_nursery() as nursery:
         for _ in range(ctx.cfg.generator.num_parallel_workers):
@@ -87,8 +88,7 @@ async def run_fully_async(ctx: RunContext) -> None:
                     **ctx.loop_metrics(),
                 }
             )
-            if ctx.eval_due(step):
-                ctx.record_eval(step, await run_eval(ctx, step))
+            await eval_if_due(ctx, step)
         # the last step is done: stop the rollouts (a resume would roll their prompts out again)
         log.info(
             "stopping the rollouts: %d groups in flight%s",

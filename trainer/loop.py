@@ -21,7 +21,7 @@ from trainer.generators.base import GeneratorOutput
 from trainer.run_context import RunContext
 from trainer.vocabulary import Timer, step_deadline
 
-__all__ = ["run_eval", "run_step", "run_training", "sync_weights", "train_on"]
+__all__ = ["eval_if_due", "run_eval", "run_step", "run_training", "sync_weights", "train_on"]
 
 
 async def run_training(ctx: RunContext) -> None:
@@ -33,6 +33,7 @@ async def run_training(ctx: RunContext) -> None:
     """
     with ctx.progress.phase("first weight sync"):
         await sync_weights(ctx, ctx.first_step - 1)
+    await eval_if_due(ctx, ctx.first_step - 1)
     for step in range(ctx.first_step, ctx.last_step + 1):
         t0 = time.perf_counter()
         with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
@@ -40,8 +41,7 @@ async def run_training(ctx: RunContext) -> None:
         ctx.record_step(
             {"step": step, **metrics, "timing/step": time.perf_counter() - t0, **ctx.loop_metrics()}
         )
-        if ctx.eval_due(step):
-            ctx.record_eval(step, await run_eval(ctx, step))
+        await eval_if_due(ctx, step)
 
 
 async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
@@ -113,6 +113,12 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
     if versions is not None:
         versions.current = ctx.weight_version
     return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": ctx.weight_version}
+
+
+async def eval_if_due(ctx: RunContext, step: int) -> None:
+    """After ``step`` (``first_step - 1``: before the first), when eval is due: run, record."""
+    if ctx.eval_due(step):
+        ctx.record_eval(step, await run_eval(ctx, step))
 
 
 async def run_eval(ctx: RunContext, step: int) -> dict[str, float]:

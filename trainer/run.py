@@ -305,6 +305,9 @@ async def _train(
             weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
             trackers=trackers,
+            eval_sampled_generator=make_generator(sampling)
+            if t.eval_interval and t.eval_n_samples_per_prompt
+            else None,
             prompts=prompts,
             rollout_versions=versions,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -58,6 +59,8 @@ class RunContext:
     watchdog: Watchdog | None = None
     #: The trackers of ``trainer.loggers`` besides ``metrics.jsonl`` (none by default).
     trackers: TrackerSink = attrs.field(factory=TrackerSink)
+    #: Sampled eval rollouts on the engines directly (``trainer.eval_n_samples_per_prompt``).
+    eval_sampled_generator: Generator | None = None
     #: ``trainer.strategy=fully_async`` only: the prompts one group at a time (``loader``
     #: then only fixes the order), and the weight version the rollouts' engine labels.
     prompts: PromptStream | None = None
@@ -79,8 +82,13 @@ class RunContext:
         return interval > 0 and (step % interval == 0 or step == self.last_step)
 
     def eval_due(self, step: int) -> bool:
-        interval = self.cfg.trainer.eval_interval
-        return interval > 0 and step % interval == 0 and self.eval_generator is not None
+        """After ``step`` (0: before the first step, ``trainer.eval_before_train``)."""
+        t = self.cfg.trainer
+        if self.eval_generator is None or t.eval_interval == 0:
+            return False
+        if step == self.first_step - 1:
+            return t.eval_before_train and step == 0
+        return step % t.eval_interval == 0
 
     def loop_metrics(self) -> dict[str, float]:
         """Event-loop health over the step: the longest time the trio thread did not yield."""
@@ -88,7 +96,8 @@ class RunContext:
         stall_ms = self.stalls.take_max_ms()
         if stall_ms > SLOW_STALL_MS:
             log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
-        return {"loop/max_stall_ms": stall_ms}
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        return {"loop/max_stall_ms": stall_ms, "memory/peak_rss_gb": peak_kib / 2**20}
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         self.metrics.log(metrics)

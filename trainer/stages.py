@@ -177,14 +177,26 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
 
 
 async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
-    """Greedy rollouts of every eval prompt, once each; the mean reward."""
+    """Greedy rollouts of every eval prompt, once each: the mean reward; with
+    ``trainer.eval_n_samples_per_prompt``, also that many sampled ones (the training
+    sampling, on the engines directly): their mean reward."""
     assert ctx.eval_generator is not None
     out = await ctx.eval_generator.generate(generator_input(ctx, ctx.eval_examples, step, n=1))
     rewards = [t.reward for t in out.trajectories]
-    return {
+    metrics = {
         "eval/reward_mean": statistics.fmean(rewards),
         "eval/num_prompts": float(len(rewards)),
     }
+    n = ctx.cfg.trainer.eval_n_samples_per_prompt
+    if n:
+        assert ctx.eval_sampled_generator is not None
+        sampled = await ctx.eval_sampled_generator.generate(
+            generator_input(ctx, ctx.eval_examples, step, n=n)
+        )
+        metrics["eval/sampled_reward_mean"] = statistics.fmean(
+            t.reward for t in sampled.trajectories
+        )
+    return metrics
 
 
 #: The probe's prompt: fixed token ids any vocabulary has (``sync.verify``).

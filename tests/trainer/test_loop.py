@@ -94,6 +94,39 @@ async def test_a_run_syncs_first_checkpoints_its_last_step_and_evaluates_after_a
     assert "fault 'env_step:error=never@1' never fired" in (tmp_path / "train.log").read_text()
 
 
+async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=inprocess",
+            "data.task=addition",
+            "data.num_eval_examples=3",
+            "trainer.max_steps=2",
+            "trainer.eval_interval=2",
+            "trainer.eval_before_train=true",
+            "trainer.eval_n_samples_per_prompt=2",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=2",
+            "generator.sampling.max_tokens=2",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.progress=false",
+        ],
+    )
+    await trainer.run.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # the eval before step 1 is logged as step 0, ahead of every step's row
+    assert [(r["step"], "eval/reward_mean" in r) for r in rows] == [
+        (0, True),
+        (1, False),
+        (2, False),
+        (2, True),
+    ]
+    for evaluation in (rows[0], rows[-1]):
+        assert evaluation["eval/num_prompts"] == 3.0
+        assert 0.0 <= evaluation["eval/sampled_reward_mean"] <= 1.0
+    assert "eval/sampled_reward_mean" not in rows[1]
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

@@ -201,7 +201,14 @@ PUBLIC = {
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
     "trainer.interrupt": ["stop_on_interrupt"],
     "trainer.fully_async": ["ROLLOUT_ATTEMPTS", "RolloutFeed", "run_fully_async"],
-    "trainer.loop": ["run_eval", "run_step", "run_training", "sync_weights", "train_on"],
+    "trainer.loop": [
+        "eval_if_due",
+        "run_eval",
+        "run_step",
+        "run_training",
+        "sync_weights",
+        "train_on",
+    ],
     "trainer.metrics": [
         "ETA_WINDOW",
         "KL_METRICS",
