@@ -138,12 +138,16 @@ class ReferenceServers:
     devices: tuple[str, ...] = ()
     #: ``--enable-sleep-mode``: the run sleeps its engines (without it ``/sleep`` is refused).
     enable_sleep_mode: bool = False
+    #: ``--num-threads``: torch's intra-op threads per server (None: the server's default, 1).
+    num_threads: int | None = None
 
     def __call__(self, index: int, host: str) -> ServerSpec:
         cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
         cmd += ["--seed", str(self.seed + index), "--exit-on-stdin-eof"]
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
+        if self.num_threads is not None:
+            cmd += ["--num-threads", str(self.num_threads)]
         if self.model_dir is not None:
             cmd += ["--model", str(self.model_dir)]
         device = self.devices[index % len(self.devices)] if self.devices else None

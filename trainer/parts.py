@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -41,6 +42,8 @@ from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 
 __all__ = [
+    "CpuThreads",
+    "cpu_threads",
     "make_transport",
     "open_engine",
     "open_ray_cluster",
@@ -132,6 +135,32 @@ def policy_dtype(cfg: Config) -> str:
     return dtype_name(resolve_dtype(cfg.workers.dtype, policy_device))
 
 
+@attrs.frozen
+class CpuThreads:
+    """torch's intra-op threads on a machine without CUDA: the trainer's, and each reference
+    engine server's (``engine.backend=local``)."""
+
+    trainer: int
+    server: int
+
+
+def cpu_threads(cfg: Config, cores: int | None = None) -> CpuThreads:
+    """Share the cores between the trainer and the reference engine servers it starts.
+
+    ``trainer.strategy=sync``: generation and training take turns, so the trainer gets every
+    core while the servers idle, and the servers split the cores while the trainer waits (a
+    135M-parameter model trains 1.7x faster on two threads than on one here). Fully-async:
+    the servers roll out while the trainer trains, so each server keeps one thread and the
+    trainer the rest (a thread that must wait for a core makes each small forward pass many
+    times slower). Other backends: the servers are not the trainer's to size.
+    """
+    cores = cores or os.cpu_count() or 1
+    servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
+    if cfg.trainer.strategy == "sync":
+        return CpuThreads(trainer=cores, server=max(1, cores // max(1, servers)))
+    return CpuThreads(trainer=max(1, cores - servers), server=1)
+
+
 def sleeps_engines(cfg: Config) -> bool:
     """Whether the run sleeps its engines during weight syncs (their servers then need
     sleep mode: ``--enable-sleep-mode``)."""
@@ -195,6 +224,7 @@ async def _start_servers(
             cfg.trainer.seed,
             devices=tuple(devices),
             enable_sleep_mode=sleeps_engines(cfg),
+            num_threads=None if torch.cuda.is_available() else cpu_threads(cfg).server,
         )
     started = {"api_key": e.api_key, "startup_timeout_s": startup_timeout_s(cfg)}
     if e.placement == "process":

@@ -46,7 +46,14 @@ from trainer.metrics import (
     setup_run_logging,
     teardown_run_logging,
 )
-from trainer.parts import open_engine, open_ray_cluster, open_transport, open_workers, uses_ray
+from trainer.parts import (
+    cpu_threads,
+    open_engine,
+    open_ray_cluster,
+    open_transport,
+    open_workers,
+    uses_ray,
+)
 from trainer.prompt_stream import PromptStream
 from trainer.rollout_versions import VersionedEngine, WeightVersions
 from trainer.run_context import RunContext
@@ -168,15 +175,9 @@ def _one_update_per_batch(cfg: Config) -> bool:
 
 
 def _limit_torch_threads(cfg: Config) -> None:
-    """On a CPU-only machine, share the cores with the engine servers instead of oversubscribing.
-
-    Each process defaulting to all cores makes tiny forward passes tens of times slower on a
-    busy two-core box; the servers we start use one thread each.
-    """
-    if torch.cuda.is_available():
-        return
-    servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (servers + 1)))
+    """On a CPU-only machine, the trainer's share of the cores (:func:`trainer.parts.cpu_threads`)."""
+    if not torch.cuda.is_available():
+        torch.set_num_threads(cpu_threads(cfg).trainer)
 
 
 async def _train(

@@ -233,6 +233,8 @@ PUBLIC = {
     "trainer.rollout_versions": ["VersionedEngine", "WeightVersions"],
     "trainer.staleness": ["Admission", "staleness"],
     "trainer.parts": [
+        "CpuThreads",
+        "cpu_threads",
         "make_transport",
         "open_engine",
         "open_ray_cluster",
