@@ -66,7 +66,8 @@ async def train_on(
     """The stages between rollouts and weight sync, the same in both strategies."""
     with Timer("fwd_logprobs_values_reward", timings):
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
-        batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
+        if not stages.one_update_per_batch(ctx.cfg):  # else the update's own forward has them
+            batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         metrics = stages.rollout_metrics(prompts, rollouts)
     with Timer("compute_advantages", timings):

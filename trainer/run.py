@@ -57,6 +57,7 @@ from trainer.parts import (
 from trainer.prompt_stream import PromptStream
 from trainer.rollout_versions import VersionedEngine, WeightVersions
 from trainer.run_context import RunContext
+from trainer.stages import one_update_per_batch
 from trainer.trackers import TrackerSink, open_trackers
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
 from trainer.workers.policy import preload_model_code
@@ -148,7 +149,7 @@ async def train(cfg: Config) -> dict[str, Any]:
             async with open_debug_services(dumper) as services:
                 await services.start(watchdog.run)
                 with StepProgress(
-                    enabled=cfg.trainer.progress, one_update_per_batch=_one_update_per_batch(cfg)
+                    enabled=cfg.trainer.progress, one_update_per_batch=one_update_per_batch(cfg)
                 ) as progress:
                     summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
@@ -165,13 +166,6 @@ async def train(cfg: Config) -> dict[str, Any]:
                 fault.op,
             )
         teardown_run_logging(handlers)
-
-
-def _one_update_per_batch(cfg: Config) -> bool:
-    """Whether each batch gets exactly one optimizer step (its ``policy/approx_kl`` is 0)."""
-    t = cfg.trainer
-    one_mini_batch = t.policy_mini_batch_size in (None, t.train_batch_size)
-    return t.update_epochs == 1 and one_mini_batch
 
 
 def _limit_torch_threads(cfg: Config) -> None:

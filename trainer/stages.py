@@ -11,6 +11,7 @@ import torch
 
 from sync.verify import verify_sync
 from trainer.algorithms import compute_advantages
+from trainer.config_schema import Config
 from trainer.data import Example
 from trainer.generators.base import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
 from trainer.generators.chat import render_prompt
@@ -24,6 +25,7 @@ __all__ = [
     "generator_input",
     "group_inputs",
     "make_batch",
+    "one_update_per_batch",
     "rollout_metrics",
     "save_checkpoint",
     "train_policy",
@@ -125,6 +127,14 @@ def advantages_for(ctx: RunContext, out: GeneratorOutput) -> torch.Tensor:
     rewards = torch.tensor([t.reward for t in out.trajectories], dtype=torch.float32)
     groups = [t.group_id for t in out.trajectories]
     return compute_advantages(rewards, groups, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+
+
+def one_update_per_batch(cfg: Config) -> bool:
+    """Whether each batch gets exactly one optimizer step: one mini-batch, one epoch (its
+    ``policy/approx_kl`` is then 0, and its old logprobs are the update's own forward's)."""
+    t = cfg.trainer
+    one_mini_batch = t.policy_mini_batch_size in (None, t.train_batch_size)
+    return t.update_epochs == 1 and one_mini_batch
 
 
 async def train_policy(

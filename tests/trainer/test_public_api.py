@@ -252,6 +252,7 @@ PUBLIC = {
         "generator_input",
         "group_inputs",
         "make_batch",
+        "one_update_per_batch",
         "rollout_metrics",
         "save_checkpoint",
         "train_policy",

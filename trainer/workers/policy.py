@@ -222,8 +222,12 @@ class PolicyWorker:
         carry ``rollout_logprobs`` (``ValueError`` otherwise). With ``"none"`` the loss is
         the plain PPO-clip loss, and a batch with ``rollout_logprobs`` still reports the
         ``policy/is_ratio_*`` metrics.
+
+        A batch without ``old_logprobs`` takes them from this pass's own forward (detached):
+        exact when this pass is the batch's only optimizer step (the weights it scores with
+        are the ones the rollouts are measured against), and it saves a forward of the batch.
         """
-        assert batch.advantages is not None and batch.old_logprobs is not None
+        assert batch.advantages is not None
         if self.off_policy_correction != "none" and batch.rollout_logprobs is None:
             raise ValueError(
                 f"off_policy_correction={self.off_policy_correction!r} needs the batch's "
@@ -235,20 +239,21 @@ class PolicyWorker:
         for s in _micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s).to(self.device)
             padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
-            assert mb.old_logprobs is not None and mb.advantages is not None
+            assert mb.advantages is not None
+            logprobs = _forward_logprobs(self.model, mb, self.temperature)
+            old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
             weights, is_metrics = None, {}
             if mb.rollout_logprobs is not None:
                 weights, is_metrics = importance_weights(
-                    mb.old_logprobs,
+                    old,
                     mb.rollout_logprobs,
                     mb.loss_mask,
                     self.off_policy_correction,
                     cap=self.tis_cap,
                 )
-            logprobs = _forward_logprobs(self.model, mb, self.temperature)
             loss, metrics = algorithms.policy_loss(
                 logprobs,
-                mb.old_logprobs,
+                old,
                 mb.advantages,
                 mb.loss_mask,
                 clip_low=self.clip_ratio_low,
