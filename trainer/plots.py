@@ -6,6 +6,8 @@ Reads each run's ``metrics.jsonl`` (the source of truth) and writes, into ``--ou
 - ``reward.png``, ``loss.png``, ``kl.png``, ``loop_stall.png``, ``weight_sync.png``: one line
   per run against the step (``reward/mean``, ``policy/loss``, ``policy/kl`` or else
   ``policy/approx_kl``, ``loop/max_stall_ms``, ``sync/last_weight_sync_seconds``);
+- ``eval.png``: each run's eval lines against the step: greedy ``eval/reward_mean`` and,
+  where recorded, ``eval/sampled_reward_mean`` (step 0: before training);
 - ``step_time.png``: each run's step time stacked by stage (``timing/<stage>`` in the
   order of DESIGN 4.3), one panel per run;
 - ``overview.png``: all of the above on one figure.
@@ -30,7 +32,7 @@ from matplotlib.figure import Figure
 from trainer.metrics import KL_METRICS
 from trainer.vocabulary import STAGES
 
-__all__ = ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"]
+__all__ = ["EVAL_METRICS", "LINE_PLOTS", "plot_main", "plot_runs", "read_evals", "read_steps"]
 
 #: file stem -> (title, y label, metric keys tried in order).
 LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -40,6 +42,9 @@ LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "loop_stall": ("Longest event-loop stall", "ms", ("loop/max_stall_ms",)),
     "weight_sync": ("Weight sync time", "seconds", ("sync/last_weight_sync_seconds",)),
 }
+
+#: The eval panel's metrics: label -> key.
+EVAL_METRICS = {"greedy": "eval/reward_mean", "sampled": "eval/sampled_reward_mean"}
 
 
 def read_steps(run_dir: Path) -> list[dict[str, Any]]:
@@ -52,6 +57,31 @@ def read_steps(run_dir: Path) -> list[dict[str, Any]]:
     """
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return sorted((r for r in rows if "reward/mean" in r), key=lambda r: r["step"])
+
+
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """The eval rows of ``run_dir/metrics.jsonl`` (they carry ``eval/reward_mean``), by step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return sorted((r for r in rows if "eval/reward_mean" in r), key=lambda r: r["step"])
+
+
+def _eval_panel(ax: Axes, evals: dict[str, list[dict[str, Any]]]) -> int:
+    """Greedy and sampled eval reward per run; the number of lines drawn."""
+    drawn = 0
+    for label, rows in evals.items():
+        for kind, metric in EVAL_METRICS.items():
+            points = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{label} {kind}")
+                drawn += 1
+    ax.set_title("Eval reward (held-out or data.eval prompts)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    if drawn:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+    return drawn
 
 
 def _label(run_dir: Path, runs: Sequence[Path]) -> str:
@@ -116,19 +146,24 @@ def plot_runs(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, int]:
         fig = Figure(figsize=(8, 4.5))
         drawn[f"{key}.png"] = _line_panel(fig.add_subplot(), key, runs)
         _save(fig, out_dir / f"{key}.png")
+    evals = {_label(d, run_dirs): read_evals(d) for d in run_dirs}
+    fig = Figure(figsize=(8, 4.5))
+    drawn["eval.png"] = _eval_panel(fig.add_subplot(), evals)
+    _save(fig, out_dir / "eval.png")
     fig = Figure(figsize=(8, 3.5 * len(runs)))
     drawn["step_time.png"] = sum(
         _stacked_panel(fig.add_subplot(len(runs), 1, i + 1), label, rows)
         for i, (label, rows) in enumerate(runs.items())
     )
     _save(fig, out_dir / "step_time.png")
-    n_rows = (len(LINE_PLOTS) + len(runs) + 1) // 2
+    n_rows = (len(LINE_PLOTS) + 1 + len(runs) + 1) // 2
     overview = Figure(figsize=(16, 4 * n_rows))
     for i, key in enumerate(LINE_PLOTS):
         _line_panel(overview.add_subplot(n_rows, 2, i + 1), key, runs)
+    _eval_panel(overview.add_subplot(n_rows, 2, len(LINE_PLOTS) + 1), evals)
     for j, (label, rows) in enumerate(runs.items()):
-        _stacked_panel(overview.add_subplot(n_rows, 2, len(LINE_PLOTS) + j + 1), label, rows)
-    drawn["overview.png"] = len(LINE_PLOTS) + len(runs)
+        _stacked_panel(overview.add_subplot(n_rows, 2, len(LINE_PLOTS) + j + 2), label, rows)
+    drawn["overview.png"] = len(LINE_PLOTS) + 1 + len(runs)
     _save(overview, out_dir / "overview.png")
     return drawn
 

@@ -35,7 +35,10 @@ def _write_run(run_dir: Path, steps: int, *, slope: float, with_kl: bool) -> Pat
             row["policy/kl"] = 0.02 * step
         rows.append(row)
         if step % 2 == 0:
-            rows.append({"step": step, "eval/reward_mean": 0.5, "timing/eval": 0.3})
+            ev = {"step": step, "eval/reward_mean": 0.5, "timing/eval": 0.3}
+            if with_kl:  # one of the two runs also samples its eval
+                ev["eval/sampled_reward_mean"] = 0.1 * step
+            rows.append(ev)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return run_dir
 
@@ -54,7 +57,12 @@ def test_two_runs_share_each_figure_and_every_png_opens_with_drawn_axes(tmp_path
     a = _write_run(tmp_path / "a", 12, slope=0.05, with_kl=True)
     b = _write_run(tmp_path / "b", 8, slope=0.02, with_kl=False)
     drawn = plot_runs([a, b], tmp_path / "plots")
-    assert {f"{k}.png" for k in LINE_PLOTS} | {"step_time.png", "overview.png"} == set(drawn)
+    assert {f"{k}.png" for k in LINE_PLOTS} | {
+        "eval.png",
+        "step_time.png",
+        "overview.png",
+    } == set(drawn)
+    assert drawn["eval.png"] == 3  # greedy for both runs, sampled for the one that sampled
     for key in LINE_PLOTS:
         assert drawn[f"{key}.png"] == 2, key  # one line per run, on one figure
     assert drawn["step_time.png"] == 2 * 4  # four stages stacked, for each run

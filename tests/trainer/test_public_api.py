@@ -243,7 +243,14 @@ PUBLIC = {
         "refuse_sleep_on_the_cpu",
         "uses_ray",
     ],
-    "trainer.plots": ["LINE_PLOTS", "plot_main", "plot_runs", "read_steps"],
+    "trainer.plots": [
+        "EVAL_METRICS",
+        "LINE_PLOTS",
+        "plot_main",
+        "plot_runs",
+        "read_evals",
+        "read_steps",
+    ],
     "trainer.run": ["train", "with_run_dir"],
     "trainer.run_context": ["RunContext", "SLOW_STALL_MS"],
     "trainer.stages": [
