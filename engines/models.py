@@ -145,20 +145,22 @@ def _build_tokenizer():
 
 def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> Path:
     """``target``, made by ``build(tmp)`` into a temporary directory beside it, then renamed:
-    a half-built directory is never at ``target`` (a crash leaves a ``.build-*`` directory,
-    removed at once when it is ours). A concurrent builder that renamed first wins; ours is
-    discarded. Blocking."""
+    a half-built directory is never at ``target`` (a crash leaves no target; its temporary
+    directory is removed when the exception passes here). One builder at a time per target,
+    across processes (a lock file beside it): a second run, or a second test worker, waits
+    and then reuses what the first built. Blocking."""
+    from filelock import FileLock
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        build(tmp)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / "config.json").is_file():
+            return target  # built by the process that held the lock before us
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
         try:
+            build(tmp)
             os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # lost a race to another builder: fine
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

