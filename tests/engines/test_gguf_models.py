@@ -50,6 +50,13 @@ def test_the_packaged_smollm2_converts_to_a_directory_every_loader_reads(smollm2
     model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    from safetensors import safe_open
+
+    with safe_open(str(smollm2 / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    # the tied head stored once, as the embedding: vLLM skips lm_head.weight of a tied model
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == 272
     tok = load_tokenizer(smollm2)
     assert len(tok) == config["vocab_size"] == 49_152
     prompt = tok.apply_chat_template(
