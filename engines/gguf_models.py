@@ -23,7 +23,7 @@ import logging
 import time
 from pathlib import Path
 
-from engines.models import build_directory_atomically
+from engines.model_cache import build_directory_atomically
 from trainer.errors import ConfigError
 
 __all__ = ["PACKAGED", "converted_gguf", "gguf_source"]

@@ -16,18 +16,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engines.model_cache import build_directory_atomically
 from trainer.errors import ConfigError
 
 __all__ = [
     "TINY_MODEL_CONFIG",
     "WORDS",
-    "build_directory_atomically",
     "build_tiny_model",
     "load_tokenizer",
     "quiet_transformers",
@@ -141,27 +138,6 @@ def _build_tokenizer():
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
-
-
-def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> Path:
-    """``target``, made by ``build(tmp)`` into a temporary directory beside it, then renamed:
-    a half-built directory is never at ``target`` (a crash leaves no target; its temporary
-    directory is removed when the exception passes here). One builder at a time per target,
-    across processes (a lock file beside it): a second run, or a second test worker, waits
-    and then reuses what the first built. Blocking."""
-    from filelock import FileLock
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{target.name}.lock")):
-        if (target / "config.json").is_file():
-            return target  # built by the process that held the lock before us
-        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-        try:
-            build(tmp)
-            os.rename(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def build_tiny_model(cache_dir: Path | None = None, seed: int = 0, *, tied: bool = False) -> Path:

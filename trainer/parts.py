@@ -153,12 +153,20 @@ def cpu_threads(cfg: Config, cores: int | None = None) -> CpuThreads:
     the servers roll out while the trainer trains, so each server keeps one thread and the
     trainer the rest (a thread that must wait for a core makes each small forward pass many
     times slower). Other backends: the servers are not the trainer's to size.
+
+    The cores to share are ``OMP_NUM_THREADS`` where it is set (a machine shared with other
+    jobs, or the test suite's two workers: set it), else every core of the machine.
     """
-    cores = cores or os.cpu_count() or 1
+    cores = cores or _omp_threads() or os.cpu_count() or 1
     servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
     if cfg.trainer.strategy == "sync":
         return CpuThreads(trainer=cores, server=max(1, cores // max(1, servers)))
     return CpuThreads(trainer=max(1, cores - servers), server=1)
+
+
+def _omp_threads() -> int | None:
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def sleeps_engines(cfg: Config) -> bool:

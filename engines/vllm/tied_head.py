@@ -20,6 +20,7 @@ for them; a quantised head's is not, and no quantised model is synced here).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def refresh_tied_heads(model: torch.nn.Module) -> list[str]:
 
     if not current_platform.is_cpu():
         return []
-    modules = dict(model.named_modules())
+    modules: dict[str, Any] = dict(model.named_modules())  # vLLM's layers: attributes untyped
     embeddings = {
         m.weight.data_ptr()
         for m in modules.values()

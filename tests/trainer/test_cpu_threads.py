@@ -28,6 +28,14 @@ def test_the_cores_are_shared_by_strategy(overrides, cores, expected):
     assert cpu_threads(load_config(None, overrides), cores) == expected
 
 
+def test_omp_num_threads_is_the_cores_to_share(monkeypatch):
+    cfg = load_config(None, ["engine.num_engines=2"])
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert cpu_threads(cfg) == CpuThreads(trainer=4, server=2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "nonsense")
+    assert cpu_threads(cfg, cores=6) == CpuThreads(trainer=6, server=3)
+
+
 def test_a_reference_server_is_started_with_its_threads():
     spec = ReferenceServers("m", num_threads=2)(0, "127.0.0.1")
     i = spec.argv.index("--num-threads")

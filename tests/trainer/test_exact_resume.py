@@ -49,7 +49,7 @@ STRATEGY_KEYS = {
 }
 
 #: Wall-clock measurements and paths: the only keys allowed to differ between the runs.
-MEASURED_PREFIXES = ("timing/", "loop/")
+MEASURED_PREFIXES = ("timing/", "loop/", "memory/")
 MEASURED_KEYS = {
     "checkpoint/path",
     "checkpoint/max_stall_ms",

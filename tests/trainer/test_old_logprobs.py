@@ -7,8 +7,6 @@ import pytest
 import torch
 
 from engines.models import build_tiny_model
-from trainer.config import load_config
-from trainer.stages import one_update_per_batch
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 
@@ -45,16 +43,3 @@ def test_old_logprobs_from_the_updates_forward_equal_a_separate_forward(correcti
     assert "policy/is_ratio_mean" in metrics[0]
     for key in metrics[0]:
         assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5, abs=1e-6), key
-
-
-@pytest.mark.parametrize(
-    ("overrides", "one"),
-    [
-        ([], True),
-        (["trainer.update_epochs=2"], False),
-        (["trainer.train_batch_size=16", "trainer.policy_mini_batch_size=8"], False),
-        (["trainer.train_batch_size=16", "trainer.policy_mini_batch_size=16"], True),
-    ],
-)
-def test_only_a_batch_with_one_optimizer_step_skips_the_separate_forward(overrides, one):
-    assert one_update_per_batch(load_config(None, overrides)) is one

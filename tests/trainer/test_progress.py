@@ -93,6 +93,6 @@ def test_with_one_update_per_batch_the_bar_shows_the_grad_norm_not_a_zero_approx
 )
 def test_one_update_per_batch_is_the_default_and_what_changes_it(overrides, one):
     from trainer.config import load_config
-    from trainer.run import _one_update_per_batch
+    from trainer.stages import one_update_per_batch
 
-    assert _one_update_per_batch(load_config(None, overrides)) is one
+    assert one_update_per_batch(load_config(None, overrides)) is one

@@ -1,0 +1,36 @@
+"""Model directories built once into the cache, atomically and one builder at a time.
+
+Shared by the built-in tiny model (:func:`engines.models.build_tiny_model`) and the GGUF
+conversion (:mod:`engines.gguf_models`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["build_directory_atomically"]
+
+
+def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> Path:
+    """``target``, made by ``build(tmp)`` into a temporary directory beside it, then renamed:
+    a half-built directory is never at ``target`` (a crash leaves no target; its temporary
+    directory is removed when the exception passes here). One builder at a time per target,
+    across processes (a lock file beside it): a second run, or a second test worker, waits
+    and then reuses what the first built. Blocking."""
+    from filelock import FileLock
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target.parent / f".{target.name}.lock")):
+        if (target / "config.json").is_file():
+            return target  # built by the process that held the lock before us
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
+        try:
+            build(tmp)
+            os.rename(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
