@@ -12,7 +12,11 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["build_directory_atomically"]
+__all__ = ["LOCK_TIMEOUT_S", "build_directory_atomically"]
+
+#: How long a builder waits for another process's build of the same directory (converting
+#: SmolLM2 takes about 30 s here).
+LOCK_TIMEOUT_S = 900.0
 
 
 def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> Path:
@@ -21,10 +25,20 @@ def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> P
     directory is removed when the exception passes here). One builder at a time per target,
     across processes (a lock file beside it): a second run, or a second test worker, waits
     and then reuses what the first built. Blocking."""
-    from filelock import FileLock
+    from filelock import FileLock, Timeout
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target.parent / f".{target.name}.lock")):
+    lock = FileLock(str(target.parent / f".{target.name}.lock"), timeout=LOCK_TIMEOUT_S)
+    # a bounded wait (DESIGN 3): a live builder stuck on the same directory is an error
+    try:
+        lock.acquire()
+    except Timeout:
+        raise TimeoutError(
+            f"another process has been building {target} for over {LOCK_TIMEOUT_S:g}s (it "
+            f"holds {lock.lock_file}): wait for it, or stop it; a builder that died releases "
+            "the lock by itself"
+        ) from None
+    try:
         if (target / "config.json").is_file():
             return target  # built by the process that held the lock before us
         tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
@@ -33,4 +47,6 @@ def build_directory_atomically(target: Path, build: Callable[[Path], None]) -> P
             os.rename(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    finally:
+        lock.release()
     return target

@@ -52,19 +52,21 @@ def load_datasets(data: DataConfig, seed: int) -> Datasets:
             f"task is {data.task!r}): unset it, or set data.task=addition"
         )
     if data.train is not None:
-        train, task_eval, default = load_jsonl(data.train), None, exact_match_reward
+        train, default = load_jsonl(data.train), exact_match_reward
     elif data.task == "addition":
-        train, task_eval = addition_examples(
-            data.digits, data.num_examples, data.num_eval_examples, seed
-        )
-        default = addition_reward
+        train, default = _addition(data, seed)[0], addition_reward
     else:
         train, default = task_examples(data.task, data.num_examples, seed), digit_task_reward
-        task_eval = task_examples(data.task, data.num_eval_examples or DIGIT_TASK_EVAL, seed + 1)
-    if data.eval is not None:
-        eval_examples = load_jsonl(data.eval)
-    elif task_eval is not None:
-        eval_examples = task_eval
-    else:  # a data file without an eval file: the task's own eval prompts, as before
-        eval_examples = task_examples(data.task, DIGIT_TASK_EVAL, seed + 1)
+    eval_examples = load_jsonl(data.eval) if data.eval is not None else _task_eval(data, seed)
     return Datasets(train, eval_examples, resolve_reward_fn(data.reward_fn, default))
+
+
+def _addition(data: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    return addition_examples(data.digits, data.num_examples, data.num_eval_examples, seed)
+
+
+def _task_eval(data: DataConfig, seed: int) -> list[Example]:
+    """``data.task``'s eval prompts (a data file without ``data.eval`` gets them too)."""
+    if data.task == "addition":
+        return _addition(data, seed)[1]
+    return task_examples(data.task, data.num_eval_examples or DIGIT_TASK_EVAL, seed + 1)

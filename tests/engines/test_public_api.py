@@ -77,7 +77,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "require_vllm",
     ],
     "engines.local": ["EngineAsleepError", "LocalEngine", "open_local_engine"],
-    "engines.model_cache": ["build_directory_atomically"],
+    "engines.model_cache": ["LOCK_TIMEOUT_S", "build_directory_atomically"],
     "engines.models": [
         "TINY_MODEL_CONFIG",
         "WORDS",

@@ -3,8 +3,6 @@ reward, and the data keys that must fit together."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from engines.models import build_tiny_model, load_tokenizer
@@ -44,9 +42,7 @@ def test_the_split_is_fixed_by_the_seed():
 
 
 def test_many_digits_draw_pairs_without_listing_them():
-    started = time.perf_counter()
-    train, held = addition_examples(9, 100, None, seed=0)
-    assert time.perf_counter() - started < 5  # 10**18 pairs: never materialised
+    train, held = addition_examples(9, 100, None, seed=0)  # 10**18 pairs: listing them never ends
     assert len(held) == 200 and len(train) == 100
     assert _pairs(train) & _pairs(held) == set()
 
@@ -116,6 +112,17 @@ def test_an_eval_file_replaces_the_held_out_prompts(tmp_path):
     path.write_text('{"prompt": "sum 1 2 =", "answer": "3"}\n')
     data = load_datasets(DataConfig(task="addition", eval=str(path)), seed=0)
     assert [ex.answer for ex in data.eval] == ["3"]
+
+
+def test_a_data_file_without_an_eval_file_gets_its_tasks_eval_prompts(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"prompt": "sum 1 2 =", "answer": "3"}\n')
+    data = load_datasets(DataConfig(train=str(path), task="addition"), seed=0)
+    assert [ex.answer for ex in data.train] == ["3"]
+    assert len(data.eval) == 20 and all(ex.extra for ex in data.eval)
+    assert data.eval == load_datasets(DataConfig(task="addition"), seed=0).eval
+    digits = load_datasets(DataConfig(train=str(path), num_eval_examples=5), seed=0)
+    assert len(digits.eval) == 5 and digits.eval[0].prompt.startswith("max ")
 
 
 def test_addition_prompts_render_with_a_chat_template(tmp_path):
