@@ -16,7 +16,7 @@ Prints tokens/s of each and its ratio to the baseline. Both sides use one torch 
 least 3x the baseline at 32 concurrent requests.
 
 Then the short-request case, the default training step's shape (``--groups 16`` prompts x
-``--n 8`` samples, at most 4 new tokens, sampling at temperature 1): the median wall time of
+``--n 8`` samples, ``--short-tokens 4`` new tokens, sampling at temperature 1): the median wall time of
 one batched in-process ``model.generate`` of the whole batch (the ceiling), of the same
 samples as one HTTP request each, and as one request per prompt with ``n`` samples (what the
 default generator sends).
@@ -108,10 +108,10 @@ async def served(
 
 
 async def short_requests(
-    model_dir: Path, batch: list[list[int]], n: int, repeats: int
+    model_dir: Path, batch: list[list[int]], n: int, repeats: int, tokens: int
 ) -> dict[str, float]:
-    """Median seconds of ``len(batch) * n`` 4-token samples sent each way over HTTP."""
-    params = SamplingParams(max_tokens=4, temperature=1.0)
+    """Median seconds of ``len(batch) * n`` samples of ``tokens`` sent each way over HTTP."""
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True)
     medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as logs:
         async with launch_local_engines(1, model_dir, logs) as urls:
@@ -140,7 +140,9 @@ async def short_requests(
     return medians
 
 
-def short_ceiling(model_dir: Path, batch: list[list[int]], n: int, repeats: int) -> float:
+def short_ceiling(
+    model_dir: Path, batch: list[list[int]], n: int, repeats: int, tokens: int
+) -> float:
     """Median seconds of one batched ``model.generate`` of ``batch``, ``n`` samples each."""
     from transformers import AutoModelForCausalLM
 
@@ -158,7 +160,8 @@ def short_ceiling(model_dir: Path, batch: list[list[int]], n: int, repeats: int)
             model.generate(
                 ids,
                 attention_mask=mask,
-                max_new_tokens=4,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
                 do_sample=True,
                 num_return_sequences=n,
                 pad_token_id=pad,
@@ -177,6 +180,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--groups", type=int, default=16, help="short case: prompts")
     parser.add_argument("--n", type=int, default=8, help="short case: samples per prompt")
     parser.add_argument("--repeats", type=int, default=5, help="short case: timed rounds")
+    parser.add_argument(
+        "--short-tokens", type=int, default=4, help="short case: new tokens per sample"
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -199,9 +205,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{label:<34}{tokens:>8}{secs:>10.2f}{tps:>11.1f}{tps / base_tps:>8.2f}")
 
     short = prompts(args.groups, vocab)
-    ceiling_s = short_ceiling(model_dir, short, args.n, args.repeats)
-    served_s = trio.run(short_requests, model_dir, short, args.n, args.repeats)
-    print(f"\nshort requests: {args.groups} prompts x {args.n} samples x 4 tokens (median ms)")
+    tokens = args.short_tokens
+    ceiling_s = short_ceiling(model_dir, short, args.n, args.repeats, tokens)
+    served_s = trio.run(short_requests, model_dir, short, args.n, args.repeats, tokens)
+    print(
+        f"\nshort requests: {args.groups} prompts x {args.n} samples x {tokens} tokens (median ms)"
+    )
     print(f"{'setup':<34}{'ms':>10}{'x ceiling':>11}")
     print(f"{'batched model.generate (ceiling)':<34}{1000 * ceiling_s:>10.1f}{1.0:>11.2f}")
     for label, secs in served_s.items():

@@ -280,6 +280,22 @@ class ControlPlane:
             await self.control_json("GET", "/get_world_size"), "/get_world_size", "world_size", int
         )
 
+    async def max_model_len(self) -> int | None:
+        """The shortest context of the servers (prompt plus completion tokens a request may
+        hold): ``GET /v1/models``'s ``max_model_len``, which vLLM and the reference server
+        report; None when no server reports one (an OpenAI-compatible server that is not vLLM).
+        """
+        path = "/v1/models"
+        lengths = []
+        for url, body in zip(self.urls, await self.control_json("GET", path)):
+            models = body.get("data") if isinstance(body, dict) else None
+            if not isinstance(models, list) or not models or not isinstance(models[0], dict):
+                raise InferenceServerError(url, path, 200, f"not a model list: {body!r:.200}")
+            length = models[0].get("max_model_len")
+            if isinstance(length, int) and not isinstance(length, bool):
+                lengths.append(length)
+        return min(lengths) if lengths else None
+
     async def weight_checksums(self) -> list[str]:
         """One sha256 per server over its loaded weights (``POST /weight_checker`` checksum).
 

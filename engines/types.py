@@ -129,3 +129,8 @@ class EngineClient(Protocol):
         """Drop cached prefixes computed with earlier weights (with ``reset_running_requests``,
         requests in flight are recomputed too, as vLLM's ``/reset_prefix_cache`` does)."""
         ...
+
+    async def max_model_len(self) -> int | None:
+        """The shortest context of the engines (prompt plus completion tokens a request may
+        hold), as vLLM's ``/v1/models`` reports it; None when the engines do not say."""
+        ...

@@ -292,6 +292,14 @@ class VLLMInProcessEngine:
             return [1]
         return [int(config.parallel_config.world_size_across_dp)]
 
+    async def max_model_len(self) -> int | None:
+        """The engine's context (prompt plus completion tokens), read from
+        ``AsyncLLM.vllm_config`` as vLLM's ``/v1/models`` reads it; None when it has none."""
+        config = getattr(self.llm, "vllm_config", None)
+        if config is None:
+            return None
+        return int(config.model_config.max_model_len)
+
     async def weight_checksums(self) -> list[str]:
         """One sha256 over ``AsyncLLM.compute_weight_checksums``'s per-parameter digests, as
         ``ControlPlane.weight_checksums`` computes it from ``vllm serve``'s answer."""

@@ -356,6 +356,11 @@ def validate_cfg(cfg: Config) -> None:
         )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
+    if cfg.data.overlong_prompts == "drop" and cfg.data.max_prompt_length is None:
+        raise ConfigError(
+            "config: data.overlong_prompts='drop' drops the prompts longer than "
+            "data.max_prompt_length, which is unset: set data.max_prompt_length=TOKENS"
+        )
     if cfg.faults:
         for fault in parse_faults(cfg.faults):
             _check_reachable(fault, cfg)

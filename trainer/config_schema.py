@@ -341,6 +341,18 @@ class DataConfig:
         "the same pairs; for addition a fifth of its pairs, at most 200, held out of training).",
         check=at_least(1),
     )
+    max_prompt_length: int | None = _field(
+        None,
+        "Longest prompt in tokens, as the engine sees it (chat prompts rendered); longer ones "
+        "are handled by data.overlong_prompts (None: no limit of its own; the engines' context "
+        "less generator.sampling.max_tokens is still checked at start-up).",
+        check=at_least(1),
+    )
+    overlong_prompts: Literal["error", "drop"] = _field(
+        "error",
+        "A prompt longer than data.max_prompt_length: 'error' stops the run at start-up naming "
+        "its row; 'drop' leaves it out of training and eval (logged with the count).",
+    )
 
 
 @attrs.define

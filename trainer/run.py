@@ -35,7 +35,6 @@ from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.fully_async import run_fully_async
 from trainer.generators.base import Generator, check_generator_kwargs
-from trainer.generators.chat import check_prompts
 from trainer.interrupt import stop_on_interrupt
 from trainer.loop import run_training
 from trainer.metrics import (
@@ -54,6 +53,7 @@ from trainer.parts import (
     open_workers,
     uses_ray,
 )
+from trainer.prompt_budget import check_context, fit_prompts
 from trainer.prompt_stream import PromptStream
 from trainer.rollout_versions import VersionedEngine, WeightVersions
 from trainer.run_context import RunContext
@@ -183,14 +183,16 @@ async def _train(
         model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
     data = await trio.to_thread.run_sync(load_datasets, cfg.data, t.seed)
-    examples, eval_examples, reward_fn = data.train, data.eval, data.reward_fn
-    # chat prompts render with this tokenizer, or fail here
-    sources = (
-        (cfg.data.train or f"data.task={cfg.data.task}", examples),
-        (cfg.data.eval or f"data.task={cfg.data.task} (eval)", eval_examples),
-    )
-    for source, checked in sources:
-        await trio.to_thread.run_sync(check_prompts, tokenizer, checked, source)
+    # every prompt rendered with this tokenizer (or it fails here), measured and bounded
+    fitted = [
+        await trio.to_thread.run_sync(fit_prompts, tokenizer, checked, source, cfg.data)
+        for source, checked in (
+            (cfg.data.train or f"data.task={cfg.data.task}", data.train),
+            (cfg.data.eval or f"data.task={cfg.data.task} (eval)", data.eval),
+        )
+    ]
+    examples, eval_examples = fitted[0].examples, fitted[1].examples
+    reward_fn = data.reward_fn
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
     last_step = loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
@@ -245,6 +247,7 @@ async def _train(
                 await stack.enter_async_context(open_ray_cluster(cfg))
         with progress.phase("engines"):
             engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+            check_context(await engine.max_model_len(), fitted, s.max_tokens)
         dumper.engine_urls = tuple(getattr(engine, "urls", ()))
         dumper.engine_api_key = cfg.engine.api_key
         with progress.phase("workers"):

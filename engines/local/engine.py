@@ -134,6 +134,9 @@ class LocalEngine:
         self.model.eval()
         self.tokenizer = load_tokenizer(self.model_dir)
         self.vocab_size = int(self.model.config.vocab_size)
+        #: Prompt plus completion tokens a request may hold (the model's position embeddings;
+        #: 2048 when its config does not say), as ``/v1/models`` reports it.
+        self.max_model_len = int(getattr(self.model.config, "max_position_embeddings", 0) or 2048)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id or 0
         self.max_num_seqs = max_num_seqs

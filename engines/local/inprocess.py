@@ -60,6 +60,10 @@ class InProcessClient:
                     nursery.start_soon(one, i)
         return [c for c in results if c is not None]
 
+    async def max_model_len(self) -> int | None:
+        """The engine's context (prompt plus completion tokens), as its server reports it."""
+        return self.engine.max_model_len
+
     async def pause(self, mode: PauseMode = "keep") -> None:
         with operation("/pause"):
             await fire_fault("/pause")

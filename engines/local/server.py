@@ -106,7 +106,7 @@ class ServerApp:
         self.api_key = api_key
         #: False: the weight-transfer routes answer 404 (no ``--weight-transfer-config``).
         self.weight_transfer_routes = weight_transfer_routes
-        self.max_model_len = int(getattr(engine.model.config, "max_position_embeddings", 0) or 2048)
+        self.max_model_len = engine.max_model_len
         #: State of the weight-transfer protocol (:mod:`engines.local.weight_routes`).
         self.weight_receiver = weight_receiver or WeightReceiver()
         #: The last control-plane POSTs received, in order: ``/pause?mode=keep``, ...

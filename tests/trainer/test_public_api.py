@@ -186,7 +186,12 @@ PUBLIC = {
         "TrajectoryInput",
         "check_generator_kwargs",
     ],
-    "trainer.generators.chat": ["chat_turn_ids", "check_prompts", "render_prompt"],
+    "trainer.generators.chat": [
+        "chat_turn_ids",
+        "check_prompts",
+        "prompt_lengths",
+        "render_prompt",
+    ],
     "trainer.generators.openai_agent": [
         "AgentRuntime",
         "OpenAIAgentGenerator",
@@ -229,6 +234,7 @@ PUBLIC = {
         "importance_weights",
         "resolve_correction",
     ],
+    "trainer.prompt_budget": ["FittedPrompts", "check_context", "fit_prompts"],
     "trainer.prompt_stream": ["PromptKey", "PromptStream"],
     "trainer.rollout_versions": ["VersionedEngine", "WeightVersions"],
     "trainer.staleness": ["Admission", "staleness"],

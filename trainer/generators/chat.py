@@ -16,7 +16,7 @@ from typing import Any
 from trainer.data import ChatMessage, Example
 from trainer.errors import DataError
 
-__all__ = ["chat_turn_ids", "check_prompts", "render_prompt"]
+__all__ = ["chat_turn_ids", "check_prompts", "prompt_lengths", "render_prompt"]
 
 #: The conversation a chat turn is rendered after (:func:`chat_turn_ids`); its content never
 #: reaches the result.
@@ -89,13 +89,25 @@ def chat_turn_ids(tokenizer: Any, message: ChatMessage) -> list[int]:
 def check_prompts(tokenizer: Any, examples: Sequence[Example], source: str) -> None:
     """Render every chat prompt once, at start-up: DataError naming ``source:LINE`` if one fails.
 
-    Blocking (it renders templates); run it in a thread. Plain-text prompts are not checked.
+    Blocking (it renders templates); run it in a thread. :func:`prompt_lengths` does the same
+    and measures every prompt.
     """
+    prompt_lengths(tokenizer, [ex for ex in examples if ex.is_chat], source)
+
+
+def prompt_lengths(tokenizer: Any, examples: Sequence[Example], source: str) -> list[int]:
+    """Each prompt's length in tokens as the engine sees it (:func:`render_prompt`'s ids).
+
+    Chat prompts are rendered with the template: DataError naming ``source:LINE`` when one
+    cannot be. Blocking; run it in a thread.
+    """
+    lengths = []
     for ex in examples:
         if isinstance(ex.prompt, str):
+            lengths.append(len(tokenizer.encode(ex.prompt, add_special_tokens=False)))
             continue
         try:
-            render_prompt(tokenizer, ex.prompt)
+            lengths.append(len(_apply(tokenizer, ex.prompt, generation=True)))
         except DataError as exc:
             raise DataError(
                 f"{source}:{ex.index}: 'prompt' is a list of chat messages, but {exc}"
@@ -105,3 +117,4 @@ def check_prompts(tokenizer: Any, examples: Sequence[Example], source: str) -> N
                 f"{source}:{ex.index}: the chat template cannot render 'prompt': "
                 f"{type(exc).__name__}: {exc}"
             ) from None
+    return lengths

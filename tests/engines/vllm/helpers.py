@@ -10,60 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-import trio
-
-from engines.client import InferenceClient
-from engines.types import SamplingParams
-from sync.weights import save_weights_for_sampler
 from tests.engines.vllm.conftest import PROJECT, RealServer
-from trainer.workers.local import LocalWorkerGroup
-
-PROMPT = [5, 6, 7, 8, 9]
-
-
-def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """The policy's logprob of each of ``tokens`` after ``prompt``."""
-    ids = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = model(ids).logits[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+from tests.sync.exactness import syncs_make_the_engine_score_as_the_policy
 
 
 async def assert_syncs_make_the_engine_score_as_the_policy(
     server: RealServer, transport: Any
 ) -> None:
-    """Twice: move the policy away from what the engine serves (checked: its logprobs differ
-    by more than 1e-3), sync through ``transport``, and the engine's logprobs of what it
-    samples are the policy's within 1e-4."""
-    workers = await LocalWorkerGroup.create(
-        server.model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False
-    )
-    model = workers.policy.model
-    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
-    async with InferenceClient([server.url]) as client:
-        with trio.fail_after(300):
-            await transport.init(client, workers)
-        try:
-            for _ in range(2):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(0.05 * torch.randn_like(p))
-                stale = await client.generate(PROMPT, sampling)
-                policy = await trio.to_thread.run_sync(
-                    policy_logprobs, model, PROMPT, stale.token_ids
-                )
-                assert max(abs(a - b) for a, b in zip(policy, stale.logprobs)) > 1e-3
-                with trio.fail_after(300):
-                    await save_weights_for_sampler(client, workers, transport)
-                fresh = await client.generate(PROMPT, sampling)
-                policy = await trio.to_thread.run_sync(
-                    policy_logprobs, model, PROMPT, fresh.token_ids
-                )
-                assert max(abs(a - b) for a, b in zip(policy, fresh.logprobs)) < 1e-4
-        finally:
-            await transport.close(workers)
+    """:func:`~tests.sync.exactness.syncs_make_the_engine_score_as_the_policy` on ``server``."""
+    await syncs_make_the_engine_score_as_the_policy(server.url, server.model_dir, transport)
 
 
 def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from tests.engines.helpers import BackgroundEngines
 from tests.engines.vllm.conftest import PROJECT, RealServer, serve
-from tests.engines.vllm.helpers import PROMPT, policy_logprobs
+from tests.sync.exactness import PROMPT, policy_logprobs
 
 pytestmark = pytest.mark.vllm
 

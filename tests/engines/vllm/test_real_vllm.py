@@ -32,6 +32,7 @@ PROMPT = [5, 6, 7, 8, 9]
 
 async def test_a_completion_carries_token_ids_logprobs_and_a_finish_reason(vllm_server):
     async with InferenceClient([vllm_server.url]) as client:
+        assert await client.max_model_len() == 256  # the server's --max-model-len
         sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
         first = await client.generate(PROMPT, sampling)
         again = await client.generate(PROMPT, sampling)

@@ -1,0 +1,61 @@
+"""The check every weight transport into every engine must pass: after a sync, the engine
+scores what it samples exactly as the policy does (reference servers and real vLLM alike)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from engines.client import InferenceClient
+from engines.types import SamplingParams
+from sync.weights import save_weights_for_sampler
+from trainer.workers.local import LocalWorkerGroup
+
+__all__ = ["PROMPT", "policy_logprobs", "syncs_make_the_engine_score_as_the_policy"]
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The policy's logprob of each of ``tokens`` after ``prompt``."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+
+async def syncs_make_the_engine_score_as_the_policy(
+    url: str, model_dir: Path, transport: Any
+) -> None:
+    """Twice: move the policy away from what the engine serves (checked: its logprobs differ
+    by more than 1e-3), sync through ``transport``, and the engine's logprobs of what it
+    samples are the policy's within 1e-4."""
+    workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    model = workers.policy.model
+    sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
+    async with InferenceClient([url]) as client:
+        with trio.fail_after(300):
+            await transport.init(client, workers)
+        try:
+            for _ in range(2):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn_like(p))
+                stale = await client.generate(PROMPT, sampling)
+                policy = await trio.to_thread.run_sync(
+                    policy_logprobs, model, PROMPT, stale.token_ids
+                )
+                assert max(abs(a - b) for a, b in zip(policy, stale.logprobs)) > 1e-3
+                with trio.fail_after(300):
+                    await save_weights_for_sampler(client, workers, transport)
+                fresh = await client.generate(PROMPT, sampling)
+                policy = await trio.to_thread.run_sync(
+                    policy_logprobs, model, PROMPT, fresh.token_ids
+                )
+                assert max(abs(a - b) for a, b in zip(policy, fresh.logprobs)) < 1e-4
+        finally:
+            await transport.close(workers)
