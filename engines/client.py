@@ -32,8 +32,6 @@ others attached as notes.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -53,6 +51,7 @@ from engines.http_requests import (
     decode_json,
     send,
 )
+from engines.rotation import is_engine_failure
 from engines.routes import (
     DATA_PLANE_ROUTES,
     PAUSE_ROUTES,
@@ -117,7 +116,6 @@ class InferenceClient(ControlPlane):
         )
         self.model = model
         self._limiter = trio.CapacityLimiter(max_concurrency)
-        self._round_robin = itertools.count()
         # Generation shares a bounded pool: httpcore scans every idle connection on each
         # request, so a pool of hundreds makes a burst quadratic (measured: 128 concurrent
         # requests took 1.0-3.7 s with an unbounded pool, 0.7-0.9 s with 16-32 connections).
@@ -135,14 +133,18 @@ class InferenceClient(ControlPlane):
     # -- data plane -------------------------------------------------------------------------------
 
     def url_for(self, trajectory_id: str | None) -> str:
-        """The server of a trajectory: stable for one id (sha256, not ``hash``), round-robin for None."""
-        if trajectory_id is None:
-            return self.urls[next(self._round_robin) % len(self.urls)]
-        digest = hashlib.sha256(str(trajectory_id).encode()).digest()
-        return self.urls[int.from_bytes(digest[:8], "big") % len(self.urls)]
+        """The server of a trajectory: stable for one id while it is live (sha256, not
+        ``hash``), round-robin for None (:meth:`engines.rotation.Rotation.pick`)."""
+        index = self.rotation.pick(trajectory_id)
+        return self.rotation.urls[0 if index is None else index]
 
     async def generate(
-        self, prompt_ids: list[int], sampling: SamplingParams, *, trajectory_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        trajectory_id: str | None = None,
+        url: str | None = None,
     ) -> Completion:
         """Sample one completion of ``prompt_ids`` (``POST /v1/completions`` with token ids).
 
@@ -151,9 +153,15 @@ class InferenceClient(ControlPlane):
         for a 4xx/5xx (not retried: e.g. a sleeping engine answers 409), a body that is not
         a completion, or a transport failure after retries; ``FaultInjected`` for an
         ``error`` fault. On cancellation the HTTP request is dropped (the reference server
-        then aborts it).
+        then aborts it). ``url``: this server, whatever its state (the weight check's probe).
+
+        When the rotation has a failure handler (engine recovery), a server that fails the
+        request (no answer, or a 5xx) is taken out and the request is sent again to another,
+        waiting while none is live; so is a request whose server is taken out under it.
         """
-        (completion,) = await self.generate_n(prompt_ids, sampling, 1, trajectory_id=trajectory_id)
+        (completion,) = await self.generate_n(
+            prompt_ids, sampling, 1, trajectory_id=trajectory_id, url=url
+        )
         return completion
 
     async def generate_n(
@@ -163,17 +171,17 @@ class InferenceClient(ControlPlane):
         n: int,
         *,
         trajectory_id: str | None = None,
+        url: str | None = None,
     ) -> list[Completion]:
         """``n`` completions of ``prompt_ids`` in one request (the completions route's ``n``).
 
         Sample ``i`` is seeded ``seed + i`` by the server (vLLM's parallel sampling), so this
         equals ``n`` calls of :meth:`generate`; one request, one slot under the concurrency
-        cap and one fault hook. The completions come back in sample order. Errors as
-        :meth:`generate`; ``ValueError`` for ``n < 1``.
+        cap and one fault hook. The completions come back in sample order. Errors and
+        failed servers as :meth:`generate`; ``ValueError`` for ``n < 1``.
         """
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
-        url = self.url_for(trajectory_id)
         body: dict[str, Any] = {
             "prompt": list(prompt_ids),
             "max_tokens": sampling.max_tokens,
@@ -190,19 +198,42 @@ class InferenceClient(ControlPlane):
             body["stop"] = list(sampling.stop)
         if self.model is not None:
             body["model"] = self.model
-        path = "/v1/completions"
         with operation("generate"):
             await fire_fault("generate")
             async with self._limiter:
-                response = await send(
-                    self._http,
-                    url,
-                    "POST",
-                    path,
-                    headers=self._headers,
-                    retries=self.retry_policy(RETRYABLE_ERRORS),
-                    json_body=body,
-                )
+                if url is not None:
+                    return await self._complete(url.rstrip("/"), body, prompt_ids, n)
+                return await self._complete_on_a_live_server(trajectory_id, body, prompt_ids, n)
+
+    async def _complete_on_a_live_server(
+        self, trajectory_id: str | None, body: dict[str, Any], prompt_ids: list[int], n: int
+    ) -> list[Completion]:
+        rotation = self.rotation
+        while True:
+            index = await rotation.wait_pick(trajectory_id)
+            url = rotation.urls[index]
+            with rotation.request(index):
+                try:
+                    return await self._complete(url, body, prompt_ids, n)
+                except InferenceServerError as exc:
+                    if rotation.on_failure is None or not is_engine_failure(exc):
+                        raise
+                    rotation.failed(index, str(exc))
+            # the server failed or was taken out under the request: send it again
+
+    async def _complete(
+        self, url: str, body: dict[str, Any], prompt_ids: list[int], n: int
+    ) -> list[Completion]:
+        path = "/v1/completions"
+        response = await send(
+            self._http,
+            url,
+            "POST",
+            path,
+            headers=self._headers,
+            retries=self.retry_policy(RETRYABLE_ERRORS),
+            json_body=body,
+        )
         return _completions(url, path, decode_json(url, path, response), prompt_ids, n)
 
 

@@ -31,6 +31,7 @@ import httpx
 import trio
 
 from engines.http_requests import CONNECT_ERRORS, RetryPolicy, decode_json, send
+from engines.rotation import Rotation
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
 from engines.types import PauseMode
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
@@ -118,7 +119,8 @@ class ControlPlane:
         (the env var wins; None means 600 s; <= 0 disables). ``ValueError`` for no URLs."""
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
-        self.urls = [u.rstrip("/") for u in urls]
+        #: The servers by index, their states and requests (:mod:`engines.rotation`).
+        self.rotation = Rotation(urls)
         self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -133,6 +135,12 @@ class ControlPlane:
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0),
         )
+
+    @property
+    def urls(self) -> list[str]:
+        """The servers control calls reach, in index order: every server, but for one that
+        failed and is not back yet (:attr:`rotation`)."""
+        return self.rotation.members
 
     @property
     def headers(self) -> dict[str, str]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -44,7 +45,7 @@ import attrs
 import httpx
 import trio
 
-from engines.process_stop import stop_group
+from engines.process_stop import signal_group, stop_group
 from trainer.errors import EngineStartError
 from trainer.vocabulary import exception_leaves, raise_first
 
@@ -52,6 +53,7 @@ __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_STARTUP_TIMEOUT_S",
     "EngineProcess",
+    "EngineProcesses",
     "ReferenceServers",
     "ServerSpec",
     "ServersSpec",
@@ -242,6 +244,62 @@ async def _stop(engine: EngineProcess, timeout_s: float) -> None:
     await stop_group(proc.pid, timeout_s, exited)
 
 
+class EngineProcesses(list[EngineProcess]):
+    """The servers of :func:`open_engine_processes`, by index, and how to start one again.
+
+    Whatever process sits at index ``I`` when the block exits is the one stopped, so a
+    restarted server never outlives the trainer either.
+    """
+
+    def __init__(
+        self,
+        servers: ServersSpec,
+        log_dir: Path,
+        host: str,
+        env: dict[str, str],
+        api_key: str | None,
+        startup_timeout_s: float,
+        shutdown_timeout_s: float,
+    ) -> None:
+        super().__init__()
+        self.servers = servers
+        self.log_dir = log_dir
+        self.host = host
+        self.env = env
+        self.api_key = api_key
+        self.startup_timeout_s = startup_timeout_s
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    async def spawn(self, index: int) -> EngineProcess:
+        """Start server ``index`` (not waited for), appending to ``engine-I.log``."""
+        spec = self.servers(index, self.host)
+        log_path = self.log_dir / f"engine-{index}.log"
+        return await _spawn(index, spec, self.host, log_path, self.env)
+
+    def signal(self, index: int, sig: signal.Signals) -> None:
+        """Send ``sig`` to server ``index``'s whole process group (gone already: nothing)."""
+        signal_group(self[index].pid, sig)
+
+    async def restart(self, index: int) -> EngineProcess:
+        """Kill server ``index`` (its whole process group at once: it failed, so it gets no
+        grace; shielded and bounded, a stopped one too), start it again and wait until it
+        is healthy, within ``startup_timeout_s``: the new process (its URL may differ).
+        ``EngineStartError`` with its log tail when it exits first or is not healthy in time."""
+        with trio.CancelScope(shield=True):
+            await _stop(self[index], 0.0)
+        self[index] = engine = await self.spawn(index)
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            with trio.move_on_after(self.startup_timeout_s) as scope:
+                await _wait_ready(engine, self.host, self.api_key, http)
+        if scope.cancelled_caught:
+            raise EngineStartError(
+                engine.url,
+                f"not healthy within {self.startup_timeout_s:g}s of its restart",
+                await engine.log_tail(),
+            )
+        return engine
+
+
 @asynccontextmanager
 async def open_engine_processes(
     num_engines: int,
@@ -253,7 +311,7 @@ async def open_engine_processes(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
-) -> AsyncIterator[list[EngineProcess]]:
+) -> AsyncIterator[EngineProcesses]:
     """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
 
     Server ``I`` is ``servers(I, host)`` (a :class:`ServerSpec`), logs to
@@ -269,11 +327,12 @@ async def open_engine_processes(
     log_dir = Path(log_dir)
     await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     child_env = server_env(env, api_key)
-    engines: list[EngineProcess] = []
+    engines = EngineProcesses(
+        servers, log_dir, host, child_env, api_key, startup_timeout_s, shutdown_timeout_s
+    )
     try:
         for i in range(num_engines):
-            spec = servers(i, host)
-            engines.append(await _spawn(i, spec, host, log_dir / f"engine-{i}.log", child_env))
+            engines.append(await engines.spawn(i))
         async with httpx.AsyncClient(timeout=5.0) as http:
             with trio.move_on_after(startup_timeout_s) as scope:
                 try:

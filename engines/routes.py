@@ -7,7 +7,7 @@ A plain ``vllm serve`` has the OpenAI routes only. The control plane appears wit
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import trio
@@ -56,7 +56,8 @@ WEIGHT_TRANSFER_ROUTES = (
 class SupportsControlOne(Protocol):
     """What :func:`probe` needs of a client (:class:`engines.control_plane.ControlPlane` has it)."""
 
-    urls: list[str]
+    @property
+    def urls(self) -> Sequence[str]: ...
 
     async def control_one(self, url: str, method: str, path: str) -> Any:
         """One control-plane request to ``url``; raises ``InferenceServerError`` for a non-2xx."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engines.client import InferenceClient
 from engines.types import EngineClient, SamplingParams
 from sync.transports.base import Rank0
 from trainer.errors import WeightSyncMismatchError
@@ -41,14 +42,6 @@ def _score(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> tupl
     return scores, str(param.dtype).removeprefix("torch.")
 
 
-def _trajectory_for(engine: Any, url: str) -> str | None:
-    """A trajectory id the client routes to ``url`` (one engine: None)."""
-    url_for = getattr(engine, "url_for", None)
-    if url_for is None or len(engine.urls) == 1:
-        return None
-    return next(f"weight-check-{k}" for k in range(10_000) if url_for(f"weight-check-{k}") == url)
-
-
 async def verify_sync(
     engine: EngineClient,
     workers: Rank0,
@@ -63,7 +56,9 @@ async def verify_sync(
     worst = 0.0
     sampling = SamplingParams(temperature=1.0, max_tokens=PROBE_TOKENS, ignore_eos=True, seed=0)
     for url in engine.urls:
-        probe = await engine.generate(prompt, sampling, trajectory_id=_trajectory_for(engine, url))
+        # over HTTP each engine is probed where it is (one rejoining is out of rotation)
+        pinned: dict[str, Any] = {"url": url} if isinstance(engine, InferenceClient) else {}
+        probe = await engine.generate(prompt, sampling, **pinned)
         policy, dtype = await workers.run_on_rank0(_score, list(prompt), list(probe.token_ids))
         bound = tolerance or DEFAULT_TOLERANCE.get(dtype, LOW_PRECISION_TOLERANCE)
         for i, (theirs, ours) in enumerate(zip(probe.logprobs, policy)):

@@ -208,6 +208,15 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
             f"engine.backend={e.backend}); set sync.transport=gloo (or nccl) to reach it"
         )
+    if fault.action.signals_engine:
+        if e.backend not in ("local", "vllm") or e.placement != "process":
+            return (
+                f"it signals an engine server the trainer started, and engine.backend={e.backend} "
+                f"with engine.placement={e.placement} starts none as its child; use "
+                "engine.backend=local or vllm with engine.placement=process"
+            )
+        if fault.engine is not None and fault.engine >= e.num_engines:
+            return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
     sleeps = e.colocated or e.offload_kv_for_weight_sync

@@ -85,6 +85,30 @@ class EngineConfig:
         "(loading, compiling and capturing CUDA graphs take minutes).",
         check=positive,
     )
+    max_restarts: int = _field(
+        3,
+        "Restarts each engine gets per run after it dies, hangs (a missed health check) or "
+        "answers 5xx: stopped, started again (backend=remote: waited for, within "
+        "startup_timeout_s), synced to the current weights and verified before it serves "
+        "again; its requests go to the other engines or wait for it. Past it the run ends "
+        "with EngineFailedError; 0: the first failure ends it. Not for backend=inprocess, "
+        "vllm_inprocess or placement=ray (their failure ends the run). docs/fault_tolerance.md.",
+        check=at_least(0),
+    )
+    health_check_interval_s: float = _field(
+        10.0,
+        "Seconds between two GET /health of each engine (engine.max_restarts > 0).",
+        check=positive,
+    )
+    health_check_timeout_s: float = _field(
+        10.0, "An engine whose GET /health takes longer has failed (it is hung).", check=positive
+    )
+    health_check_first_wait_s: float = _field(
+        30.0,
+        "Seconds after an engine (re)starts before its first health check (its first "
+        "requests may compile).",
+        check=at_least(0),
+    )
     control_plane_timeout_s: float = _field(
         600.0,
         "Per-request timeout of control-plane calls (pause, resume, sleep, weight transfer), "

@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── InferenceServerError           an engine answered non-2xx or a malformed body
     │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
     │   ├── EngineStartError               an engine server died or never became healthy
+    │   ├── EngineFailedError              an engine failed again past engine.max_restarts
     │   ├── EngineUnusableError            a weight transfer broke off and no complete one followed
     │   ├── WeightSyncMismatchError        after a sync an engine scores a probe unlike the policy
     │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
+    "EngineFailedError",
     "EngineStartError",
     "EngineUnusableError",
     "FaultInjected",
@@ -176,6 +178,33 @@ class EngineStartError(RuntimeError):
     def __str__(self) -> str:
         tail = f"\n--- server log (tail) ---\n{self.log_tail}" if self.log_tail else ""
         return f"engine server {self.url}: {self.reason}{tail}"
+
+
+class EngineFailedError(RuntimeError):
+    """An engine failed (died, hung, answered 5xx) with its restarts spent.
+
+    ``index`` and ``url``: the engine; ``restarts``: how often it was restarted in this run
+    (``engine.max_restarts`` allowed); ``cause``: what its last failure was;
+    ``log_tail``: the end of its server's log, where the trainer has it.
+    """
+
+    def __init__(
+        self, index: int, url: str, restarts: int, max_restarts: int, cause: str, log_tail: str = ""
+    ) -> None:
+        super().__init__(index, url, restarts, max_restarts, cause, log_tail)
+        self.index = index
+        self.url = url
+        self.restarts = restarts
+        self.max_restarts = max_restarts
+        self.cause = cause
+        self.log_tail = log_tail
+
+    def __str__(self) -> str:
+        tail = f"\n--- server log (tail) ---\n{self.log_tail}" if self.log_tail else ""
+        return (
+            f"engine {self.index} ({self.url}) failed after {self.restarts} restart(s), "
+            f"engine.max_restarts={self.max_restarts}: {self.cause}{tail}"
+        )
 
 
 class EngineUnusableError(RuntimeError):

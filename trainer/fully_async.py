@@ -102,16 +102,20 @@ async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[
     """One step: wait for a batch of groups, score, compute advantages, train, maybe
     checkpoint, maybe sync weights (rollouts continue throughout)."""
     timings: dict[str, float] = {}
+    if ctx.recovery is not None:
+        ctx.recovery.step = step
     with Timer("wait_for_generation_buffer", timings):
         groups, metrics = await feed.take_batch(step)
     prompts = [g.example for g in groups]
-    metrics |= await train_on(ctx, step, prompts, merge_groups(groups), timings)
-    if step % ctx.cfg.trainer.fully_async.sync_interval == 0 or step == ctx.last_step:
-        with Timer("sync_weights", timings):
-            metrics |= await sync_weights(ctx, step)
-        feed.admission.synced(step)
-    else:
-        metrics["sync/weight_version"] = ctx.weight_version
+    # a restarted engine's sync waits until the policy is synced (or between two steps)
+    async with ctx.weights_lock:
+        metrics |= await train_on(ctx, step, prompts, merge_groups(groups), timings)
+        if step % ctx.cfg.trainer.fully_async.sync_interval == 0 or step == ctx.last_step:
+            with Timer("sync_weights", timings):
+                metrics |= await sync_weights(ctx, step)
+            feed.admission.synced(step)
+        else:
+            metrics["sync/weight_version"] = ctx.weight_version
     return metrics | {f"timing/{k}": v for k, v in timings.items()}
 
 

@@ -21,7 +21,15 @@ from trainer.generators.base import GeneratorOutput
 from trainer.run_context import RunContext
 from trainer.vocabulary import Timer, step_deadline
 
-__all__ = ["eval_if_due", "run_eval", "run_step", "run_training", "sync_weights", "train_on"]
+__all__ = [
+    "eval_if_due",
+    "resync_engines",
+    "run_eval",
+    "run_step",
+    "run_training",
+    "sync_weights",
+    "train_on",
+]
 
 
 async def run_training(ctx: RunContext) -> None:
@@ -47,12 +55,15 @@ async def run_training(ctx: RunContext) -> None:
 async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
     """One step: generate, score, compute advantages, train, maybe checkpoint, sync weights."""
     timings: dict[str, float] = {}
+    if ctx.recovery is not None:
+        ctx.recovery.step = step
     with Timer("generate", timings):
         prompts = ctx.loader.next_batch()
         rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
-    metrics = await train_on(ctx, step, prompts, rollouts, timings)
-    with Timer("sync_weights", timings):
-        metrics |= await sync_weights(ctx, step)
+    async with ctx.weights_lock:  # a restarted engine's sync waits until the policy is synced
+        metrics = await train_on(ctx, step, prompts, rollouts, timings)
+        with Timer("sync_weights", timings):
+            metrics |= await sync_weights(ctx, step)
     return metrics | {f"timing/{k}": v for k, v in timings.items()}
 
 
@@ -82,11 +93,13 @@ async def train_on(
     return metrics
 
 
-async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
+async def sync_weights(ctx: RunContext, step: int, *, verify: bool = False) -> dict[str, float]:
     """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``.
 
     Under ``fully_async`` rollouts keep running: ``ctx.rollout_versions`` says a sync is
-    under way until the new version is counted (see ``trainer.rollout_versions``).
+    under way until the new version is counted (see ``trainer.rollout_versions``). With
+    ``ctx.recovery`` the sync reaches the engines that are up (``sync_members``).
+    ``verify``: check every engine whatever ``sync.verify`` says.
     """
     versions = ctx.rollout_versions
     with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
@@ -94,19 +107,25 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
         if versions is not None:
             versions.syncing = True
         try:
+
+            async def transfer() -> dict[str, float]:
+                return await save_weights_for_sampler(
+                    ctx.engine,
+                    ctx.workers,
+                    ctx.transport,
+                    pause_mode=e.pause_mode,
+                    colocated=e.colocated,
+                    offload_kv=e.offload_kv_for_weight_sync,
+                    fully_async=versions is not None,
+                    grace_s=ctx.cfg.sync.transfer_grace_s,
+                )
+
             async with engine_logs_on_unusable(ctx.run_dir):
                 with ctx.stalls.window() as stall:
-                    result = await save_weights_for_sampler(
-                        ctx.engine,
-                        ctx.workers,
-                        ctx.transport,
-                        pause_mode=e.pause_mode,
-                        colocated=e.colocated,
-                        offload_kv=e.offload_kv_for_weight_sync,
-                        fully_async=versions is not None,
-                        grace_s=ctx.cfg.sync.transfer_grace_s,
-                    )
-            result |= await stages.verify_weights(ctx, step, ctx.weight_version + 1)
+                    # with recovery: to the engines that are up; one failing meanwhile is left out
+                    recovery = ctx.recovery
+                    result = await (recovery.sync_members(transfer) if recovery else transfer())
+            result |= await stages.verify_weights(ctx, step, ctx.weight_version + 1, force=verify)
         finally:
             if versions is not None:
                 versions.syncing = False
@@ -114,6 +133,13 @@ async def sync_weights(ctx: RunContext, step: int) -> dict[str, float]:
     if versions is not None:
         versions.current = ctx.weight_version
     return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": ctx.weight_version}
+
+
+async def resync_engines(ctx: RunContext) -> None:
+    """A restarted engine's way back (``ctx.recovery``, holding ``ctx.weights_lock``): one
+    complete weight sync to every engine, each verified against the policy."""
+    assert ctx.recovery is not None
+    await sync_weights(ctx, ctx.recovery.step, verify=True)
 
 
 async def eval_if_due(ctx: RunContext, step: int) -> None:

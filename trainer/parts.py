@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,12 @@ import trio
 
 from engines.client import InferenceClient
 from engines.devices import resolve_device, resolve_dtype
-from engines.launch import ReferenceServers, ServersSpec, open_engine_processes
+from engines.launch import (
+    EngineProcesses,
+    ReferenceServers,
+    ServersSpec,
+    open_engine_processes,
+)
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.vllm_inprocess import open_vllm_inprocess_client
 from engines.vllm_serve import VLLM_TRANSPORTS, VllmServers, check_server_config, gpu_groups
@@ -43,9 +48,11 @@ from trainer.workers.local import LocalWorkerGroup
 
 __all__ = [
     "CpuThreads",
+    "Engines",
     "cpu_threads",
     "make_transport",
     "open_engine",
+    "open_engines",
     "open_ray_cluster",
     "open_transport",
     "open_workers",
@@ -60,9 +67,26 @@ VLLM_STARTUP_TIMEOUT_S = 900.0
 TRANSPORT_CLOSE_TIMEOUT_S = 30.0
 
 
+@attrs.frozen
+class Engines:
+    """The run's engines: their client, and the servers the trainer started as processes."""
+
+    client: Any
+    #: ``engine.backend=local`` or ``vllm`` with ``placement=process``: the server processes
+    #: (restartable); None for every other backend and placement.
+    processes: EngineProcesses | None = None
+
+
 @asynccontextmanager
 async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Any]:
-    """The client of the engines of ``engine.backend``.
+    """:func:`open_engines`' client."""
+    async with open_engines(cfg, model_dir, run_dir) as engines:
+        yield engines.client
+
+
+@asynccontextmanager
+async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Engines]:
+    """The engines of ``engine.backend`` and their client.
 
     Servers the trainer starts are stopped when the block exits, whatever the error. Every
     server is probed for the routes the run uses (naming the ``vllm serve`` flag behind a
@@ -93,7 +117,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
             startup_timeout_s=startup_timeout_s(cfg),
         ) as client:
             await client.probe(routes)
-            yield client
+            yield Engines(client)
         return
     if e.backend == "inprocess":
         from engines.local.inprocess import open_inprocess_client
@@ -101,13 +125,16 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
         async with open_inprocess_client(
             model_dir, seed=cfg.trainer.seed, device=devices[0]
         ) as client:
-            yield client
+            yield Engines(client)
         return
     async with AsyncExitStack() as stack:
+        processes = None
         if e.backend == "remote":
             urls = list(e.urls)
         else:
-            urls = await _start_servers(stack, cfg, model_dir, run_dir / "engines", devices)
+            started = await _start_servers(stack, cfg, model_dir, run_dir / "engines", devices)
+            urls = [engine.url for engine in started]
+            processes = started if isinstance(started, EngineProcesses) else None
         client = await stack.enter_async_context(
             InferenceClient(
                 urls,
@@ -118,7 +145,7 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
         )
         await client.probe(routes)
         await check_server_config(client, cfg.sync.transport, needs_sleep=sleeps)
-        yield client
+        yield Engines(client, processes)
 
 
 def startup_timeout_s(cfg: Config) -> float:
@@ -219,8 +246,9 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
 
 async def _start_servers(
     stack: AsyncExitStack, cfg: Config, model_dir: Path, log_dir: Path, devices: list[str]
-) -> list[str]:
-    """Start the servers of ``engine.backend`` (stopped when ``stack`` closes); their URLs."""
+) -> Sequence[Any]:
+    """Start the servers of ``engine.backend`` (stopped when ``stack`` closes): the processes
+    (placement=process) or the Ray-placed servers, each with its ``url``."""
     e = cfg.engine
     servers: ServersSpec
     if e.backend == "vllm":
@@ -239,7 +267,7 @@ async def _start_servers(
         engines = await stack.enter_async_context(
             open_engine_processes(e.num_engines, servers, log_dir, **started)
         )
-        return [engine.url for engine in engines]
+        return engines
     from engines.ray_launch import open_ray_engines
     from trainer.workers.ray_cluster import actor_env
 
@@ -258,7 +286,7 @@ async def _start_servers(
         )
     )
     log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
-    return [p.url for p in placed]
+    return placed
 
 
 def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:

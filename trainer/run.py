@@ -8,6 +8,7 @@ closed) before the error reaches the command line.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import os
@@ -32,11 +33,12 @@ from trainer.config_schema import Config
 from trainer.data import PromptLoader
 from trainer.datasets import load_datasets
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
+from trainer.engine_recovery import open_engine_recovery
 from trainer.errors import ConfigError
 from trainer.fully_async import run_fully_async
 from trainer.generators.base import Generator, check_generator_kwargs
 from trainer.interrupt import stop_on_interrupt
-from trainer.loop import run_training
+from trainer.loop import resync_engines, run_training
 from trainer.metrics import (
     MetricsLogger,
     StepProgress,
@@ -47,7 +49,7 @@ from trainer.metrics import (
 )
 from trainer.parts import (
     cpu_threads,
-    open_engine,
+    open_engines,
     open_ray_cluster,
     open_transport,
     open_workers,
@@ -246,7 +248,8 @@ async def _train(
             with progress.phase("ray"):
                 await stack.enter_async_context(open_ray_cluster(cfg))
         with progress.phase("engines"):
-            engine = await stack.enter_async_context(open_engine(cfg, model_dir, run_dir))
+            engines = await stack.enter_async_context(open_engines(cfg, model_dir, run_dir))
+            engine = engines.client
             check_context(await engine.max_model_len(), fitted, s.max_tokens)
         dumper.engine_urls = tuple(getattr(engine, "urls", ()))
         dumper.engine_api_key = cfg.engine.api_key
@@ -256,6 +259,9 @@ async def _train(
             transport = await stack.enter_async_context(
                 open_transport(cfg, run_dir, engine, workers)
             )
+        recovery = await stack.enter_async_context(
+            open_engine_recovery(cfg.engine, engine, engines.processes, transport, workers)
+        )
 
         versions = WeightVersions(0) if fully_async else None
         rollout_engine = (
@@ -308,7 +314,10 @@ async def _train(
             else None,
             prompts=prompts,
             rollout_versions=versions,
+            recovery=recovery,
         )
+        if recovery is not None:
+            recovery.set_resync(functools.partial(resync_engines, ctx))
         if versions is not None:
             versions.current = ctx.weight_version
         progress.start_steps(last_step, start=start)
@@ -319,7 +328,7 @@ async def _train(
         except BaseException:
             teardown.start()
             raise
-    return _summarize(run_dir, metrics_path)
+    return _summarize(run_dir, metrics_path, recovery.events if recovery else None)
 
 
 async def _read_resume_state(
@@ -346,7 +355,9 @@ async def _read_resume_state(
     return resume_from, state
 
 
-def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:
+def _summarize(
+    run_dir: Path, metrics_path: Path, restarts: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
     rows = (
         [json.loads(line) for line in metrics_path.read_text().splitlines()]
         if metrics_path.exists()
@@ -362,5 +373,8 @@ def _summarize(run_dir: Path, metrics_path: Path) -> dict[str, Any]:
         times = [r["timing/step"] for r in steps if "timing/step" in r]
         summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
+    if restarts is not None:  # engine recovery was on: how often it brought an engine back
+        summary["engine_restarts"] = len(restarts)
+        summary["engine_restart_events"] = restarts
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import trio
 
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config_schema import Config
 from trainer.data import Example, PromptLoader
 from trainer.debug import StallInstrument, Watchdog
+from trainer.engine_recovery import EngineRecovery
 from trainer.generators.base import Generator
 from trainer.metrics import MetricsLogger, StepProgress
 from trainer.prompt_stream import PromptStream
@@ -65,6 +67,16 @@ class RunContext:
     #: then only fixes the order), and the weight version the rollouts' engine labels.
     prompts: PromptStream | None = None
     rollout_versions: WeightVersions | None = None
+    #: Restarts failed engines (``engine.max_restarts``); None where recovery does not apply.
+    recovery: EngineRecovery | None = None
+    #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
+    #: so never reads a policy mid-update); the recovery's own lock when there is one.
+    weights_lock: trio.Lock = attrs.field(
+        default=attrs.Factory(
+            lambda self: self.recovery.weights_lock if self.recovery else trio.Lock(),
+            takes_self=True,
+        )
+    )
 
     def data_state(self) -> dict[str, Any]:
         """Where the data is, for a checkpoint: the loader's position, or the stream's."""
@@ -97,7 +109,10 @@ class RunContext:
         if stall_ms > SLOW_STALL_MS:
             log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        return {"loop/max_stall_ms": stall_ms, "memory/peak_rss_gb": peak_kib / 2**20}
+        metrics = {"loop/max_stall_ms": stall_ms, "memory/peak_rss_gb": peak_kib / 2**20}
+        if self.recovery is not None:
+            metrics["engine/restarts"] = float(self.recovery.total_restarts)
+        return metrics
 
     def record_step(self, metrics: dict[str, Any]) -> None:
         self.metrics.log(metrics)

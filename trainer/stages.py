@@ -214,11 +214,18 @@ PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 _log = logging.getLogger("trainer.run")
 
 
-async def verify_weights(ctx: RunContext, step: int, weight_version: int) -> dict[str, float]:
+async def verify_weights(
+    ctx: RunContext, step: int, weight_version: int, *, force: bool = False
+) -> dict[str, float]:
     """``sync.verify``: after the sync of ``step`` (``first``: the process's first sync), each
-    engine against the policy (:func:`sync.verify.verify_sync`); {} when not due."""
+    engine against the policy (:func:`sync.verify.verify_sync`); {} when not due. ``force``:
+    due whatever ``sync.verify`` says (a restarted engine's sync)."""
     cfg = ctx.cfg
-    due = cfg.sync.verify == "every" or (cfg.sync.verify == "first" and step < ctx.first_step)
+    due = (
+        force
+        or cfg.sync.verify == "every"
+        or (cfg.sync.verify == "first" and step < ctx.first_step)
+    )
     if not due:
         return {}
     if cfg.workers.backend == "ray" and cfg.workers.num_policy_workers > 1:

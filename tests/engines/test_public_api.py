@@ -54,6 +54,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "DEFAULT_SHUTDOWN_TIMEOUT_S",
         "DEFAULT_STARTUP_TIMEOUT_S",
         "EngineProcess",
+        "EngineProcesses",
         "ReferenceServers",
         "ServerSpec",
         "ServersSpec",
@@ -63,6 +64,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "server_device",
         "server_env",
     ],
+    "engines.rotation": ["EngineState", "Rotation", "is_engine_failure"],
     "engines.stdin_guard": ["main"],
     "engines.vllm_serve": [
         "DEFAULT_CPU_BUSY_LOOP_S",

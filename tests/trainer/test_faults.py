@@ -122,12 +122,12 @@ OPS_LIST = ", ".join(OPERATIONS)
         (
             "forward_backward",
             "faults: no action in 'forward_backward'; "
-            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S or error=MSG",
+            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
         ),
         (
             "forward_backward:hung@2",
             "faults: unknown action 'hung' in 'forward_backward:hung@2'; "
-            "ACTION is one of hang, sleep=S, delay=S or error=MSG",
+            "ACTION is one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
         ),
         (
             "forward_backward:sleep",

@@ -43,6 +43,7 @@ from trainer.vocabulary._faults import fire_fault as fire_fault
 from trainer.vocabulary._faults import fire_fault_sync as fire_fault_sync
 from trainer.vocabulary._faults import install_faults as install_faults
 from trainer.vocabulary._faults import release_hangs as release_hangs
+from trainer.vocabulary._faults import set_engine_signaller as set_engine_signaller
 from trainer.vocabulary._faults import unfired_faults as unfired_faults
 from trainer.vocabulary._names import OPERATIONS as OPERATIONS
 from trainer.vocabulary._names import STAGES as STAGES
@@ -91,6 +92,7 @@ __all__ = [
     "raise_first",
     "release_hangs",
     "remaining",
+    "set_engine_signaller",
     "stage",
     "step_deadline",
     "unfired_faults",

@@ -4,7 +4,10 @@
 - ``ACTION`` is ``hang`` (never returns), ``sleep=S`` (a blocking sleep of S seconds where
   the operation runs), ``delay=S`` (a non-blocking wait of S seconds) or ``error=MSG``
   (raises :class:`~trainer.errors.FaultInjected`). ``MSG`` cannot contain ``,``; the last
-  ``@`` of an entry starts ``STEPS``.
+  ``@`` of an entry starts ``STEPS``. Two act on an engine server rather than where the
+  operation runs, once per entry: ``kill_engine=I`` (``SIGKILL`` to engine ``I``'s server,
+  its whole process group: it dies) and ``stop_engine=I`` (``SIGSTOP``: it hangs), for the
+  operations the trainer itself runs (:data:`ENGINE_SIGNAL_OPS`).
 - ``STEPS`` is ``N`` or ``N-M`` (inclusive); without it the fault fires on every call, with
   it only when the current step is known and in range.
 """
@@ -22,9 +25,12 @@ import attrs
 from trainer.errors import ConfigError
 from trainer.vocabulary._names import OPERATIONS
 
-__all__ = ["Action", "Fault", "Faults", "parse_faults"]
+__all__ = ["ENGINE_SIGNAL_OPS", "Action", "Fault", "Faults", "parse_faults"]
 
-_ACTIONS_HELP = "hang, sleep=S, delay=S or error=MSG"
+_ACTIONS_HELP = "hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I"
+#: The operations an engine-signal action may target: those the trainer's own trio thread
+#: runs (engine servers and workers fire the others, and cannot signal an engine).
+ENGINE_SIGNAL_OPS = ("generate", "wait_for_batch")
 _STEPS_RE = re.compile(r"(\d+)(?:-(\d+))?")
 
 
@@ -35,6 +41,13 @@ class Action(enum.Enum):
     SLEEP = "sleep"
     DELAY = "delay"
     ERROR = "error"
+    KILL_ENGINE = "kill_engine"
+    STOP_ENGINE = "stop_engine"
+
+    @property
+    def signals_engine(self) -> bool:
+        """Whether it acts on an engine server (once), not where the operation runs."""
+        return self in (Action.KILL_ENGINE, Action.STOP_ENGINE)
 
 
 @attrs.frozen
@@ -51,6 +64,8 @@ class Fault:
     message: str | None = None
     #: Inclusive ``(first, last)`` steps; ``None`` fires on every call, step known or not.
     steps: tuple[int, int] | None = None
+    #: The engine index of ``kill_engine``/``stop_engine``; ``None`` otherwise.
+    engine: int | None = None
 
     def applies_to(self, step: int | None) -> bool:
         """Whether this fault fires at ``step`` (``None``: the step is unknown)."""
@@ -61,6 +76,8 @@ class Fault:
     def __str__(self) -> str:
         if self.action is Action.ERROR:
             action = f"error={self.message}"
+        elif self.action.signals_engine:
+            action = f"{self.action.value}={self.engine}"
         elif self.seconds is not None:
             action = f"{self.action.value}={self.seconds:g}"
         else:
@@ -182,6 +199,18 @@ def _parse_entry(entry: str) -> Fault:
         return Fault(op, Action.HANG, steps=steps)
     if name in (Action.SLEEP.value, Action.DELAY.value):
         return Fault(op, Action(name), seconds=_parse_seconds(entry, name, arg), steps=steps)
+    if name in (Action.KILL_ENGINE.value, Action.STOP_ENGINE.value):
+        if arg is None or not arg.isdigit():
+            raise _bad(
+                f"{action_text.strip()!r}", entry, f"{name} needs an engine index, e.g. {name}=0"
+            )
+        if op not in ENGINE_SIGNAL_OPS:
+            raise _bad(
+                f"{name} at {op!r}",
+                entry,
+                f"{name} fires where the trainer runs: at {' or '.join(ENGINE_SIGNAL_OPS)}",
+            )
+        return Fault(op, Action(name), steps=steps, engine=int(arg))
     if name == Action.ERROR.value:
         if not arg:
             raise _bad("'error' without a message", entry, "write error=MSG, e.g. error=boom")

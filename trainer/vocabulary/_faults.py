@@ -19,7 +19,13 @@ sleep=S    ``time.sleep(S)``: the thread is blocked      ``time.sleep(S)`` in a 
                                                          does not abandon: not cancellable for S s
 delay=S    ``time.sleep(S)`` (blocks only that thread)   ``trio.sleep(S)``: cancellable
 error=MSG  raises ``FaultInjected(op, MSG, step)``       same
+kill_eng.  (trainer operations only)                    ``SIGKILL`` to engine I's server, once
+stop_eng.  (trainer operations only)                    ``SIGSTOP`` to engine I's server, once
 =========  ===========================================  ==========================================
+
+``kill_engine=I`` and ``stop_engine=I`` go through the engine signaller the run registers
+(:func:`set_engine_signaller`: it signals engine I's whole process group where it runs),
+and fire once per entry: a restarted engine is not killed again by the same entry.
 
 ``fire_fault_sync`` refuses to block the trio thread (rule 1): a ``hang``/``sleep``/``delay``
 that fires there raises ``RuntimeError`` telling the caller to ``await fire_fault(...)``.
@@ -39,8 +45,10 @@ Test-only: :func:`release_hangs` wakes threads blocked in a ``hang`` (they raise
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -57,6 +65,7 @@ __all__ = [
     "fire_fault_sync",
     "install_faults",
     "release_hangs",
+    "set_engine_signaller",
     "unfired_faults",
 ]
 
@@ -72,6 +81,14 @@ _lock = threading.Lock()
 _fired: set[str] = set()
 #: Test-only: set (and replaced) by :func:`release_hangs`.
 _release = threading.Event()
+#: Sends a signal to engine ``I``'s server: ``signaller(I, signal.SIGKILL)`` (None: no engines).
+_engine_signaller: Callable[[int, signal.Signals], None] | None = None
+
+
+def set_engine_signaller(signaller: Callable[[int, signal.Signals], None] | None) -> None:
+    """Register how ``kill_engine``/``stop_engine`` reach an engine's server (None: unset)."""
+    global _engine_signaller
+    _engine_signaller = signaller
 
 
 def install_faults(spec: str | Faults | None, *, fired_log: Path | None = None) -> Faults:
@@ -136,7 +153,14 @@ def _firing(op: str, step: int | None) -> tuple[Fault, int | None] | None:
         return None
     if step is None:
         step = current_step()
-    fault = next((f for f in entries if f.applies_to(step)), None)
+    fault = next(
+        (
+            f
+            for f in entries
+            if f.applies_to(step) and not (f.action.signals_engine and str(f) in _fired)
+        ),
+        None,
+    )
     if fault is None:
         return None
     _record(fault)
@@ -197,6 +221,9 @@ async def fire_fault(op: str, step: int | None = None) -> None:
     if hit is None:
         return
     fault, _ = hit
+    if fault.action.signals_engine:
+        _signal_engine(fault)
+        return
     if fault.action is Action.HANG:
         await trio.sleep_forever()
     assert fault.seconds is not None
@@ -204,6 +231,17 @@ async def fire_fault(op: str, step: int | None = None) -> None:
         await trio.sleep(fault.seconds)
     else:
         await trio.to_thread.run_sync(time.sleep, fault.seconds)
+
+
+def _signal_engine(fault: Fault) -> None:
+    assert fault.engine is not None
+    if _engine_signaller is None:
+        raise RuntimeError(
+            f"fault {str(fault)!r} needs engine servers the trainer started as processes "
+            "(engine.backend=local or vllm, engine.placement=process)"
+        )
+    sig = signal.SIGKILL if fault.action is Action.KILL_ENGINE else signal.SIGSTOP
+    _engine_signaller(fault.engine, sig)
 
 
 def release_hangs() -> None:

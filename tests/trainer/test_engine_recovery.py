@@ -1,0 +1,148 @@
+"""A dead or hung engine server is restarted, re-synced and put back; the run goes on.
+
+Real reference servers, really killed (``SIGKILL``) or stopped (``SIGSTOP``) by the
+``kill_engine``/``stop_engine`` faults, in real ``python -m trainer`` runs; nothing of a run
+may be left running afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.helpers import new_marker, read_metrics, run_trainer, wait_until_gone
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+pytestmark = pytest.mark.slow
+
+#: Two reference engines, a short run; engine recovery is on by default.
+RUN = ("engine.num_engines=2", "trainer.train_batch_size=4", "generator.n_samples_per_prompt=4")
+
+
+def _run(tmp_path: Path, *overrides: str, timeout: float = 240):
+    marker = new_marker()
+    proc = run_trainer(
+        *RUN, f"trainer.run_dir={tmp_path}", *overrides, marker=marker, timeout=timeout
+    )
+    assert wait_until_gone(marker) == []  # the killed server, its replacement, everything
+    return proc
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _exact(rows: list[dict]) -> None:
+    for row in rows:  # every step sampled with exactly the policy's weights
+        assert abs(row["policy/is_ratio_min"] - 1) < 1e-3, row
+        assert abs(row["policy/is_ratio_max"] - 1) < 1e-3, row
+
+
+def test_a_killed_engine_is_restarted_and_every_prompt_still_trained_once(tmp_path):
+    clean = _run(tmp_path / "clean", "trainer.max_steps=24")
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    # step 5 waits 10 s in generate: long enough for engine 1 to be back after its kill
+    faults = "faults=generate:kill_engine=1@3,generate:delay=10@5"
+    proc = _run(tmp_path / "killed", "trainer.max_steps=24", faults)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path / "killed")
+    assert [r["step"] for r in rows] == list(range(1, 25))
+    # the same prompts in the same order as the run without a kill: none lost, none twice
+    want = [r["data/example_index"] for r in read_metrics(tmp_path / "clean")]
+    assert [r["data/example_index"] for r in rows] == want
+    _exact(rows)
+    assert rows[1]["engine/restarts"] == 0 and rows[-1]["engine/restarts"] == 1
+    (event,) = _summary(tmp_path / "killed")["engine_restart_events"]
+    assert event["engine"] == 1 and event["step"] == 3 and "ConnectError" in event["cause"]
+    assert event["seconds"] is not None and event["seconds"] > 0  # it served again
+    assert "engine 1 back at http://" in proc.stderr
+    # the restart's sync was one more (verified) weight sync
+    assert rows[-1]["sync/weight_version"] == 24 + 2
+
+
+def test_a_stopped_engine_is_found_hung_by_its_health_check_and_replaced(tmp_path):
+    proc = _run(
+        tmp_path,
+        "trainer.max_steps=30",
+        "faults=generate:stop_engine=0@2",
+        "engine.health_check_interval_s=0.5",
+        "engine.health_check_timeout_s=2",
+        "engine.health_check_first_wait_s=0",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (event,) = _summary(tmp_path)["engine_restart_events"]
+    assert event["engine"] == 0 and "did not answer within 2s" in event["cause"], event
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    _exact(rows)
+
+
+def test_the_only_engine_killed_the_step_waits_for_its_restart(tmp_path):
+    proc = _run(
+        tmp_path,
+        "engine.num_engines=1",
+        "trainer.max_steps=4",
+        "faults=generate:kill_engine=0@2",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[1]["timing/generate"] > rows[0]["timing/generate"]  # it waited for the restart
+    _exact(rows)
+    assert _summary(tmp_path)["engine_restarts"] == 1
+
+
+def test_fully_async_loses_no_rollout_to_a_killed_engine(tmp_path):
+    proc = _run(
+        tmp_path,
+        "trainer.strategy=fully_async",
+        "trainer.max_steps=12",
+        "faults=generate:kill_engine=1@3",
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert rows[-1]["engine/restarts"] == 1
+    # 12 steps of 4 prompts, each drawn once: the killed engine's rollouts were sent again
+    trained = [i for r in rows for i in r["data/example_index"]]
+    assert len(trained) == 48 and len(set(trained)) == 48
+    max_staleness = load_config(None, []).trainer.fully_async.max_staleness_steps
+    assert max(r["async/staleness_max"] for r in rows) <= max_staleness
+
+
+def test_past_max_restarts_the_run_ends_naming_the_engine(tmp_path):
+    proc = _run(
+        tmp_path,
+        "trainer.max_steps=12",
+        "engine.max_restarts=1",
+        # killed at step 2, back by step 6 (it waits 10 s), killed again at step 8
+        "faults=generate:kill_engine=1@2,generate:delay=10@6,generate:kill_engine=1@8",
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()
+    message = next(line for line in last if line.startswith("EngineFailedError"))
+    assert "EngineFailedError: engine 1 (http://127.0.0.1:" in message
+    assert "failed after 1 restart(s), engine.max_restarts=1" in message
+    assert "--- server log (tail) ---" in proc.stderr
+
+
+def test_with_max_restarts_0_a_dead_engine_ends_the_run_as_before(tmp_path):
+    proc = _run(
+        tmp_path, "trainer.max_steps=6", "engine.max_restarts=0", "faults=generate:kill_engine=1@3"
+    )
+    assert proc.returncode == 1
+    assert "InferenceServerError" in proc.stderr and "ConnectError" in proc.stderr
+
+
+def test_engine_signal_faults_are_checked_at_load():
+    with pytest.raises(ConfigError, match="engine 2 does not exist"):
+        load_config(None, ["engine.num_engines=2", "faults=generate:kill_engine=2@3"])
+    with pytest.raises(ConfigError, match=r"engine\.backend=inprocess with engine\.placement"):
+        load_config(None, ["engine.backend=inprocess", "faults=generate:stop_engine=0"])
+    with pytest.raises(ConfigError, match="kill_engine fires where the trainer runs"):
+        load_config(None, ["faults=forward_backward:kill_engine=0"])
+    with pytest.raises(ConfigError, match="needs an engine index"):
+        load_config(None, ["faults=generate:kill_engine"])
