@@ -36,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.e2e.helpers import processes_with_marker  # noqa: E402
+
 SERVER_MARKS = ("engines.local", "engines.stdin_guard")
 LOG_TIME = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) WARNING trainer\.run: engine (\d+) (.*)$"
