@@ -153,12 +153,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--keep", type=Path, default=None, help="keep both runs' directories here")
     parser.add_argument("overrides", nargs="*", help="more trainer overrides (key=value)")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
 
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
+        root = args.keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
         clean = subprocess.run(
             _command(root / "clean", args),
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
             f"clean run {clean_s:.1f}s, killed run {killed_s:.1f}s, exit code {result['returncode']}"
         )
         if result["returncode"] != 0:
-            print((root / "killed.out").read_text()[-3000:])
+            out = (root / "killed.out").read_text().splitlines()
+            print("\n".join(line[:2000] for line in out if not line.startswith(" "))[-4000:])
         events = _log_events(root / "killed")
         failed = [(w, t) for w, _, t in events if t.startswith("(") or " failed: " in t]
         back = [w for w, _, t in events if "back at" in t]

@@ -43,7 +43,6 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import EngineProcesses
-from engines.rotation import is_engine_failure
 from sync.transports import WeightTransport
 from trainer.config_engine import EngineConfig
 from trainer.errors import EngineFailedError, EngineStartError, InferenceServerError
@@ -110,17 +109,24 @@ class EngineRecovery:
         self._failures_send.send_nowait((index, cause))
 
     def took_out(self, exc: BaseException) -> bool:
-        """Whether ``exc``, raised by a weight sync, is a member engine's failure (it no
-        longer answers, or answers 5xx): then that engine is out (taken out now, if it was
-        not already) and the sync may go on without it."""
-        if not isinstance(exc, InferenceServerError) or not is_engine_failure(exc):
-            return False
-        try:
-            index = self.rotation.index_of(exc.url)
-        except ValueError:
-            return False
-        self.rotation.failed(index, f"during a weight sync: {exc}")
-        return True
+        """Whether ``exc``, raised by a weight sync, comes of a member engine that no longer
+        answers (a call to it that got no answer, the error itself or its cause, as when the
+        broken transfer's re-send failed too: ``EngineUnusableError``): then that engine is
+        out (taken out now, if it was not already) and the sync may go on without it. A 5xx
+        during a sync is not taken for the engine's death: it ends the sync as before."""
+        seen: set[int] = set()
+        cause: BaseException | None = exc
+        while cause is not None and id(cause) not in seen:
+            seen.add(id(cause))
+            if isinstance(cause, InferenceServerError) and cause.status is None:
+                try:
+                    index = self.rotation.index_of(cause.url)
+                except ValueError:
+                    return False
+                self.rotation.failed(index, f"during a weight sync: {cause}")
+                return True
+            cause = cause.__cause__ or cause.__context__
+        return False
 
     async def sync_members(
         self, sync: Callable[[], Awaitable[dict[str, float]]]

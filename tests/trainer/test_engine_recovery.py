@@ -8,11 +8,18 @@ may be left running afterwards.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.helpers import new_marker, read_metrics, run_trainer, wait_until_gone
+from engines.process_group import free_port
+from tests.e2e.helpers import new_marker, popen_trainer, read_metrics, run_trainer, wait_until_gone
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -146,3 +153,59 @@ def test_engine_signal_faults_are_checked_at_load():
         load_config(None, ["faults=forward_backward:kill_engine=0"])
     with pytest.raises(ConfigError, match="needs an engine index"):
         load_config(None, ["faults=generate:kill_engine"])
+
+
+def _serve(port: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "engines.local", "serve", "--port", str(port)]
+    out = log.open("ab")
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "the server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy in {timeout}s")
+
+
+def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path):
+    """engine.backend=remote: the trainer cannot restart someone else's server; it waits for
+    it to answer /health again (here: killed at step 3, started again 2 s later, same port)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = _serve(port, tmp_path / "server.log")
+    marker = new_marker()
+    try:
+        _wait_healthy(url, server)
+        run = popen_trainer(
+            "engine.backend=remote",
+            f"engine.urls=[{url}]",
+            "trainer.max_steps=30",
+            f"trainer.run_dir={tmp_path / 'run'}",
+            marker=marker,
+        )
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while run.poll() is None and (
+            not metrics.exists() or len(metrics.read_text().splitlines()) < 3
+        ):
+            time.sleep(0.05)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        time.sleep(2)
+        server = _serve(port, tmp_path / "server.log")
+        out, _ = run.communicate(timeout=240)
+        assert run.returncode == 0, out[-3000:]
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert rows[-1]["engine/restarts"] == 1
+    _exact(rows)
+    assert wait_until_gone(marker) == []

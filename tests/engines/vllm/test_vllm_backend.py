@@ -5,6 +5,7 @@ neither leaves a process behind."""
 
 from __future__ import annotations
 
+import json
 import statistics
 import subprocess
 
@@ -47,3 +48,21 @@ def test_the_default_run_against_real_vllm_learns_with_exact_weights(tmp_path):
 def test_engine_backend_vllm_inprocess_trains_3_steps_exactly(tmp_path, transport):
     _train(tmp_path, "engine.backend=vllm_inprocess", f"sync.transport={transport}",
            "trainer.max_steps=3")  # fmt: skip
+
+
+def test_a_killed_vllm_server_is_restarted_and_synced_before_it_serves_again(tmp_path):
+    """The only vLLM server is killed (SIGKILL, its whole process group) at step 2: step 2
+    waits for the restarted server, which gets a complete gloo sync, verified, first; every
+    step is exact and nothing of either server is left."""
+    rows, _ = _train(
+        tmp_path,
+        "engine.backend=vllm",
+        "sync.transport=gloo",
+        "trainer.max_steps=4",
+        "faults=generate:kill_engine=0@2",
+    )
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[0]["engine/restarts"] == 0 and rows[-1]["engine/restarts"] == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (event,) = summary["engine_restart_events"]
+    assert event["engine"] == 0 and event["step"] == 2 and event["seconds"] > 0
