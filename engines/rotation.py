@@ -45,6 +45,8 @@ class Rotation:
         #: Called as ``on_failure(index, cause)`` once when a request finds engine ``index``
         #: failed (it is already out of rotation then); None: failures raise.
         self.on_failure: Callable[[int, str], None] | None = None
+        #: Counts the changes of the members (an engine left or joined, even at the same URL).
+        self.changes = 0
         self._in_flight: list[set[trio.CancelScope]] = [set() for _ in self.urls]
         self._changed = trio.Event()
         self._round_robin = itertools.count()
@@ -102,6 +104,7 @@ class Rotation:
         """Engine ``index`` is down: out of rotation and of the members; its requests in
         flight are cancelled (their clients send them again)."""
         self.states[index] = "down"
+        self.changes += 1
         for scope in self._in_flight[index]:
             scope.cancel()
         self._notify()
@@ -110,6 +113,7 @@ class Rotation:
         """Engine ``index`` is up again at ``url``: a member, not yet in rotation."""
         self.urls[index] = url.rstrip("/")
         self.states[index] = "joining"
+        self.changes += 1
         self._notify()
 
     def put_back(self, index: int) -> None:

@@ -91,7 +91,7 @@ class EngineRecovery:
         #: The step the loop is at (named by a restart's sync and its events).
         self.step = 0
         self._up_since = [time.monotonic()] * n
-        self._transport_members = list(self.client.urls)
+        self._transport_changes = self.rotation.changes
         self._failures_send, self._failures = trio.open_memory_channel[tuple[int, str]](math.inf)
 
     @property
@@ -151,13 +151,14 @@ class EngineRecovery:
 
     async def refresh_transport(self) -> None:
         """Build the weight transport again when the member engines changed since it was
-        built (an engine left or joined): its group, or its per-engine set-up, must be theirs."""
-        members = list(self.client.urls)
-        if members == self._transport_members:
+        built (an engine left or joined, at the same URL too: a restarted server knows none
+        of it): its group, or its per-engine set-up, must be theirs."""
+        changes = self.rotation.changes
+        if changes == self._transport_changes:
             return
         await self.transport.close(self.workers)
         await self.transport.init(self.client, self.workers)
-        self._transport_members = members
+        self._transport_changes = changes
 
     async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Watch every engine and restart the failed ones, one at a time, until cancelled;

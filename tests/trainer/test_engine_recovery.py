@@ -157,8 +157,8 @@ def test_engine_signal_faults_are_checked_at_load():
 
 def _serve(port: int, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "engines.local", "serve", "--port", str(port)]
-    out = log.open("ab")
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
