@@ -19,7 +19,7 @@ from trainer.config import iter_fields
 
 README = ROOT / "README.md"
 MODE_NAMES = {"backend", "strategy", "placement", "transport", "device"}
-ROWS = {"CPU", "GPU", "vLLM", "Ray", "fully-async"}
+ROWS = {"CPU", "GPU", "vLLM", "Ray", "fully-async", "engine fault tolerance"}
 
 
 def mode_values() -> dict[str, tuple[str, ...]]:
@@ -81,6 +81,9 @@ def test_each_status_follows_from_the_schema():
         "vLLM": "vllm" in modes["engine.backend"],
         "Ray": "ray" in modes["workers.backend"],
         "fully-async": "fully_async" in modes["trainer.strategy"],
+        "engine fault tolerance": any(
+            key == "engine.max_restarts" for key, _a, _t in iter_fields()
+        ),
     }
     wrong = {
         name: status

@@ -45,7 +45,12 @@ from engines.client import InferenceClient
 from engines.launch import EngineProcesses
 from sync.transports import WeightTransport
 from trainer.config_engine import EngineConfig
-from trainer.errors import EngineFailedError, EngineStartError, InferenceServerError
+from trainer.errors import (
+    EngineFailedError,
+    EngineStartError,
+    InferenceServerError,
+    InferenceServerTimeoutError,
+)
 from trainer.vocabulary import open_owner_nursery, set_engine_signaller
 
 __all__ = ["EngineRecovery", "open_engine_recovery"]
@@ -113,12 +118,18 @@ class EngineRecovery:
         answers (a call to it that got no answer, the error itself or its cause, as when the
         broken transfer's re-send failed too: ``EngineUnusableError``): then that engine is
         out (taken out now, if it was not already) and the sync may go on without it. A 5xx
-        during a sync is not taken for the engine's death: it ends the sync as before."""
+        during a sync is not taken for the engine's death, nor a control call that outlived
+        ``engine.control_plane_timeout_s`` (the engine answers, late): they end the sync as
+        before, typed."""
         seen: set[int] = set()
         cause: BaseException | None = exc
         while cause is not None and id(cause) not in seen:
             seen.add(id(cause))
-            if isinstance(cause, InferenceServerError) and cause.status is None:
+            if (
+                isinstance(cause, InferenceServerError)
+                and cause.status is None
+                and not isinstance(cause, InferenceServerTimeoutError)
+            ):
                 try:
                     index = self.rotation.index_of(cause.url)
                 except ValueError:
@@ -240,6 +251,8 @@ class EngineRecovery:
             self.rotation.join(index, url)
             await self.refresh_transport()
             await self._resync()
+            if self.rotation.states[index] != "joining":
+                return  # it failed again during its own sync: that failure is queued next
             self.rotation.put_back(index)
         self._up_since[index] = time.monotonic()
         seconds = time.monotonic() - started
