@@ -191,13 +191,14 @@ def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path)
             marker=marker,
         )
         metrics = tmp_path / "run" / "metrics.jsonl"
-        while run.poll() is None and (
-            not metrics.exists() or len(metrics.read_text().splitlines()) < 3
-        ):
+        deadline = time.monotonic() + 120  # a trainer that never reaches step 3 fails here
+        while not metrics.exists() or len(metrics.read_text().splitlines()) < 3:
+            assert run.poll() is None, "the run ended before step 3"
+            assert time.monotonic() < deadline, "the run did not reach step 3 within 120 s"
             time.sleep(0.05)
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-        time.sleep(2)
+        time.sleep(2)  # the server stays away a while: the trainer meets it gone
         server = _serve(port, tmp_path / "server.log")
         out, _ = run.communicate(timeout=240)
         assert run.returncode == 0, out[-3000:]
