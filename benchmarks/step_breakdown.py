@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from engines.models import load_tokenizer, resolve_model_path  # noqa: E402
 from trainer.config import load_config  # noqa: E402
-from trainer.data import load_examples  # noqa: E402
+from trainer.data import load_datasets  # noqa: E402
 
 
 def run_default(steps: int, overrides: list[str], run_dir: Path) -> tuple[float, list[dict]]:
@@ -70,9 +70,7 @@ def ceiling(overrides: list[str], repeats: int) -> list[float]:
     model_dir = resolve_model_path(cfg.model.path)
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    examples, _ = load_examples(
-        cfg.data.train, cfg.data.task, cfg.data.num_examples, cfg.trainer.seed
-    )
+    examples = load_datasets(cfg.data, cfg.trainer.seed).train
     prompts = [
         tok.encode(ex.prompt, add_special_tokens=False)
         for ex in examples[: cfg.trainer.train_batch_size]

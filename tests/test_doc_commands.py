@@ -46,8 +46,7 @@ from tests.docs_extract import (
 )
 from trainer import vocabulary
 from trainer.__main__ import main
-from trainer.config import load_config
-from trainer.config_schema import ConfigWarning
+from trainer.config import ConfigWarning, load_config
 from trainer.errors import ConfigError
 
 VENV_BIN = Path(sys.executable).parent

@@ -17,8 +17,8 @@ from typing import Any
 
 import attrs
 
-from trainer.config import iter_fields, type_name
-from trainer.config_schema import Config
+from trainer.config import Config
+from trainer.config._load import iter_fields, type_name
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DOC = ROOT / "docs" / "configuration.md"

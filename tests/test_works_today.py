@@ -15,7 +15,7 @@ import typing
 from typing import Literal
 
 from tests.docs_extract import ROOT
-from trainer.config import iter_fields
+from trainer.config._load import iter_fields
 
 README = ROOT / "README.md"
 MODE_NAMES = {"backend", "strategy", "placement", "transport", "device"}

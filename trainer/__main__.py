@@ -67,8 +67,7 @@ def _fail(
 def _train(argv: list[str]) -> int:
     import trio
 
-    from trainer.config import load_config
-    from trainer.config_schema import ConfigWarning
+    from trainer.config import ConfigWarning, load_config
     from trainer.errors import CheckpointError, ConfigError, DataError
 
     parser = argparse.ArgumentParser(add_help=False)
@@ -129,16 +128,16 @@ def main(argv: list[str] | None = None) -> int:
         _print_help()
         return 0
     if command == "ckpt":
-        from trainer.ckpt_cli import ckpt_main
+        from trainer.checkpoint import ckpt_main
 
         return ckpt_main(argv[1:])
     if command == "debug":
-        from trainer.debug_cli import debug_main
+        from trainer.debug import debug_main
 
         return debug_main(argv[1:])
     if command == "plot":
         try:
-            from trainer.plots import plot_main
+            from trainer.metrics.plots import plot_main
         except ImportError as exc:  # matplotlib is an optional extra
             print(f"plot needs matplotlib ({exc}): pip install 'trainer[plot]'", file=sys.stderr)
             return 2

@@ -24,8 +24,7 @@ from engines.client import InferenceClient
 from engines.models import build_tiny_model
 from sync.transports import DiskTransport
 from sync.weights import abandoned_detail, save_weights_for_sampler
-from trainer.config import load_config
-from trainer.config_schema import Config
+from trainer.config import Config, load_config
 from trainer.errors import FaultInjected, WeightSyncTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 from trainer.workers.local import LocalWorkerGroup

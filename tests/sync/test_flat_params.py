@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from engines.models import build_tiny_model
 from engines.weight_transfer import packed_chunks
 from sync.transports.flat_params import bucket_views, current_layout, flatten_parameters
-from trainer.checkpoint_io import load_model, save_model
+from trainer.checkpoint import load_model, save_model
 
 
 def _model() -> torch.nn.Module:

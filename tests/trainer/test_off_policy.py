@@ -14,7 +14,7 @@ import trainer.run
 from engines.models import build_tiny_model
 from trainer.algorithms import policy_loss
 from trainer.config import load_config
-from trainer.config_schema import AlgorithmConfig
+from trainer.config._schema import AlgorithmConfig
 from trainer.errors import ConfigError
 from trainer.off_policy import (
     IS_RATIO_METRICS,

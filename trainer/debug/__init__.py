@@ -14,6 +14,7 @@
   long each task has waited.
 """
 
+from trainer.debug._cli import debug_main as debug_main
 from trainer.debug._render import innermost_place as innermost_place
 from trainer.debug._render import render as render
 from trainer.debug._render import tree_of as tree_of
@@ -39,6 +40,7 @@ __all__ = [
     "StallWindow",
     "WaitClock",
     "Watchdog",
+    "debug_main",
     "debug_paths",
     "innermost_place",
     "open_debug_services",

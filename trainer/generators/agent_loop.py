@@ -23,7 +23,7 @@ from contextvars import ContextVar
 import attrs
 
 from engines.types import Completion, SamplingParams
-from trainer.generators.base import (
+from trainer.generators._base import (
     Generator,
     GeneratorInput,
     GeneratorOutput,
@@ -185,7 +185,7 @@ class AgentLoopGenerator(Generator):
         """Single-turn default: score the response with the reward function and stop.
 
         The reward function gets the example's extra fields when it takes them
-        (``extra=item.extra``; see :func:`trainer.data.reward_function`).
+        (``extra=item.extra``; see :func:`trainer.data._examples.reward_function`).
         """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
         return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer, extra=item.extra)))

@@ -54,7 +54,7 @@ import openai
 from engines.bridge import Bridge, open_bridge
 from engines.client import InferenceClient
 from trainer.errors import ConfigError
-from trainer.generators.base import (
+from trainer.generators._base import (
     Generator,
     GeneratorInput,
     GeneratorOutput,

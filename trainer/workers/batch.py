@@ -1,4 +1,4 @@
-"""The padded tensor batch that workers train on (``trainer.stages.make_batch`` builds it)."""
+"""The padded tensor batch that workers train on (``trainer.loop._stages.make_batch`` builds it)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,93 @@
+"""``python -m trainer plot`` draws every run on one figure per metric, stacked step times per
+run, and PNGs a reader can open."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from matplotlib.image import imread  # the `plot` extra: setup.sh installs it for the tests
+
+from tests.e2e.helpers import REPO
+from trainer.metrics.plots import LINE_PLOTS, plot_runs
+
+
+def _write_run(run_dir: Path, steps: int, *, slope: float, with_kl: bool) -> Path:
+    run_dir.mkdir(parents=True)
+    rows = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "reward/mean": slope * step,
+            "policy/loss": 1.0 / step,
+            "policy/approx_kl": 0.01 * step,
+            "timing/generate": 1.0,
+            "timing/fwd_logprobs_values_reward": 0.2,
+            "timing/train_critic_and_policy": 0.5,
+            "timing/sync_weights": 0.1,
+            "timing/step": 1.8,
+            "loop/max_stall_ms": 5.0 + step,
+            "sync/last_weight_sync_seconds": 0.05,
+        }
+        if with_kl:
+            row["policy/kl"] = 0.02 * step
+        rows.append(row)
+        if step % 2 == 0:
+            ev = {"step": step, "eval/reward_mean": 0.5, "timing/eval": 0.3}
+            if with_kl:  # one of the two runs also samples its eval
+                ev["eval/sampled_reward_mean"] = 0.1 * step
+            rows.append(ev)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return run_dir
+
+
+def _plot_area_is_drawn(png: Path) -> None:
+    image = imread(png)
+    height, width = image.shape[:2]
+    assert width >= 600 and height >= 300, (png.name, width, height)
+    # more than background and axes: lines or filled areas in colour
+    rgb = image[..., :3]
+    coloured = ((rgb.max(axis=-1) - rgb.min(axis=-1)) > 0.2).mean()
+    assert coloured > 0.001, f"{png.name} has no coloured pixels: empty axes?"
+
+
+def test_two_runs_share_each_figure_and_every_png_opens_with_drawn_axes(tmp_path):
+    a = _write_run(tmp_path / "a", 12, slope=0.05, with_kl=True)
+    b = _write_run(tmp_path / "b", 8, slope=0.02, with_kl=False)
+    drawn = plot_runs([a, b], tmp_path / "plots")
+    assert {f"{k}.png" for k in LINE_PLOTS} | {
+        "eval.png",
+        "step_time.png",
+        "overview.png",
+    } == set(drawn)
+    assert drawn["eval.png"] == 3  # greedy for both runs, sampled for the one that sampled
+    for key in LINE_PLOTS:
+        assert drawn[f"{key}.png"] == 2, key  # one line per run, on one figure
+    assert drawn["step_time.png"] == 2 * 4  # four stages stacked, for each run
+    for name in drawn:
+        _plot_area_is_drawn(tmp_path / "plots" / name)
+
+
+def test_the_cli_writes_into_the_first_runs_plots_folder_and_names_each_file(tmp_path):
+    run = _write_run(tmp_path / "run", 5, slope=0.1, with_kl=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer", "plot", str(run)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    written = [Path(line) for line in out.stdout.split()]
+    assert {p.name for p in written} >= {"reward.png", "step_time.png", "overview.png"}
+    assert all(p.parent == run / "plots" and p.stat().st_size > 1000 for p in written)
+    missing = subprocess.run(
+        [sys.executable, "-m", "trainer", "plot", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert missing.returncode == 2 and "no such file" in missing.stderr

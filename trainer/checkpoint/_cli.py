@@ -1,0 +1,81 @@
+"""``python -m trainer ckpt {list,show,verify,prune} DIR``: inspect a run's checkpoints.
+
+``DIR`` is a run directory (holding ``checkpoints/``) or a ``checkpoints`` directory;
+``show`` and ``verify`` also accept one ``global_step_N`` directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from trainer.checkpoint._format import TRAINER_STATE_FILE, read_trainer_state, verify
+from trainer.checkpoint._inspect import list_checkpoints
+from trainer.checkpoint._manager import CheckpointManager
+
+__all__ = ["ckpt_main"]
+
+
+def _root(path: Path) -> Path:
+    """The ``checkpoints`` directory: ``path`` itself, or ``path/checkpoints`` in a run dir."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path
+
+
+def _one(path: Path) -> Path:
+    """A single checkpoint: the directory itself, or the latest under a run/checkpoints dir."""
+    if (path / TRAINER_STATE_FILE).is_file():
+        return path
+    latest = CheckpointManager(_root(path), None).latest()
+    if latest is None:
+        raise SystemExit(f"ckpt: no checkpoint under {path}")
+    return latest
+
+
+def ckpt_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer ckpt", description=__doc__)
+    parser.add_argument("action", choices=["list", "show", "verify", "prune"])
+    parser.add_argument("dir", type=Path)
+    parser.add_argument("--keep", type=int, default=None, help="prune: how many newest to keep")
+    args = parser.parse_args(argv)
+    if not args.dir.exists():
+        print(f"ckpt: {args.dir} does not exist", file=sys.stderr)
+        return 2
+    if args.action == "list":
+        infos = list_checkpoints(_root(args.dir))
+        if not infos:
+            print(f"no checkpoints under {args.dir}")
+        for info in infos:
+            mark = " (latest)" if info.is_latest else ""
+            print(f"global_step_{info.step}\t{info.size / 1e6:.1f} MB\t{info.path}{mark}")
+        return 0
+    if args.action == "show":
+        path = _one(args.dir)
+        print(f"{path}")
+        print(json.dumps(read_trainer_state(path), indent=2))
+        for f in sorted(p for p in path.rglob("*") if p.is_file()):
+            print(f"  {f.relative_to(path)}\t{f.stat().st_size} bytes")
+        return 0
+    if args.action == "verify":
+        paths = (
+            [_one(args.dir)]
+            if (args.dir / TRAINER_STATE_FILE).is_file()
+            else [i.path for i in list_checkpoints(_root(args.dir))]
+        )
+        bad = 0
+        for path in paths:
+            problems = verify(path)
+            print(f"{path}: {'OK' if not problems else 'BROKEN'}")
+            for p in problems:
+                print(f"  - {p}")
+            bad += bool(problems)
+        return 1 if bad else 0
+    if args.keep is None or args.keep < 1:
+        print("ckpt prune: --keep N (N >= 1) is required", file=sys.stderr)
+        return 2
+    for removed in CheckpointManager(_root(args.dir), None).prune(args.keep):
+        print(f"removed {removed}")
+    return 0

@@ -1,0 +1,373 @@
+"""The configuration schema: one attrs class per section, one documented field per key.
+
+Each field is made with ``_field(default, doc, check=..., env=...)``
+(:func:`trainer.config._fields.config_field`): ``doc`` is what ``python -m trainer --help`` and
+docs/configuration.md show, ``check`` returns what is wrong with a value (or None), ``env``
+names an environment variable that overrides the key. ``workers`` lives in
+:mod:`trainer.config._workers`, ``engine`` and ``sync`` in :mod:`trainer.config._engine`. Loading and validation live in :mod:`trainer.config._load`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from trainer.config._engine import EngineConfig, SyncConfig
+from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
+from trainer.config._fields import config_field as _field
+from trainer.config._fields import config_section as _section
+from trainer.config._workers import WorkersConfig
+
+__all__ = [
+    "RENAMED_VALUES",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigWarning",
+    "DataConfig",
+    "EngineConfig",
+    "FullyAsyncConfig",
+    "GeneratorConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SamplingConfig",
+    "SyncConfig",
+    "TrainerConfig",
+    "WatchdogConfig",
+    "WorkersConfig",
+]
+
+#: Values that were renamed: (key, old value) -> what to write instead (a ConfigError says so).
+RENAMED_VALUES: dict[tuple[str, str], str] = {
+    (
+        "sync.transport",
+        "broadcast",
+    ): "gloo (vLLM's nccl messages over a gloo group, on the CPU; nccl on GPUs)",
+}
+
+
+def _loggers(v: Any) -> str | None:
+    if "jsonl" not in v:
+        return "must include 'jsonl' (metrics.jsonl is the run's record: resume and plot read it)"
+    if len(set(v)) != len(v):
+        return "names a logger twice"
+    return None
+
+
+@attrs.define
+class WatchdogConfig:
+    enabled: bool = _field(
+        True,
+        "Write the run's task-tree dump (what `debug dump` prints) to train.log and "
+        "stderr when a step runs past after_s, and just before a StepTimeoutError; nothing is "
+        "stopped.",
+    )
+    after_s: float | None = _field(
+        None,
+        "Seconds a step may run before the dump (None: 5x the median step so far, at least "
+        "min_s). Once per step.",
+        check=positive,
+    )
+    min_s: float = _field(
+        60.0, "The least automatic threshold (after_s=None), in seconds.", check=positive
+    )
+
+
+@attrs.define
+class FullyAsyncConfig:
+    max_staleness_steps: int = _field(
+        4,
+        "trainer.strategy=fully_async: how many optimizer steps the policy that sampled a group "
+        "may lag the one it trains (0: on-policy, like sync, but generation overlaps training); "
+        "admission keeps groups within it and an older group is dropped, never trained on. "
+        "Must be >= sync_interval - 1.",
+        check=at_least(0),
+    )
+    sync_interval: int = _field(
+        1,
+        "trainer.strategy=fully_async: sync weights to the engines every this many steps "
+        "(and after the last), while rollouts continue.",
+        check=at_least(1),
+    )
+
+
+@attrs.define
+class TrainerConfig:
+    max_steps: int | None = _field(
+        200, "Stop after this many steps (None: run all `epochs`).", check=at_least(1)
+    )
+    epochs: int = _field(
+        100, "Passes over the training prompts (max_steps usually stops first).", check=at_least(1)
+    )
+    train_batch_size: int = _field(
+        16, "Prompts per step (each sampled n_samples_per_prompt times).", check=at_least(1)
+    )
+    policy_mini_batch_size: int | None = _field(
+        None,
+        "Prompts per optimizer step; must divide train_batch_size (None: one optimizer step per batch).",
+        check=at_least(1),
+    )
+    micro_batch_size: int | None = _field(
+        None,
+        "Trajectories per forward/backward pass, accumulated (None: the whole mini-batch at once).",
+        check=at_least(1),
+    )
+    update_epochs: int = _field(
+        1, "Passes of policy updates over each step's batch (PPO epochs).", check=at_least(1)
+    )
+    seed: int = _field(0, "Seed for data order, sampling and initialisation.")
+    strategy: Literal["sync", "fully_async"] = _field(
+        "sync",
+        "Step strategy: 'sync' generates, trains and syncs weights in turn; 'fully_async' keeps "
+        "generator.num_parallel_workers rollouts running while the policy trains, within "
+        "trainer.fully_async.max_staleness_steps (see docs/async.md).",
+    )
+    run_dir: str | None = _field(None, "Run directory (None: runs/<timestamp>).")
+    step_timeout_s: float | None = _field(
+        None,
+        "Budget of one step, generation through weight sync; past it the step fails with "
+        "StepTimeoutError naming stage and operation (None: unbounded). Under "
+        "trainer.strategy=fully_async it is also each rollout's bound unless "
+        "generator.rollout_timeout_s is set.",
+        check=positive,
+    )
+    weight_sync_timeout_s: float | None = _field(
+        None,
+        "Budget of each weight sync, including the initial one; must be <= step_timeout_s "
+        "(None: bounded only by the step).",
+        check=positive,
+    )
+    ckpt_interval: int = _field(
+        0, "Save a checkpoint every this many steps and at the end (0: never).", check=at_least(0)
+    )
+    resume_mode: Literal["none", "latest", "path"] = _field(
+        "none", "'latest': continue from run_dir's latest checkpoint; 'path': from resume_path."
+    )
+    resume_path: str | None = _field(None, "Checkpoint directory for resume_mode=path.")
+    max_ckpts_to_keep: int | None = _field(
+        3, "Keep this many newest checkpoints (None: all).", check=at_least(1)
+    )
+    eval_interval: int = _field(
+        0,
+        "Evaluate on the eval prompts (data.eval, or the task's) every this many steps (0: "
+        "never), after the step, under its own step_timeout_s: greedy, eval/reward_mean.",
+        check=at_least(0),
+    )
+    eval_before_train: bool = _field(
+        False,
+        "Also evaluate after the first weight sync, before step 1 (logged as step 0; a resumed "
+        "run does not repeat it).",
+    )
+    eval_n_samples_per_prompt: int = _field(
+        0,
+        "Each eval also samples this many responses per eval prompt with generator.sampling: "
+        "eval/sampled_reward_mean (0: greedy only).",
+        check=at_least(0),
+    )
+    progress: bool = _field(
+        True,
+        "Show start-up phases with their times and the step bar (ETA, reward, loss, KL) on "
+        "stderr: live in a terminal, plain lines elsewhere.",
+    )
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb", "mlflow"], ...] = _field(
+        ("jsonl",),
+        "Where each step's metrics go: 'jsonl' (RUN_DIR/metrics.jsonl, the run's record; always "
+        "on, so always listed) plus any of 'tensorboard', 'wandb', 'mlflow', each an optional "
+        "extra (pip install 'trainer[wandb]'); see docs/quickstart.md#trackers.",
+        check=_loggers,
+    )
+    project_name: str = _field(
+        "trainer", "The wandb project and the MLflow experiment the trackers log to."
+    )
+    run_name: str | None = _field(
+        None, "The run's name in the trackers (None: the run directory's name)."
+    )
+    wandb_mode: Literal["offline", "online"] = _field(
+        "offline",
+        "'offline' writes RUN_DIR/wandb/ only (no network, no account; upload later with "
+        "`wandb sync`); 'online' streams to the wandb server (needs `wandb login`).",
+    )
+    mlflow_tracking_uri: str | None = _field(
+        None,
+        "Where the mlflow logger writes (None: $MLFLOW_TRACKING_URI if set, else "
+        "sqlite:///RUN_DIR/mlflow.db); e.g. http://host:5000 for an MLflow server.",
+    )
+    interrupt_grace_s: float = _field(
+        60.0,
+        "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "
+        "consistent); if it has not within this many seconds it is killed, as by a second Ctrl-C.",
+        check=positive,
+    )
+    watchdog: WatchdogConfig = _section(
+        WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
+    )
+    fully_async: FullyAsyncConfig = _section(
+        FullyAsyncConfig, "trainer.strategy=fully_async: staleness and weight-sync cadence."
+    )
+
+
+@attrs.define
+class SamplingConfig:
+    temperature: float = _field(
+        1.0, "Sampling temperature (also applied to the trainer's logprobs).", check=positive
+    )
+    top_p: float = _field(1.0, "Nucleus sampling mass.", check=in_range(1e-6, 1.0))
+    max_tokens: int = _field(4, "Most tokens per generation call.", check=at_least(1))
+
+
+@attrs.define
+class GeneratorConfig:
+    cls: str = _field(
+        "trainer.generators.agent_loop:AgentLoopGenerator",
+        "Generator class as 'module:Class' (subclass of trainer.generators.Generator).",
+        check=module_attr,
+    )
+    n_samples_per_prompt: int = _field(
+        8, "Trajectories sampled per prompt (the GRPO group size).", check=at_least(1)
+    )
+    max_turns: int = _field(1, "Most model turns per trajectory (agent loop).", check=at_least(1))
+    num_parallel_workers: int = _field(
+        16,
+        "trainer.strategy=fully_async: prompt groups rolled out at once, each by its own task "
+        "(one generator.generate call of n_samples_per_prompt trajectories).",
+        check=at_least(1),
+    )
+    rollout_timeout_s: float | None = _field(
+        None,
+        "trainer.strategy=fully_async: seconds one group's rollout (its generator.generate "
+        "call, weight-sync pauses included) may take; past it the rollout is cancelled, logged, "
+        "counted in async/rollouts_timed_out and its prompt handed out again; a prompt cut off "
+        "3 times in a row ends the run with RolloutTimeoutError (None: trainer.step_timeout_s "
+        "when that is set, else unbounded). The synchronous loop has no per-rollout bound: "
+        "there generation is bounded by the step's budget.",
+        check=positive,
+    )
+    max_response_tokens: int = _field(
+        64,
+        "Most response tokens per trajectory across turns (env tokens included).",
+        check=at_least(1),
+    )
+    kwargs: dict[str, Any] = _field(
+        attrs.Factory(dict),
+        "Extra keyword arguments for the generator class's constructor "
+        "(generator.kwargs.NAME=VALUE, or a mapping in YAML); a name the constructor does not "
+        "take fails at start-up.",
+    )
+    sampling: SamplingConfig = _section(SamplingConfig, "Sampling parameters.")
+
+
+@attrs.define
+class ModelConfig:
+    path: str | None = _field(
+        None,
+        "Hugging Face causal-LM directory, a .gguf file, or a packaged GGUF model's short "
+        "name (smollm2-135m-instruct); None: the built-in tiny model.",
+    )
+
+
+@attrs.define
+class AlgorithmConfig:
+    advantage_estimator: Literal["grpo", "rloo"] = _field("grpo", "Advantage estimator.")
+    norm_adv_by_std: bool = _field(True, "GRPO: divide by the group's reward std.")
+    clip_ratio_low: float = _field(
+        0.2, "PPO clip: lower bound is 1 - clip_ratio_low.", check=in_range(0, 1)
+    )
+    clip_ratio_high: float = _field(
+        0.28,
+        "PPO clip: upper bound is 1 + clip_ratio_high (above clip_ratio_low, as DAPO's clip-higher, "
+        "to keep exploring: with 0.2 the tiny default model collapses to one answer per prompt).",
+        check=at_least(0),
+    )
+    use_kl_loss: bool = _field(
+        False, "Add a KL penalty to a frozen reference model (loads a ref worker)."
+    )
+    kl_loss_coef: float = _field(0.001, "Weight of the KL penalty.", check=at_least(0))
+    kl_loss_type: Literal["k1", "k2", "k3", "abs"] = _field("k3", "KL estimator.")
+    off_policy_correction: Literal["auto", "none", "tis"] = _field(
+        "auto",
+        "'auto': 'tis' under trainer.strategy=fully_async, 'none' under sync. 'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
+        "tis_cap) (truncated importance sampling): use it with fully-async training or any run "
+        "whose sampler lags the trainer (engines serving older weights). 'none' ignores the gap "
+        "(right for sync runs, where the engine samples with the trained weights). Either way "
+        "policy/is_ratio_{mean,max,min} report how off-policy the batch is; see "
+        "docs/concepts.md#off-policy-correction.",
+    )
+    tis_cap: float | None = _field(
+        2.0,
+        "off_policy_correction=tis: the largest importance weight (policy/is_truncated_frac is "
+        "the share of tokens it caps); None: no cap, the decoupled PPO objective.",
+        check=at_least(1),
+    )
+
+
+@attrs.define
+class OptimConfig:
+    lr: float = _field(1e-3, "AdamW learning rate.", check=positive)
+    weight_decay: float = _field(0.0, "AdamW weight decay.", check=at_least(0))
+    betas: tuple[float, float] = _field((0.9, 0.99), "AdamW betas.")
+    max_grad_norm: float = _field(1.0, "Gradient clipping norm.", check=positive)
+    warmup_steps: int = _field(
+        0, "Linear learning-rate warm-up, in optimizer steps.", check=at_least(0)
+    )
+
+
+@attrs.define
+class DataConfig:
+    train: str | None = _field(
+        None,
+        "Training prompts, a JSONL file of {prompt, answer, ...} rows: prompt a string or a "
+        "list of chat messages, other fields reach the generator and reward function as extra "
+        "(None: the built-in task).",
+    )
+    eval: str | None = _field(None, "Evaluation prompts, same format.")
+    reward_fn: str | None = _field(
+        None,
+        "Reward function 'module:function', (response: str, answer: str) -> float or "
+        "(response, answer, *, extra) -> float to get the row's extra fields (None: the task's).",
+        check=module_attr,
+    )
+    task: Literal["max_digit", "modular_sum", "addition"] = _field(
+        "max_digit",
+        "Built-in task when data.train is None (see docs/concepts.md); 'addition' is a chat "
+        "task for pretrained instruct models (docs/real_model.md).",
+    )
+    num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
+    digits: int = _field(
+        1, "data.task=addition: digits of each operand (1: 0-9, 2: 0-99).", check=in_range(1, 9)
+    )
+    num_eval_examples: int | None = _field(
+        None,
+        "Eval prompts the built-in task generates (None: 100 for the digit tasks, which train on "
+        "the same pairs; for addition a fifth of its pairs, at most 200, held out of training).",
+        check=at_least(1),
+    )
+    max_prompt_length: int | None = _field(
+        None,
+        "Longest prompt in tokens, as the engine sees it (chat prompts rendered); longer ones "
+        "are handled by data.overlong_prompts (None: no limit of its own; the engines' context "
+        "less generator.sampling.max_tokens is still checked at start-up).",
+        check=at_least(1),
+    )
+    overlong_prompts: Literal["error", "drop"] = _field(
+        "error",
+        "A prompt longer than data.max_prompt_length: 'error' stops the run at start-up naming "
+        "its row; 'drop' leaves it out of training and eval (logged with the count).",
+    )
+
+
+@attrs.define
+class Config:
+    trainer: TrainerConfig = _section(TrainerConfig, "The step loop.")
+    generator: GeneratorConfig = _section(GeneratorConfig, "Rollout generation.")
+    engine: EngineConfig = _section(EngineConfig, "Inference engines.")
+    sync: SyncConfig = _section(SyncConfig, "Weight sync from the policy to the engines.")
+    workers: WorkersConfig = _section(WorkersConfig, "Policy and reference workers.")
+    model: ModelConfig = _section(ModelConfig, "The policy model.")
+    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
+    optim: OptimConfig = _section(OptimConfig, "Optimizer.")
+    data: DataConfig = _section(DataConfig, "Prompts and rewards.")
+    faults: str = _field(
+        "",
+        "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",
+        env="TRAINER_FAULTS",
+    )

@@ -1,0 +1,28 @@
+"""The prompts and their rewards: examples and their loader, the built-in tasks and data files
+(:func:`load_datasets`), reward functions (``data.reward_fn=module:function``)."""
+
+from trainer.data._datasets import load_datasets as load_datasets
+from trainer.data._examples import ChatMessage as ChatMessage
+from trainer.data._examples import Example as Example
+from trainer.data._examples import PromptLoader as PromptLoader
+from trainer.data._examples import RewardFn as RewardFn
+from trainer.data._examples import RewardFunction as RewardFunction
+from trainer.data._examples import check_same_order as check_same_order
+from trainer.data._examples import digit_task_reward as digit_task_reward
+from trainer.data._examples import epoch_order as epoch_order
+from trainer.data._examples import exact_match_reward as exact_match_reward
+from trainer.data._examples import reward_function as reward_function
+
+__all__ = [
+    "ChatMessage",
+    "Example",
+    "PromptLoader",
+    "RewardFn",
+    "RewardFunction",
+    "check_same_order",
+    "digit_task_reward",
+    "epoch_order",
+    "exact_match_reward",
+    "load_datasets",
+    "reward_function",
+]

@@ -1,0 +1,25 @@
+"""The step loop: the strategy (``trainer.strategy``: sync or fully-async) that runs the steps,
+the stages of one step, the run context the stages share, and the weight versions the engines
+serve. :func:`run_training` is the entry; the assembly of the parts is ``trainer.run``'s."""
+
+from trainer.loop._context import RunContext as RunContext
+from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
+from trainer.loop._fully_async import run_fully_async as run_fully_async
+from trainer.loop._prompt_stream import PromptStream as PromptStream
+from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
+from trainer.loop._rollout_versions import WeightVersions as WeightVersions
+from trainer.loop._stages import one_update_per_batch as one_update_per_batch
+from trainer.loop._sync import resync_engines as resync_engines
+from trainer.loop._sync import run_training as run_training
+
+__all__ = [
+    "PromptStream",
+    "RunContext",
+    "VersionedEngine",
+    "WeightVersions",
+    "one_update_per_batch",
+    "open_engine_recovery",
+    "resync_engines",
+    "run_fully_async",
+    "run_training",
+]

@@ -1,0 +1,130 @@
+"""``RunContext``: what the loop's stages need of a run, built by ``trainer.run._train``."""
+
+from __future__ import annotations
+
+import logging
+import resource
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from sync.transports import WeightTransport
+from trainer.checkpoint import CheckpointManager
+from trainer.config import Config
+from trainer.data import Example, PromptLoader
+from trainer.debug import StallInstrument, Watchdog
+from trainer.generators import Generator
+from trainer.loop._engine_recovery import EngineRecovery
+from trainer.loop._prompt_stream import PromptStream
+from trainer.loop._rollout_versions import WeightVersions
+from trainer.metrics import MetricsLogger, StepProgress, TrackerSink
+from trainer.workers.group import WorkerGroup
+
+__all__ = ["SLOW_STALL_MS", "RunContext"]
+
+log = logging.getLogger("trainer.run")
+#: A step whose longest event-loop stall exceeds this logs the task that caused it.
+SLOW_STALL_MS = 100.0
+
+
+@attrs.define(eq=False)
+class RunContext:
+    """Config, data, generators, engine, transport, workers, checkpoints and loggers of a run."""
+
+    cfg: Config
+    run_dir: Path
+    tokenizer: Any
+    loader: PromptLoader
+    generator: Generator
+    #: Greedy rollouts for eval (``None`` when ``trainer.eval_interval`` is 0).
+    eval_generator: Generator | None
+    eval_examples: list[Example]
+    #: The inference client (``engines.client.InferenceClient`` or the in-process one).
+    engine: Any
+    transport: WeightTransport
+    workers: WorkerGroup
+    ckpt: CheckpointManager
+    metrics: MetricsLogger
+    progress: StepProgress
+    #: The first step to run (1, or the step after a resumed checkpoint) and the last one.
+    first_step: int
+    last_step: int
+    #: Weight syncs so far (restored on resume).
+    weight_version: int = 0
+    stalls: StallInstrument = attrs.field(factory=StallInstrument)
+    #: Times each step and dumps the run when one runs long (None: no watchdog).
+    watchdog: Watchdog | None = None
+    #: The trackers of ``trainer.loggers`` besides ``metrics.jsonl`` (none by default).
+    trackers: TrackerSink = attrs.field(factory=TrackerSink)
+    #: Sampled eval rollouts on the engines directly (``trainer.eval_n_samples_per_prompt``).
+    eval_sampled_generator: Generator | None = None
+    #: ``trainer.strategy=fully_async`` only: the prompts one group at a time (``loader``
+    #: then only fixes the order), and the weight version the rollouts' engine labels.
+    prompts: PromptStream | None = None
+    rollout_versions: WeightVersions | None = None
+    #: Restarts failed engines (``engine.max_restarts``); None where recovery does not apply.
+    recovery: EngineRecovery | None = None
+    #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
+    #: so never reads a policy mid-update); the recovery's own lock when there is one.
+    weights_lock: trio.Lock = attrs.field(
+        default=attrs.Factory(
+            lambda self: self.recovery.weights_lock if self.recovery else trio.Lock(),
+            takes_self=True,
+        )
+    )
+
+    def data_state(self) -> dict[str, Any]:
+        """Where the data is, for a checkpoint: the loader's position, or the stream's."""
+        return (self.prompts or self.loader).state_dict()
+
+    @contextmanager
+    def watching(self, step: int) -> Iterator[None]:
+        """Step ``step`` runs inside, timed by the watchdog (see ``Watchdog.watching``)."""
+        with self.watchdog.watching(step) if self.watchdog else nullcontext():
+            yield
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Every ``trainer.ckpt_interval`` steps, and the last step (when checkpointing at all)."""
+        interval = self.cfg.trainer.ckpt_interval
+        return interval > 0 and (step % interval == 0 or step == self.last_step)
+
+    def eval_due(self, step: int) -> bool:
+        """After ``step`` (0: before the first step, ``trainer.eval_before_train``)."""
+        t = self.cfg.trainer
+        if self.eval_generator is None or t.eval_interval == 0:
+            return False
+        if step == self.first_step - 1:
+            return t.eval_before_train and step == 0
+        return step % t.eval_interval == 0
+
+    def loop_metrics(self) -> dict[str, float]:
+        """Event-loop health over the step: the longest time the trio thread did not yield."""
+        culprit = self.stalls.worst_task
+        stall_ms = self.stalls.take_max_ms()
+        if stall_ms > SLOW_STALL_MS:
+            log.info("event loop stalled %.0f ms in task %s", stall_ms, culprit)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        metrics = {"loop/max_stall_ms": stall_ms, "memory/peak_rss_gb": peak_kib / 2**20}
+        if self.recovery is not None:
+            metrics["engine/restarts"] = float(self.recovery.total_restarts)
+        return metrics
+
+    def record_step(self, metrics: dict[str, Any]) -> None:
+        self.metrics.log(metrics)
+        self.trackers.log(metrics)
+        self.progress.update(metrics["step"], metrics)
+        log.info(
+            "step %d reward %.3f step_s %.2f",
+            metrics["step"],
+            metrics["reward/mean"],
+            metrics["timing/step"],
+        )
+
+    def record_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self.metrics.log({"step": step, **metrics})
+        self.trackers.log({"step": step, **metrics})
+        log.info("eval at step %d: %s", step, metrics)

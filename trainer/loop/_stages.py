@@ -1,0 +1,240 @@
+"""The mechanism behind each stage of the step, so that ``loop.py`` reads on one screen."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sync.verify import verify_sync
+from trainer.algorithms import compute_advantages
+from trainer.config import Config
+from trainer.data import Example
+from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
+from trainer.generators.chat import render_prompt
+from trainer.loop._context import RunContext
+from trainer.metrics import jsonable_row
+from trainer.workers.batch import TrainBatch
+
+__all__ = [
+    "advantages_for",
+    "evaluate",
+    "generator_input",
+    "group_inputs",
+    "make_batch",
+    "one_update_per_batch",
+    "rollout_metrics",
+    "save_checkpoint",
+    "train_policy",
+    "trajectory_seed",
+    "verify_weights",
+]
+
+
+def trajectory_seed(seed: int, step: int, group_id: int, sample: int) -> int:
+    """The sampling seed of sample ``sample`` of group ``group_id`` at ``step`` (run ``seed``).
+
+    The samples of a group count up by one (what ``engine.generate_n`` samples in one request).
+    """
+    return (seed * 1_000_003 + step * 10_007 + group_id * 101 + sample) % (2**62)
+
+
+def group_inputs(
+    ctx: RunContext, example: Example, group_id: int, step: int, n: int
+) -> list[TrajectoryInput]:
+    """The ``n`` trajectories of one prompt: one group, for any strategy.
+
+    The prompt is rendered once (:func:`trainer.generators.chat.render_prompt`: a string is
+    tokenized, chat messages go through the chat template); each trajectory gets its own copy
+    of the example's ``extra`` and messages, the id ``step-group-sample`` and the seed
+    :func:`trajectory_seed`. Blocking only as long as one tokenization: call it on the loop.
+    """
+    text, prompt_ids = render_prompt(ctx.tokenizer, example.prompt)
+    messages = None if isinstance(example.prompt, str) else example.prompt
+    return [
+        TrajectoryInput(
+            prompt=text,
+            prompt_ids=prompt_ids,
+            answer=example.answer,
+            group_id=group_id,
+            trajectory_id=f"{step}-{group_id}-{s}",
+            seed=trajectory_seed(ctx.cfg.trainer.seed, step, group_id, s),
+            extra=dict(example.extra),
+            messages=None if messages is None else [dict(m) for m in messages],
+        )
+        for s in range(n)
+    ]
+
+
+def generator_input(
+    ctx: RunContext, prompts: list[Example], step: int, n: int | None = None
+) -> GeneratorInput:
+    """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per prompt."""
+    n = n or ctx.cfg.generator.n_samples_per_prompt
+    items = [item for g, ex in enumerate(prompts) for item in group_inputs(ctx, ex, g, step, n)]
+    return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
+
+
+def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
+    """Pad ``prompt + response`` of each trajectory to a common length.
+
+    Token-level tensors are shifted by one (position ``t`` predicts token ``t + 1``):
+    ``loss_mask`` and ``rollout_logprobs`` (the engine's logprobs, ``0.0`` wherever the loss
+    mask is 0: environment tokens, prompt, padding) line up with the logprobs the workers
+    compute.
+    """
+    seqs = [t.prompt_ids + t.response_ids for t in trajectories]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.float32)
+    rollout = torch.zeros((len(seqs), width), dtype=torch.float32)
+    for i, (t, s) in enumerate(zip(trajectories, seqs)):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        attn[i, : len(s)] = 1
+        p = len(t.prompt_ids)
+        mask[i, p : p + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        rollout[i, p : p + len(t.response_ids)] = torch.tensor(
+            t.rollout_logprobs, dtype=torch.float32
+        )
+    rollout = torch.where(mask != 0, rollout, torch.zeros(()))
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attn,
+        loss_mask=mask[:, 1:].contiguous(),
+        rollout_logprobs=rollout[:, 1:].contiguous(),
+    )
+
+
+def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, Any]:
+    """Reward and length statistics, plus which examples the step used (its data order)."""
+    rewards = [t.reward for t in out.trajectories]
+    return {
+        "data/example_index": [ex.index for ex in prompts],
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "reward/max": max(rewards),
+        "response_length/mean": statistics.fmean(sum(t.loss_mask) for t in out.trajectories),
+        **out.metrics,
+    }
+
+
+def advantages_for(ctx: RunContext, out: GeneratorOutput) -> torch.Tensor:
+    a = ctx.cfg.algorithm
+    rewards = torch.tensor([t.reward for t in out.trajectories], dtype=torch.float32)
+    groups = [t.group_id for t in out.trajectories]
+    return compute_advantages(rewards, groups, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+
+
+def one_update_per_batch(cfg: Config) -> bool:
+    """Whether each batch gets exactly one optimizer step: one mini-batch, one epoch (its
+    ``policy/approx_kl`` is then 0, and its old logprobs are the update's own forward's)."""
+    t = cfg.trainer
+    one_mini_batch = t.policy_mini_batch_size in (None, t.train_batch_size)
+    return t.update_epochs == 1 and one_mini_batch
+
+
+async def train_policy(
+    ctx: RunContext, batch: TrainBatch, group_ids: list[int]
+) -> dict[str, float]:
+    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups, between
+    ``backload_to_gpu`` and ``offload_to_cpu`` (their bytes join the metrics)."""
+    t = ctx.cfg.trainer
+    prompts_per_mini = t.policy_mini_batch_size or t.train_batch_size
+    groups = sorted(set(group_ids))
+    metrics: dict[str, list[float]] = {}
+    moved = await ctx.workers.backload_to_gpu()
+    for _epoch in range(t.update_epochs):
+        for start in range(0, len(groups), prompts_per_mini):
+            chosen = set(groups[start : start + prompts_per_mini])
+            rows = [i for i, g in enumerate(group_ids) if g in chosen]
+            mini = batch.select(rows)
+            step_metrics = await ctx.workers.forward_backward(mini, max(1, mini.num_tokens))
+            step_metrics |= await ctx.workers.optim_step()
+            for k, v in step_metrics.items():
+                metrics.setdefault(k, []).append(v)
+    moved |= await ctx.workers.offload_to_cpu()
+    return {k: statistics.fmean(v) for k, v in metrics.items()} | moved
+
+
+async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer.
+
+    The trainer state holds the data position, the weight version and ``metrics``, the
+    step's metrics so far: a run killed after the save but before the step's line reached
+    ``metrics.jsonl`` gets the line back on resume (``restore_metrics``).
+
+    ``checkpoint/max_stall_ms`` is the event loop's longest stall while the save ran: the
+    writes happen off the trio thread, so it stays in the milliseconds however long the
+    save takes.
+    """
+    # the checkpoint manager records the step itself (trainer_state.json's "step")
+    state = {
+        "loader": ctx.data_state(),
+        "weight_version": ctx.weight_version,
+        "metrics": jsonable_row({"step": step, **metrics}),
+    }
+    with ctx.stalls.window() as stalls:
+        path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
+    return {
+        "checkpoint/step": step,
+        "checkpoint/path": str(path),
+        "checkpoint/max_stall_ms": stalls.max_ms,
+    }
+
+
+async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
+    """Greedy rollouts of every eval prompt, once each: the mean reward; with
+    ``trainer.eval_n_samples_per_prompt``, also that many sampled ones (the training
+    sampling, on the engines directly): their mean reward."""
+    assert ctx.eval_generator is not None
+    out = await ctx.eval_generator.generate(generator_input(ctx, ctx.eval_examples, step, n=1))
+    rewards = [t.reward for t in out.trajectories]
+    metrics = {
+        "eval/reward_mean": statistics.fmean(rewards),
+        "eval/num_prompts": float(len(rewards)),
+    }
+    n = ctx.cfg.trainer.eval_n_samples_per_prompt
+    if n:
+        assert ctx.eval_sampled_generator is not None
+        sampled = await ctx.eval_sampled_generator.generate(
+            generator_input(ctx, ctx.eval_examples, step, n=n)
+        )
+        metrics["eval/sampled_reward_mean"] = statistics.fmean(
+            t.reward for t in sampled.trajectories
+        )
+    return metrics
+
+
+#: The probe's prompt: fixed token ids any vocabulary has (``sync.verify``).
+PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+_log = logging.getLogger("trainer.run")
+
+
+async def verify_weights(
+    ctx: RunContext, step: int, weight_version: int, *, force: bool = False
+) -> dict[str, float]:
+    """``sync.verify``: after the sync of ``step`` (``first``: the process's first sync), each
+    engine against the policy (:func:`sync.verify.verify_sync`); {} when not due. ``force``:
+    due whatever ``sync.verify`` says (a restarted engine's sync)."""
+    cfg = ctx.cfg
+    due = (
+        force
+        or cfg.sync.verify == "every"
+        or (cfg.sync.verify == "first" and step < ctx.first_step)
+    )
+    if not due:
+        return {}
+    if cfg.workers.backend == "ray" and cfg.workers.num_policy_workers > 1:
+        _log.info("sync.verify skipped: the policy may be sharded over its Ray workers")
+        return {}
+    return await verify_sync(
+        ctx.engine,
+        ctx.workers,
+        PROBE_PROMPT,
+        tolerance=cfg.sync.verify_tolerance,
+        weight_version=weight_version,
+    )

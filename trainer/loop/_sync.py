@@ -1,0 +1,156 @@
+"""The synchronous run: the first weight sync, then each step's stages (DESIGN 4.3) in order.
+
+Each stage is a ``Timer``; each step runs under ``trainer.step_timeout_s`` and the hang
+watchdog (``trainer.watchdog``), each weight sync
+under ``trainer.weight_sync_timeout_s``, each eval under its own ``trainer.step_timeout_s``.
+Mechanism (deadlines, brackets, transfers, checkpoint writes) lives elsewhere; this module
+only says what happens and in which order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sync.weights import save_weights_for_sampler
+from trainer.data import Example
+from trainer.errors import WeightSyncTimeoutError
+from trainer.generators import GeneratorOutput
+from trainer.loop import _stages as stages
+from trainer.loop._context import RunContext
+from trainer.loop._engine_logs import engine_logs_on_unusable
+from trainer.vocabulary import Timer, step_deadline
+
+__all__ = [
+    "eval_if_due",
+    "resync_engines",
+    "run_eval",
+    "run_step",
+    "run_training",
+    "sync_weights",
+    "train_on",
+]
+
+
+async def run_training(ctx: RunContext) -> None:
+    """Sync the policy to the engines, then run steps ``first_step..last_step`` (eval where due).
+
+    The first sync matters on resume: the checkpoint's policy differs from ``model.path``;
+    it is the last start-up phase ``ctx.progress`` shows.
+    The last step saves a checkpoint when ``trainer.ckpt_interval`` is set.
+    """
+    with ctx.progress.phase("first weight sync"):
+        await sync_weights(ctx, ctx.first_step - 1)
+    await eval_if_due(ctx, ctx.first_step - 1)
+    for step in range(ctx.first_step, ctx.last_step + 1):
+        t0 = time.perf_counter()
+        with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
+            metrics = await run_step(ctx, step)
+        ctx.record_step(
+            {"step": step, **metrics, "timing/step": time.perf_counter() - t0, **ctx.loop_metrics()}
+        )
+        await eval_if_due(ctx, step)
+
+
+async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
+    """One step: generate, score, compute advantages, train, maybe checkpoint, sync weights."""
+    timings: dict[str, float] = {}
+    if ctx.recovery is not None:
+        ctx.recovery.step = step
+    with Timer("generate", timings):
+        prompts = ctx.loader.next_batch()
+        rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
+    async with ctx.weights_lock:  # a restarted engine's sync waits until the policy is synced
+        metrics = await train_on(ctx, step, prompts, rollouts, timings)
+        with Timer("sync_weights", timings):
+            metrics |= await sync_weights(ctx, step)
+    return metrics | {f"timing/{k}": v for k, v in timings.items()}
+
+
+async def train_on(
+    ctx: RunContext,
+    step: int,
+    prompts: list[Example],
+    rollouts: GeneratorOutput,
+    timings: dict[str, float],
+) -> dict[str, Any]:
+    """The stages between rollouts and weight sync, the same in both strategies."""
+    with Timer("fwd_logprobs_values_reward", timings):
+        batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
+        if not stages.one_update_per_batch(ctx.cfg):  # else the update's own forward has them
+            batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
+        batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
+        metrics = stages.rollout_metrics(prompts, rollouts)
+    with Timer("compute_advantages", timings):
+        batch.advantages = stages.advantages_for(ctx, rollouts)
+    with Timer("train_critic_and_policy", timings):
+        metrics |= await stages.train_policy(
+            ctx, batch, [t.group_id for t in rollouts.trajectories]
+        )
+    if ctx.checkpoint_due(step):
+        with Timer("save_checkpoints", timings):
+            metrics |= await stages.save_checkpoint(ctx, step, metrics)
+    return metrics
+
+
+async def sync_weights(ctx: RunContext, step: int, *, verify: bool = False) -> dict[str, float]:
+    """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``.
+
+    Under ``fully_async`` rollouts keep running: ``ctx.rollout_versions`` says a sync is
+    under way until the new version is counted (see ``trainer.loop._rollout_versions``). With
+    ``ctx.recovery`` the sync reaches the engines that are up (``sync_members``).
+    ``verify``: check every engine whatever ``sync.verify`` says.
+    """
+    versions = ctx.rollout_versions
+    with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
+        e = ctx.cfg.engine
+        if versions is not None:
+            versions.syncing = True
+        try:
+
+            async def transfer() -> dict[str, float]:
+                return await save_weights_for_sampler(
+                    ctx.engine,
+                    ctx.workers,
+                    ctx.transport,
+                    pause_mode=e.pause_mode,
+                    colocated=e.colocated,
+                    offload_kv=e.offload_kv_for_weight_sync,
+                    fully_async=versions is not None,
+                    grace_s=ctx.cfg.sync.transfer_grace_s,
+                )
+
+            async with engine_logs_on_unusable(ctx.run_dir):
+                with ctx.stalls.window() as stall:
+                    # with recovery: to the engines that are up; one failing meanwhile is left out
+                    recovery = ctx.recovery
+                    result = await (recovery.sync_members(transfer) if recovery else transfer())
+            result |= await stages.verify_weights(ctx, step, ctx.weight_version + 1, force=verify)
+        finally:
+            if versions is not None:
+                versions.syncing = False
+    ctx.weight_version += 1
+    if versions is not None:
+        versions.current = ctx.weight_version
+    return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": ctx.weight_version}
+
+
+async def resync_engines(ctx: RunContext) -> None:
+    """A restarted engine's way back (``ctx.recovery``, holding ``ctx.weights_lock``): one
+    complete weight sync to every engine, each verified against the policy."""
+    assert ctx.recovery is not None
+    await sync_weights(ctx, ctx.recovery.step, verify=True)
+
+
+async def eval_if_due(ctx: RunContext, step: int) -> None:
+    """After ``step`` (``first_step - 1``: before the first), when eval is due: run, record."""
+    if ctx.eval_due(step):
+        ctx.record_eval(step, await run_eval(ctx, step))
+
+
+async def run_eval(ctx: RunContext, step: int) -> dict[str, float]:
+    """Greedy rollouts of the eval prompts: the ``eval`` stage, under ``trainer.step_timeout_s``."""
+    timings: dict[str, float] = {}
+    with step_deadline(step, ctx.cfg.trainer.step_timeout_s), Timer("eval", timings):
+        metrics = await stages.evaluate(ctx, step)
+    return metrics | {"timing/eval": timings["eval"]}

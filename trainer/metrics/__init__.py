@@ -1,0 +1,25 @@
+"""What a run reports: ``metrics.jsonl`` and the console (:class:`MetricsLogger`,
+:class:`StepProgress`), ``train.log``, and the trackers (jsonl, tensorboard, wandb, mlflow).
+Plots are :mod:`trainer.metrics.plots` (matplotlib, imported only there)."""
+
+from trainer.metrics._logger import MetricsLogger as MetricsLogger
+from trainer.metrics._logger import StepProgress as StepProgress
+from trainer.metrics._logger import jsonable_row as jsonable_row
+from trainer.metrics._logger import restore_metrics as restore_metrics
+from trainer.metrics._logger import reward_summary as reward_summary
+from trainer.metrics._logger import setup_run_logging as setup_run_logging
+from trainer.metrics._logger import teardown_run_logging as teardown_run_logging
+from trainer.metrics._trackers import TrackerSink as TrackerSink
+from trainer.metrics._trackers import open_trackers as open_trackers
+
+__all__ = [
+    "MetricsLogger",
+    "StepProgress",
+    "TrackerSink",
+    "jsonable_row",
+    "open_trackers",
+    "restore_metrics",
+    "reward_summary",
+    "setup_run_logging",
+    "teardown_run_logging",
+]
