@@ -16,6 +16,7 @@ mount). The engine side is ``engines/local/weight_routes.py`` (backend ``disk``)
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,18 @@ import trio
 from sync.transports.base import Rank0
 from sync.transports.buckets import plan_buckets, update_info
 
-__all__ = ["DiskTransport", "write_buckets"]
+__all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
+
+log = logging.getLogger(__name__)
+
+#: How long a transfer waits for its bucket files to be removed before going on without.
+REMOVE_BOUND_S = 30.0
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Remove what an earlier transfer could not (its removal was cut off at its bound)."""
+    for old in directory.glob("v*"):
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_buckets(
@@ -61,6 +73,7 @@ class DiskTransport:
     async def transfer(self, engine: Any, workers: Rank0) -> None:
         self._version += 1
         target = self.directory / f"v{self._version}"
+        await trio.to_thread.run_sync(_remove_leftovers, self.directory)
         try:
             buckets = await workers.run_on_rank0(write_buckets, str(target), self.bucket_bytes)
             await engine.control("POST", "/start_weight_update", json={})
@@ -68,8 +81,16 @@ class DiskTransport:
                 await engine.control("POST", "/update_weights", json={"update_info": bucket})
             await engine.control("POST", "/finish_weight_update", json={})
         finally:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(shutil.rmtree, target, True)
+            # shielded, so a failed or cancelled sync removes its files too, but bounded: a
+            # disk that does not answer must not hold the sync (the next transfer retries)
+            with trio.move_on_after(REMOVE_BOUND_S, shield=True) as bound:
+                await trio.to_thread.run_sync(shutil.rmtree, target, True, abandon_on_cancel=True)
+            if bound.cancelled_caught:
+                log.warning(
+                    "could not remove %s within %gs (a slow disk?): the next transfer removes it",
+                    target,
+                    REMOVE_BOUND_S,
+                )
 
     async def close(self, workers: Rank0) -> None:
         return None

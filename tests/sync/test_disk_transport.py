@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+import threading
+from pathlib import Path
+
 import pytest
 import torch
+import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
-from sync.transports import DiskTransport
+from sync.transports import DiskTransport, disk
 from sync.weights import save_weights_for_sampler
 from trainer.errors import InferenceServerError
 from trainer.workers.local import LocalWorkerGroup
@@ -105,3 +111,59 @@ async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(
             await client.control(
                 "POST", "/finish_weight_update", json={}
             )  # an empty update is fine
+
+
+class _Rank0:
+    """Rank 0 in a worker thread, over a small real model (the transport needs no more)."""
+
+    def __init__(self) -> None:
+        self.model = torch.nn.Linear(8, 8)
+
+    async def run_on_rank0(self, fn, *args, abandon_on_cancel=False):
+        return await trio.to_thread.run_sync(
+            fn, self.model, *args, abandon_on_cancel=abandon_on_cancel
+        )
+
+
+class _Engine:
+    """Accepts every call of the update protocol, as a server that is up would."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    async def control(self, method, path, json=None):
+        self.paths.append(path)
+        return [{}]
+
+
+async def test_a_removal_of_the_bucket_files_that_hangs_is_given_up_on_after_its_bound(
+    tmp_path, monkeypatch, caplog
+):
+    """A slow disk (the removal's thread really blocks) holds the sync at most
+    ``disk.REMOVE_BOUND_S``; the directory it could not remove is named in a warning and
+    removed by the next transfer."""
+    released, removed = threading.Event(), threading.Event()
+    removing: list[Path] = []
+    real_rmtree = shutil.rmtree
+
+    def stuck_rmtree(path, ignore_errors=False):
+        removing.append(Path(path))
+        released.wait(20)  # a disk that does not answer for 20 s
+        real_rmtree(path, ignore_errors)
+        removed.set()
+
+    monkeypatch.setattr(disk, "REMOVE_BOUND_S", 0.5, raising=False)
+    monkeypatch.setattr(disk.shutil, "rmtree", stuck_rmtree)
+    transport, engine = DiskTransport(tmp_path / "sync", bucket_bytes=1 << 20), _Engine()
+    try:
+        with caplog.at_level(logging.WARNING, logger="sync"):
+            await transport.transfer(engine, _Rank0())
+        # the sync came back while the removal's thread was still blocked
+        assert not removed.is_set() and removing == [tmp_path / "sync" / "v1"]
+        assert engine.paths[-1] == "/finish_weight_update"
+        assert f"could not remove {tmp_path / 'sync' / 'v1'} within 0.5s" in caplog.text
+    finally:
+        released.set()
+    monkeypatch.setattr(disk.shutil, "rmtree", real_rmtree)
+    await transport.transfer(engine, _Rank0())
+    assert not list((tmp_path / "sync").glob("v*"))  # the leftover v1 went with v2

@@ -39,7 +39,7 @@ PUBLIC = {
         "current_layout",
         "flatten_parameters",
     ],
-    "sync.transports.disk": ["DiskTransport", "write_buckets"],
+    "sync.transports.disk": ["DiskTransport", "REMOVE_BOUND_S", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
     "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],
     "sync.verify": ["DEFAULT_TOLERANCE", "LOW_PRECISION_TOLERANCE", "PROBE_TOKENS", "verify_sync"],
