@@ -31,6 +31,9 @@ given up on (they run with ``abandon_on_cancel``; inside the shield only this bo
 cancel them), no cleanup runs, so the engines stay paused (asleep, when the bracket put
 them to sleep), since their weights may be partial, and the deadline's typed error says
 so in its ``detail``. The run then ends; its teardown stops the engines and the workers.
+A cancellation that is not a deadline's (Ctrl-C, a failing sibling task) bounds it the same
+way: the transfer gets ``sync.transfer_grace_s`` from the cancellation, then is abandoned and
+the cancellation goes on (without a deadline, nothing else would bound the wait).
 
 ``sync/last_weight_sync_seconds`` is the transfer alone (the bracket is ``timing/sync_weights``).
 """
@@ -185,13 +188,19 @@ async def run_transfer(
     raised with the transfer's error as ``__cause__``. The shielded scope's own deadline is
     the step's deadline plus ``grace_s``: a transfer still running then is abandoned and
     the deadline's typed error is raised with :func:`abandoned_detail` (``outcome`` records
-    it for the caller's cleanups). ``fire``: whether the ``broadcast_to_inference_engines``
-    fault fires (not on a re-send).
+    it for the caller's cleanups). A cancellation from outside moves that bound to at most
+    ``grace_s`` after it (the waiting parent sees the cancellation; the transfer, a child task
+    in the shield, does not). ``fire``: whether the ``broadcast_to_inference_engines`` fault
+    fires (not on a re-send).
     """
     t0 = time.perf_counter()
     failure: BaseException | None = None
-    with operation(OP):
-        with trio.CancelScope(shield=True, deadline=current_deadline() + grace_s) as bound:
+    bound = trio.CancelScope(shield=True, deadline=current_deadline() + grace_s)
+    finished = trio.Event()
+
+    async def shielded() -> None:
+        nonlocal failure
+        with bound:
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
                 if not fire:
@@ -203,14 +212,33 @@ async def run_transfer(
                 await transfer()
             except Exception as exc:
                 failure = exc
+        finished.set()
+
+    with operation(OP):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(shielded)
+            try:
+                await finished.wait()
+            except trio.Cancelled:
+                # a cancellation that is not the deadline's (Ctrl-C, a failing sibling) gives
+                # the transfer grace_s more, not for ever; it is raised again below
+                bound.deadline = min(bound.deadline, trio.current_time() + grace_s)
+                with trio.CancelScope(shield=True):
+                    await finished.wait()
         elapsed = time.perf_counter() - t0
         if bound.cancelled_caught:
             if outcome is not None:
                 outcome.abandoned = True
             typed = pending_deadline_error(failure, OP, abandoned_detail(grace_s))
-            if typed is None:  # unreachable: the bound is past the deadline
-                raise RuntimeError("weight transfer abandoned without a deadline")
-            raise typed from failure
+            if typed is not None:
+                raise typed from failure
+            log.warning(
+                "the weight transfer was still running %gs after the run was cancelled "
+                "(sync.transfer_grace_s) and was abandoned; the engines were left paused",
+                grace_s,
+            )
+            await trio.lowlevel.checkpoint_if_cancelled()  # the cancellation, raised again
+            raise RuntimeError("weight transfer abandoned without a cancellation")  # unreachable
         if failure is None:
             await trio.lowlevel.checkpoint_if_cancelled()
             return elapsed

@@ -12,6 +12,7 @@ against a wall-clock deadline.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -281,3 +282,49 @@ async def test_an_abandoned_transfer_names_the_deadline_that_fired_first(
     assert info.value.budget_s == sync_s and info.value.detail == abandoned_detail(10.0)
     assert trio.current_time() - t0 == pytest.approx(1.0 + sync_s + 10.0)
     assert events == ["paused"]  # no resume onto partial weights
+
+
+@pytest.mark.timeout(60)  # before the fix this waited for the hung thread forever
+async def test_a_cancellation_without_a_deadline_abandons_a_hung_transfer_after_its_grace(
+    autojump_clock,
+):
+    """Ctrl-C under the default config (no step or sync deadline): the cancellation waits for
+    the hung transfer ``grace_s`` (``sync.transfer_grace_s``), not for ever, then goes on; the
+    engines are left paused, as after any abandoned transfer."""
+    events: list[str] = []
+    install_faults("broadcast_to_inference_engines:hang")  # the thread never returns
+    t0 = trio.current_time()
+    with trio.CancelScope() as interrupt:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                functools.partial(
+                    save_weights_for_sampler,
+                    RecordingEngine(events),
+                    None,
+                    BlockingTransport(events, 0),
+                    grace_s=10.0,
+                )
+            )
+            await trio.sleep(5.0)  # Ctrl-C, 5 s into the transfer
+            interrupt.cancel()
+    assert interrupt.cancelled_caught
+    assert trio.current_time() - t0 == pytest.approx(5.0 + 10.0)
+    assert events == ["paused"]  # no resume onto partial weights
+
+
+async def test_a_cancellation_without_a_deadline_still_waits_for_a_transfer_within_its_grace(
+    mock_clock,
+):
+    """Rule 6 holds inside the grace: a transfer that finishes 0.5 s after the cancellation is
+    waited for, and the engines resume onto its complete weights."""
+    events: list[str] = []
+    transport = HeldTransport(events)
+    with trio.CancelScope() as interrupt:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(save_weights_for_sampler, RecordingEngine(events), None, transport)
+            await trio.to_thread.run_sync(transport.thread_started.wait, 60)
+            interrupt.cancel()
+            mock_clock.jump(0.5)
+            transport.release.set()
+    assert interrupt.cancelled_caught
+    assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]

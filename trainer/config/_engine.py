@@ -177,8 +177,9 @@ class SyncConfig:
     transfer_grace_s: float = _field(
         10.0,
         "How long a weight transfer may run past its deadline (trainer.weight_sync_timeout_s, "
-        "else the step's) before the run abandons it: the engines are left paused (their "
-        "weights may be partial) and the run ends with WeightSyncTimeoutError saying so.",
+        "else the step's), or past a cancellation without one (Ctrl-C), before the run abandons "
+        "it: the engines are left paused (their weights may be partial) and the run ends with "
+        "WeightSyncTimeoutError saying so (after Ctrl-C: interrupted, exit status 130).",
         check=at_least(0),
     )
     verify: Literal["first", "every", "never"] = _field(
