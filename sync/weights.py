@@ -40,11 +40,8 @@ the cancellation goes on (without a deadline, nothing else would bound the wait)
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import contextvars
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -66,7 +63,6 @@ from trainer.vocabulary import (
 
 __all__ = [
     "TRANSFER_GRACE_S",
-    "TRANSFER_ON_EVENT_LOOP_ENV",
     "abandoned_detail",
     "run_transfer",
     "save_weights_for_sampler",
@@ -81,10 +77,6 @@ AFTER_FIRST_BUCKET: Operation = "transfer_after_first_bucket"
 BEFORE_FINISH: Operation = "transfer_before_finish"
 #: Default of ``sync.transfer_grace_s``: how long past its deadline a transfer may still run.
 TRANSFER_GRACE_S = 10.0
-#: Test-only: set to 1, the transfer's fault (a slow transfer, ``sleep=S``) blocks the trio
-#: thread instead of a worker thread, as a transfer run on the event loop would (SkyRL
-#: #2524); tests/e2e/test_fully_async_cli.py shows what that does to rollouts in flight.
-TRANSFER_ON_EVENT_LOOP_ENV = "TRAINER_TEST_TRANSFER_ON_EVENT_LOOP"
 
 
 def abandoned_detail(grace_s: float) -> str:
@@ -203,11 +195,7 @@ async def run_transfer(
         with bound:
             try:
                 # the fault fires where the transfer runs: a thread the step does not abandon
-                if not fire:
-                    pass
-                elif os.environ.get(TRANSFER_ON_EVENT_LOOP_ENV) == "1":
-                    _block_event_loop_on_fault()
-                else:
+                if fire:
                     await trio.to_thread.run_sync(fire_fault_sync, OP, abandon_on_cancel=True)
                 await transfer()
             except Exception as exc:
@@ -250,14 +238,6 @@ async def run_transfer(
                 raise typed from failure
             raise cancelled from failure
         raise failure
-
-
-def _block_event_loop_on_fault() -> None:
-    """The test-only wrong way (``TRANSFER_ON_EVENT_LOOP_ENV``): the trio thread waits for
-    the transfer's fault, blocked, as if the transfer ran on it."""
-    context = contextvars.copy_context()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(context.run, fire_fault_sync, OP).result()
 
 
 async def save_weights_for_sampler(

@@ -29,7 +29,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sync.weights import TRANSFER_ON_EVENT_LOOP_ENV
 from tests.e2e.helpers import (
     REPO,
     last_stderr_line,
@@ -81,14 +80,13 @@ def env_service() -> Iterator[str]:
 
 
 def _run_beside_a_slow_transfer(run_dir: Path, env_url: str, *, on_event_loop: bool):
-    env = trainer_env(new_marker())
-    if on_event_loop:
-        env[TRANSFER_ON_EVENT_LOOP_ENV] = "1"
+    # the wrong way is a test fixture's (tests/e2e/transfer_on_event_loop.py), not a switch
+    entry = "tests.e2e.transfer_on_event_loop" if on_event_loop else "trainer"
     return subprocess.run(
         [
             sys.executable,
             "-m",
-            "trainer",
+            entry,
             "trainer.progress=false",
             *ASYNC,
             "generator.cls=examples.http_env:HttpEnvGenerator",
@@ -105,7 +103,7 @@ def _run_beside_a_slow_transfer(run_dir: Path, env_url: str, *, on_event_loop: b
         capture_output=True,
         text=True,
         timeout=300,
-        env=env,
+        env=trainer_env(new_marker()),
         cwd=REPO,
     )
 

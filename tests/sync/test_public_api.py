@@ -45,7 +45,6 @@ PUBLIC = {
     "sync.verify": ["DEFAULT_TOLERANCE", "LOW_PRECISION_TOLERANCE", "PROBE_TOKENS", "verify_sync"],
     "sync.weights": [
         "TRANSFER_GRACE_S",
-        "TRANSFER_ON_EVENT_LOOP_ENV",
         "abandoned_detail",
         "run_transfer",
         "save_weights_for_sampler",
