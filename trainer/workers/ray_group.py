@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 import ray
 import torch
 import trio
+from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -134,6 +135,14 @@ def shards(n: int, world: int) -> list[slice]:
         out.append(slice(start, start + size))
         start += size
     return out
+
+
+async def _submit(calls: Callable[[], list[ObjectRef]]) -> list[ObjectRef]:
+    """Submit actor calls in a worker thread: ``.remote`` pickles its arguments (a batch's
+    tensors, megabytes) where it runs, which must not be the trio thread (DESIGN 3 rule 1).
+    Not abandoned on cancel: the submission is bounded by the arguments' size, and its refs
+    are what the caller waits on."""
+    return await trio.to_thread.run_sync(calls)
 
 
 class RayWorkerGroup:
@@ -279,10 +288,12 @@ class RayWorkerGroup:
     ) -> list[Any]:
         step = current_step()
         with operation(op):
-            refs = [
-                getattr(actor, method).remote(op, step, *(make_args(r) if make_args else ()))
-                for r, actor in enumerate(self.policy)
-            ]
+            refs = await _submit(
+                lambda: [
+                    getattr(actor, method).remote(op, step, *(make_args(r) if make_args else ()))
+                    for r, actor in enumerate(self.policy)
+                ]
+            )
             return await self._wait(refs)
 
     def _rank_batches(self, batch: TrainBatch) -> list[TrainBatch | None]:
@@ -298,24 +309,31 @@ class RayWorkerGroup:
         parts = shards(len(batch), self.world_size)
         step = current_step()
         with operation("forward"):
-            refs = [
-                self.policy[r].compute_logprobs.remote("forward", step, b)
-                for r, b in enumerate(self._rank_batches(batch))
-                if b is not None
-            ]
+            refs = await _submit(
+                lambda: [
+                    self.policy[r].compute_logprobs.remote("forward", step, b)
+                    for r, b in enumerate(self._rank_batches(batch))
+                    if b is not None
+                ]
+            )
             out = await self._wait(refs)
-        return torch.cat([o[: s.stop - s.start] for o, s in zip(out, parts)], dim=0)
+        return await trio.to_thread.run_sync(
+            lambda: torch.cat([o[: s.stop - s.start] for o, s in zip(out, parts)], dim=0)
+        )
 
     async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref is None:
             return None
+        ref_actor, step = self.ref, current_step()
         with operation("forward"):
-            ref = self.ref.compute_logprobs.remote("forward", current_step(), batch)
-            return (await self._wait([ref], [("ref", 0)]))[0]
+            refs = await _submit(
+                lambda: [ref_actor.compute_logprobs.remote("forward", step, batch)]
+            )
+            return (await self._wait(refs, [("ref", 0)]))[0]
 
     async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
         """Each rank accumulates its shard's share of the global token mean; metrics merged."""
-        parts = self._rank_batches(batch)
+        parts = await trio.to_thread.run_sync(self._rank_batches, batch)
 
         def args(rank: int) -> tuple[Any, ...]:
             return (parts[rank], num_tokens)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -391,3 +392,31 @@ async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights
     finally:
         await group.shutdown()
     assert await wait_gone(list(group.pids.values())) == []
+
+
+async def test_the_batch_is_serialised_for_the_actors_off_the_trio_thread(
+    ray_cluster, model_dir, monkeypatch
+):
+    """Submitting a call pickles its arguments (the batch's tensors) where ``.remote`` runs:
+    on the trio thread, a large batch would stall every rollout in flight (DESIGN 3 rule 1)."""
+    pickled_on: list[int] = []
+    real = TrainBatch.__getstate__
+
+    def recording(self: TrainBatch) -> Any:
+        pickled_on.append(threading.get_ident())
+        return real(self)
+
+    monkeypatch.setattr(TrainBatch, "__getstate__", recording)
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=True, num_workers=2
+    )
+    try:
+        batch = make_batch(model_dir)
+        await group.compute_logprobs(batch)
+        await group.compute_ref_logprobs(batch)
+        await group.forward_backward(batch, batch.num_tokens)
+    finally:
+        await group.shutdown()
+    # two ranks' shards for the forward and the update, the whole batch for the reference
+    assert len(pickled_on) == 5
+    assert threading.get_ident() not in pickled_on
