@@ -44,6 +44,8 @@ log = logging.getLogger("trainer.debug")
 
 #: The file in the run directory that says where its debug socket is.
 DEBUG_FILE = "debug.json"
+#: How long the end of a run waits for its debug files to be removed.
+REMOVE_BOUND_S = 5.0
 #: A request must arrive within this many seconds of connecting.
 _REQUEST_TIMEOUT_S = 10.0
 
@@ -101,22 +103,33 @@ async def serve_debug_socket(
     Each request is answered in its own task; a failing one is logged, never raised.
     """
     sock_path, stacks_path = debug_paths(os.getpid())
-    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
-    sock_path.unlink(missing_ok=True)  # a dead process with our pid left it
     info_path = dumper.run_dir / DEBUG_FILE
+    await trio.to_thread.run_sync(_prepare_socket_dir, sock_path)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await sock.bind(str(sock_path))
-        os.chmod(sock_path, 0o600)
+        await trio.to_thread.run_sync(os.chmod, sock_path, 0o600)
         sock.listen()
         info = {"pid": os.getpid(), "socket": str(sock_path), "stacks": str(stacks_path)}
-        info_path.write_text(json.dumps(info) + "\n")
+        await trio.to_thread.run_sync(info_path.write_text, json.dumps(info) + "\n")
         task_status.started(sock_path)
         await trio.serve_listeners(functools.partial(_answer, dumper), [trio.SocketListener(sock)])
     finally:
         sock.close()
-        sock_path.unlink(missing_ok=True)
-        info_path.unlink(missing_ok=True)
+        # shielded (this runs as the run is cancelled) and bounded: a disk that does not
+        # answer leaves the two files, which the next run with this pid or directory replaces
+        with trio.move_on_after(REMOVE_BOUND_S, shield=True):
+            await trio.to_thread.run_sync(_remove, sock_path, info_path, abandon_on_cancel=True)
+
+
+def _prepare_socket_dir(sock_path: Path) -> None:
+    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+    sock_path.unlink(missing_ok=True)  # a dead process with our pid left it
+
+
+def _remove(*paths: Path) -> None:
+    for path in paths:
+        path.unlink(missing_ok=True)
 
 
 def request_dump(sock_path: Path, timeout_s: float) -> dict[str, Any]:

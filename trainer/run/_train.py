@@ -133,8 +133,10 @@ async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
     if cfg.engine.backend in ("vllm", "vllm_inprocess"):  # before any work: one line
         require_vllm(f"engine.backend={cfg.engine.backend}")
-    run_dir = _make_run_dir(cfg)
-    handlers = setup_run_logging(run_dir)
+    # the run's own files are made, read and written in threads (DESIGN 3 rule 1): a slow
+    # or network disk stalls a worker thread, never the loop
+    run_dir = await trio.to_thread.run_sync(_make_run_dir, cfg)
+    handlers = await trio.to_thread.run_sync(setup_run_logging, run_dir)
     install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
     _limit_torch_threads(cfg)
     dumper = Dumper(run_dir)
@@ -209,7 +211,7 @@ async def _train(
     # a resume that changes the data order is refused here, before anything starts
     resume_from, state = await _read_resume_state(cfg, ckpt, prompts or loader)
     if resume_from is None:
-        _record_config(cfg, run_dir)
+        await trio.to_thread.run_sync(_record_config, cfg, run_dir)
     generator_cls = _load_generator_cls(cfg.generator.cls)
     check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     s = cfg.generator.sampling
@@ -288,9 +290,10 @@ async def _train(
             with progress.phase("resume"):
                 await workers.load_checkpoint(resume_from)
                 start = int(state["step"])
-            _record_config(cfg, run_dir)
+            await trio.to_thread.run_sync(_record_config, cfg, run_dir)
             log.info("resumed from %s at step %d", resume_from, start)
-        restore_metrics(metrics_path, start, state.get("metrics"))
+        await trio.to_thread.run_sync(restore_metrics, metrics_path, start, state.get("metrics"))
+        metrics = stack.enter_context(await trio.to_thread.run_sync(MetricsLogger, metrics_path))
         ctx = RunContext(
             cfg=cfg,
             run_dir=run_dir,
@@ -305,7 +308,7 @@ async def _train(
             transport=transport,
             workers=workers,
             ckpt=ckpt,
-            metrics=stack.enter_context(MetricsLogger(metrics_path)),
+            metrics=metrics,
             progress=progress,
             first_step=start + 1,
             last_step=last_step,
@@ -331,7 +334,8 @@ async def _train(
         except BaseException:
             teardown.start()
             raise
-    return _summarize(run_dir, metrics_path, recovery.events if recovery else None)
+    restarts = recovery.events if recovery else None
+    return await trio.to_thread.run_sync(_summarize, run_dir, metrics_path, restarts)
 
 
 async def _read_resume_state(
