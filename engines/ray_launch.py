@@ -59,7 +59,7 @@ from engines.launch import (
     server_env,
 )
 from engines.process_stop import KILL_WAIT_S, stop_group_blocking
-from trainer.errors import EngineStartError, RefFailed
+from trainer.errors import EngineStartError
 from trainer.vocabulary import get_refs_as_completed
 
 __all__ = ["EngineServerActor", "RayEngine", "open_ray_engines"]
@@ -338,12 +338,14 @@ async def _start(engines: list[RayEngine], timeout_s: float, api_key: str | None
     """Start every server and wait for it to answer the trainer, within ``timeout_s``."""
     started = time.monotonic()
     refs = [e.actor.start.remote(timeout_s) for e in engines]
+
+    def failed(i: int, error: BaseException) -> BaseException:
+        return _start_error(engines[i], error)
+
     try:
         infos = await trio.to_thread.run_sync(
-            get_refs_as_completed, refs, timeout_s, abandon_on_cancel=True
+            get_refs_as_completed, refs, timeout_s, failed, abandon_on_cancel=True
         )
-    except RefFailed as failure:
-        raise _start_error(engines[failure.index], failure.error) from None
     except TimeoutError:  # ray's GetTimeoutError: some actor was not placed or not started
         raise await trio.to_thread.run_sync(_timeout_error, engines, refs, timeout_s) from None
     for engine, info in zip(engines, infos):

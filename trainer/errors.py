@@ -3,28 +3,30 @@
 Each error passes every field to ``super().__init__`` so that ``pickle`` (Ray, multiprocessing)
 rebuilds it with the same fields; the message is computed from the fields in ``__str__``.
 
+Every one derives from ``TrainerError`` (the root: ``except TrainerError`` catches every error
+of ours and nothing else) and keeps the builtin base it always had (in brackets), so ``except
+RuntimeError`` and ``except ValueError`` catch what they did.
+
 Hierarchy::
 
     Exception
-    ├── RuntimeError
-    │   ├── StepTimeoutError               a step's budget (trainer.step_timeout_s) ran out
-    │   │   └── WeightSyncTimeoutError     a weight sync's budget (trainer.weight_sync_timeout_s) ran out
-    │   ├── RolloutTimeoutError            a fully-async rollout ran past generator.rollout_timeout_s, attempt after attempt
-    │   ├── InferenceServerError           an engine answered non-2xx or a malformed body
-    │   │   └── InferenceServerTimeoutError  a control-plane request outlived its timeout
-    │   ├── EngineStartError               an engine server died or never became healthy
-    │   ├── EngineFailedError              an engine failed again past engine.max_restarts
-    │   ├── EngineUnusableError            a weight transfer broke off and no complete one followed
-    │   ├── WeightSyncMismatchError        after a sync an engine scores a probe unlike the policy
-    │   ├── CheckpointEngineInitError      weight-sync process-group init did not finish in time
-    │   ├── CheckpointError                a checkpoint is missing, incomplete or corrupted
-    │   ├── WorkerError                    a policy/ref worker failed or died
-    │   ├── RayClusterStartError           ``ray.init`` failed on every attempt
-    │   └── FaultInjected                  an ``error=`` fault from ``faults=`` fired
-    ├── RefFailed                          a Ray ref failed (translated by its caller)
-    └── ValueError
-        ├── ConfigError                    bad configuration, found at load time
-        └── DataError                      a bad row in a data file
+    └── TrainerError                           the root
+        ├── StepTimeoutError                   (RuntimeError) a step's budget (trainer.step_timeout_s) ran out
+        │   └── WeightSyncTimeoutError         a weight sync's budget (trainer.weight_sync_timeout_s) ran out
+        ├── RolloutTimeoutError                (RuntimeError) a fully-async rollout ran past generator.rollout_timeout_s, attempt after attempt
+        ├── InferenceServerError               (RuntimeError) an engine answered non-2xx or a malformed body
+        │   └── InferenceServerTimeoutError    a control-plane request outlived its timeout
+        ├── EngineStartError                   (RuntimeError) an engine server died or never became healthy
+        ├── EngineFailedError                  (RuntimeError) an engine failed again past engine.max_restarts
+        ├── EngineUnusableError                (RuntimeError) a weight transfer broke off and no complete one followed
+        ├── WeightSyncMismatchError            (RuntimeError) after a sync an engine scores a probe unlike the policy
+        ├── CheckpointEngineInitError          (RuntimeError) weight-sync process-group init did not finish in time
+        ├── CheckpointError                    (RuntimeError) a checkpoint is missing, incomplete or corrupted
+        ├── WorkerError                        (RuntimeError) a policy/ref worker failed or died
+        ├── RayClusterStartError               (RuntimeError) ``ray.init`` failed on every attempt
+        ├── FaultInjected                      (RuntimeError) an ``error=`` fault from ``faults=`` fired
+        ├── ConfigError                        (ValueError) bad configuration, found at load time
+        └── DataError                          (ValueError) a bad row in a data file
 
 ``StepTimeoutError`` is deliberately not a ``TimeoutError``: retry paths that catch
 ``TimeoutError`` (transport retries, library code) must not swallow a step's deadline.
@@ -45,20 +47,24 @@ __all__ = [
     "InferenceServerError",
     "InferenceServerTimeoutError",
     "RayClusterStartError",
-    "RefFailed",
     "RolloutTimeoutError",
     "StepTimeoutError",
+    "TrainerError",
     "WeightSyncMismatchError",
     "WeightSyncTimeoutError",
     "WorkerError",
 ]
 
 
+class TrainerError(Exception):
+    """The root of every typed error the trainer raises (the role of httpx's ``HTTPError``)."""
+
+
 def _fmt_seconds(value: float) -> str:
     return f"{value:g}"
 
 
-class StepTimeoutError(RuntimeError):
+class StepTimeoutError(TrainerError, RuntimeError):
     """A step (generation through weight sync) ran past ``trainer.step_timeout_s``.
 
     ``stage`` and ``operation`` name where the step was waiting when its budget ran out;
@@ -95,7 +101,7 @@ class WeightSyncTimeoutError(StepTimeoutError):
     """A weight sync ran past ``trainer.weight_sync_timeout_s`` (its own, shorter budget)."""
 
 
-class RolloutTimeoutError(RuntimeError):
+class RolloutTimeoutError(TrainerError, RuntimeError):
     """One prompt's fully-async rollout ran past ``generator.rollout_timeout_s`` on every attempt.
 
     A rollout past its bound is cancelled and its prompt handed out again; this ends the run
@@ -132,7 +138,7 @@ class RolloutTimeoutError(RuntimeError):
         )
 
 
-class InferenceServerError(RuntimeError):
+class InferenceServerError(TrainerError, RuntimeError):
     """An inference server answered with a non-2xx status or a body we could not read."""
 
     def __init__(self, url: str, endpoint: str, status: int | None, detail: str) -> None:
@@ -166,7 +172,7 @@ class InferenceServerTimeoutError(InferenceServerError):
         )
 
 
-class EngineStartError(RuntimeError):
+class EngineStartError(TrainerError, RuntimeError):
     """An engine server the trainer started died or did not become healthy in time."""
 
     def __init__(self, url: str, reason: str, log_tail: str = "") -> None:
@@ -180,7 +186,7 @@ class EngineStartError(RuntimeError):
         return f"engine server {self.url}: {self.reason}{tail}"
 
 
-class EngineFailedError(RuntimeError):
+class EngineFailedError(TrainerError, RuntimeError):
     """An engine failed (died, hung, answered 5xx) with its restarts spent.
 
     ``index`` and ``url``: the engine; ``restarts``: how often it was restarted in this run
@@ -207,7 +213,7 @@ class EngineFailedError(RuntimeError):
         )
 
 
-class EngineUnusableError(RuntimeError):
+class EngineUnusableError(TrainerError, RuntimeError):
     """A weight transfer into the engines broke off and no complete one followed.
 
     Real vLLM loads a transfer layer by layer and is broken (its next generation crashes its
@@ -231,7 +237,7 @@ class EngineUnusableError(RuntimeError):
         )
 
 
-class WeightSyncMismatchError(RuntimeError):
+class WeightSyncMismatchError(TrainerError, RuntimeError):
     """After a weight sync, engine ``url`` scores the probe's token at ``position`` (``token``)
     ``engine_logprob``, the policy ``policy_logprob``: further apart than ``tolerance``
     (``sync.verify_tolerance``), so the engine does not serve the policy's weights."""
@@ -268,7 +274,7 @@ class WeightSyncMismatchError(RuntimeError):
         )
 
 
-class CheckpointEngineInitError(RuntimeError):
+class CheckpointEngineInitError(TrainerError, RuntimeError):
     """The weight-sync process group did not initialise within ``sync.group_init_timeout_s``."""
 
     def __init__(self, group: str, timeout_s: float) -> None:
@@ -284,14 +290,14 @@ class CheckpointEngineInitError(RuntimeError):
         )
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(TrainerError, RuntimeError):
     """A checkpoint is missing, incomplete, corrupted, or holds something we refuse to load.
 
     The message names the path, what was wrong and what to do.
     """
 
 
-class WorkerError(RuntimeError):
+class WorkerError(TrainerError, RuntimeError):
     """A worker (policy, ref, critic) failed or died; names the worker, rank and stage."""
 
     def __init__(self, worker: str, rank: int, stage: str | None, detail: str) -> None:
@@ -307,7 +313,7 @@ class WorkerError(RuntimeError):
         )
 
 
-class RayClusterStartError(RuntimeError):
+class RayClusterStartError(TrainerError, RuntimeError):
     """``ray.init`` failed on every attempt; carries each attempt's reason."""
 
     def __init__(self, address: str | None, attempts: int, reasons: list[str]) -> None:
@@ -325,23 +331,7 @@ class RayClusterStartError(RuntimeError):
         )
 
 
-class RefFailed(Exception):
-    """A Ray ref failed: the ``index``-th of a wait, with ``error`` (a ``RayError``).
-
-    Raised by ``trainer.vocabulary.wait_refs``; callers translate it into their own typed
-    error, knowing which actor ``index`` is.
-    """
-
-    def __init__(self, index: int, error: BaseException) -> None:
-        super().__init__(index, error)
-        self.index = index
-        self.error = error
-
-    def __str__(self) -> str:
-        return f"ref {self.index} failed: {type(self.error).__name__}: {self.error}"
-
-
-class FaultInjected(RuntimeError):
+class FaultInjected(TrainerError, RuntimeError):
     """Raised where an ``OP:error=MSG`` fault fires (see ``faults=``)."""
 
     def __init__(self, operation: str, message: str, step: int | None = None) -> None:
@@ -355,9 +345,9 @@ class FaultInjected(RuntimeError):
         return f"fault injected in {self.operation!r}{where}: {self.message}"
 
 
-class ConfigError(ValueError):
+class ConfigError(TrainerError, ValueError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
-class DataError(ValueError):
+class DataError(TrainerError, ValueError):
     """A data file has a bad row; the message names the file and line."""

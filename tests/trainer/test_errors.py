@@ -23,9 +23,9 @@ from trainer.errors import (
     InferenceServerError,
     InferenceServerTimeoutError,
     RayClusterStartError,
-    RefFailed,
     RolloutTimeoutError,
     StepTimeoutError,
+    TrainerError,
     WeightSyncMismatchError,
     WeightSyncTimeoutError,
     WorkerError,
@@ -63,13 +63,13 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "config": lambda: ConfigError("trainer.step_timeout_s must be > 0, got -1"),
     "data": lambda: DataError("data/train.jsonl:3: missing field 'prompt'"),
     "ray-start": lambda: RayClusterStartError(None, 2, ["node timed out", "again"]),
-    "ref-failed": lambda: RefFailed(1, RuntimeError("actor died")),
+    "root": lambda: TrainerError("raised by a plugin of ours"),
     "rollout-timeout": lambda: RolloutTimeoutError(3, (0, 17), 3, 8.0, "generate", "env_step"),
 }
 
 
 def _value(v: object) -> object:
-    """Exceptions compare by identity: a nested one (RefFailed's ``error``) by type and args."""
+    """Exceptions compare by identity: a nested one by type and args."""
     return (type(v), v.args) if isinstance(v, BaseException) else v
 
 
@@ -205,9 +205,9 @@ def test_public_api_is_pinned():
         "InferenceServerError",
         "InferenceServerTimeoutError",
         "RayClusterStartError",
-        "RefFailed",
         "RolloutTimeoutError",
         "StepTimeoutError",
+        "TrainerError",
         "WeightSyncMismatchError",
         "WeightSyncTimeoutError",
         "WorkerError",
@@ -251,3 +251,19 @@ def test_module_docstring_draws_every_class_under_its_real_parent():
         assert name in tree, f"{name} is missing from the hierarchy in the docstring"
         assert tree[name] == cls.__base__.__name__, f"{name} is drawn under the wrong parent"
         assert cls.__doc__, f"{name} has no docstring"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_error_is_a_trainer_error_and_keeps_its_builtin_base(case):
+    exc = CASES[case]()
+    assert isinstance(exc, TrainerError)
+    if type(exc) is not TrainerError:  # what `except RuntimeError/ValueError` caught, it still does
+        expected = ValueError if case in ("config", "data") else RuntimeError
+        assert isinstance(exc, expected)
+        if type(exc).__base__ is TrainerError:  # the docstring's drawing names the builtin base
+            assert f"({expected.__name__})" in _drawn_line(type(exc))
+
+
+def _drawn_line(cls: type) -> str:
+    doc = trainer.errors.__doc__ or ""
+    return next(line for line in doc.splitlines() if re.search(rf"[─ ]{cls.__name__}\b", line))

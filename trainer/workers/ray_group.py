@@ -41,7 +41,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.checkpoint import CheckpointManager
-from trainer.errors import RefFailed, WorkerError
+from trainer.errors import WorkerError
 from trainer.vocabulary import (
     current_stage,
     current_step,
@@ -276,12 +276,8 @@ class RayWorkerGroup:
         who: list[tuple[str, int]] | None = None,
     ) -> list[Any]:
         """Await ``refs`` off the trio thread under the step's deadline; translate failures."""
-        who = who or [("policy", r) for r in range(len(refs))]
-        try:
-            return await wait_refs(refs)
-        except RefFailed as failure:
-            worker, rank = who[failure.index]
-            raise _translate(failure.error, worker, rank) from None
+        names = who or [("policy", r) for r in range(len(refs))]
+        return await wait_refs(refs, lambda i, error: _translate(error, *names[i]))
 
     async def _call_policy(
         self, op: str, method: str, make_args: Callable[[int], tuple[Any, ...]] | None = None
@@ -382,10 +378,12 @@ class RayWorkerGroup:
             return (await self._wait(refs))[0]
         left = remaining()
         bound = None if left is None else left + RANK0_GRACE_S
+
+        def failed(rank: int, error: BaseException) -> BaseException:  # refs are in rank order
+            return _translate(error, "policy", rank)
+
         try:
-            return (await trio.to_thread.run_sync(get_refs_as_completed, refs, bound))[0]
-        except RefFailed as failure:  # refs are in rank order
-            raise _translate(failure.error, "policy", failure.index) from None
+            return (await trio.to_thread.run_sync(get_refs_as_completed, refs, bound, failed))[0]
         except GetTimeoutError:
             raise WorkerError(
                 "policy",
