@@ -136,14 +136,17 @@ PUBLIC = {
     ],
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
     "trainer.loop": [
+        "FullyAsyncStrategy",
         "PromptStream",
         "RunContext",
+        "Strategy",
+        "SyncStrategy",
         "VersionedEngine",
         "WeightVersions",
+        "make_strategy",
         "one_update_per_batch",
         "open_engine_recovery",
         "resync_engines",
-        "run_fully_async",
         "run_training",
     ],
     "trainer.metrics": [

@@ -4,22 +4,28 @@ serve. :func:`run_training` is the entry; the assembly of the parts is ``trainer
 
 from trainer.loop._context import RunContext as RunContext
 from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
-from trainer.loop._fully_async import run_fully_async as run_fully_async
 from trainer.loop._prompt_stream import PromptStream as PromptStream
 from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
-from trainer.loop._rollout_versions import WeightVersions as WeightVersions
 from trainer.loop._stages import one_update_per_batch as one_update_per_batch
+from trainer.loop._strategy import FullyAsyncStrategy as FullyAsyncStrategy
+from trainer.loop._strategy import Strategy as Strategy
+from trainer.loop._strategy import SyncStrategy as SyncStrategy
+from trainer.loop._strategy import make_strategy as make_strategy
 from trainer.loop._sync import resync_engines as resync_engines
 from trainer.loop._sync import run_training as run_training
+from trainer.loop._versions import WeightVersions as WeightVersions
 
 __all__ = [
+    "FullyAsyncStrategy",
     "PromptStream",
     "RunContext",
+    "Strategy",
+    "SyncStrategy",
     "VersionedEngine",
     "WeightVersions",
+    "make_strategy",
     "one_update_per_batch",
     "open_engine_recovery",
     "resync_engines",
-    "run_fully_async",
     "run_training",
 ]

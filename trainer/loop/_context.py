@@ -15,12 +15,12 @@ import trio
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
-from trainer.data import Example, PromptLoader
+from trainer.data import Example
 from trainer.debug import StallInstrument, Watchdog
 from trainer.generators import Generator
 from trainer.loop._engine_recovery import EngineRecovery
-from trainer.loop._prompt_stream import PromptStream
-from trainer.loop._rollout_versions import WeightVersions
+from trainer.loop._strategy import Strategy
+from trainer.loop._versions import WeightVersions
 from trainer.metrics import MetricsLogger, StepProgress, TrackerSink
 from trainer.workers.group import WorkerGroup
 
@@ -38,7 +38,8 @@ class RunContext:
     cfg: Config
     run_dir: Path
     tokenizer: Any
-    loader: PromptLoader
+    #: ``trainer.strategy``: the data source, the served weight versions, how a step runs.
+    strategy: Strategy
     generator: Generator
     #: Greedy rollouts for eval (``None`` when ``trainer.eval_interval`` is 0).
     eval_generator: Generator | None
@@ -53,8 +54,6 @@ class RunContext:
     #: The first step to run (1, or the step after a resumed checkpoint) and the last one.
     first_step: int
     last_step: int
-    #: Weight syncs so far (restored on resume).
-    weight_version: int = 0
     stalls: StallInstrument = attrs.field(factory=StallInstrument)
     #: Times each step and dumps the run when one runs long (None: no watchdog).
     watchdog: Watchdog | None = None
@@ -62,10 +61,6 @@ class RunContext:
     trackers: TrackerSink = attrs.field(factory=TrackerSink)
     #: Sampled eval rollouts on the engines directly (``trainer.eval_n_samples_per_prompt``).
     eval_sampled_generator: Generator | None = None
-    #: ``trainer.strategy=fully_async`` only: the prompts one group at a time (``loader``
-    #: then only fixes the order), and the weight version the rollouts' engine labels.
-    prompts: PromptStream | None = None
-    rollout_versions: WeightVersions | None = None
     #: Restarts failed engines (``engine.max_restarts``); None where recovery does not apply.
     recovery: EngineRecovery | None = None
     #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
@@ -77,9 +72,14 @@ class RunContext:
         )
     )
 
+    @property
+    def versions(self) -> WeightVersions:
+        """The weight version the engines serve (``sync/weight_version``), counted once."""
+        return self.strategy.versions
+
     def data_state(self) -> dict[str, Any]:
-        """Where the data is, for a checkpoint: the loader's position, or the stream's."""
-        return (self.prompts or self.loader).state_dict()
+        """Where the data is, for a checkpoint (the strategy's loader, or its stream)."""
+        return self.strategy.order.state_dict()
 
     @contextmanager
     def watching(self, step: int) -> Iterator[None]:

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -40,9 +41,10 @@ from trainer.generators import GeneratorInput, GeneratorOutput
 from trainer.loop import _stages as stages
 from trainer.loop._context import RunContext
 from trainer.loop._prompt_stream import PromptKey, PromptStream
-from trainer.loop._rollout_versions import WeightVersions
 from trainer.loop._staleness import Admission, staleness
-from trainer.loop._sync import eval_if_due, sync_weights, train_on
+from trainer.loop._strategy import StepFn
+from trainer.loop._sync import sync_weights, train_on
+from trainer.loop._versions import WeightVersions
 from trainer.vocabulary import (
     Bound,
     Timer,
@@ -52,10 +54,9 @@ from trainer.vocabulary import (
     open_owner_nursery,
     operation,
     stage,
-    step_deadline,
 )
 
-__all__ = ["ROLLOUT_ATTEMPTS", "RolloutFeed", "run_fully_async"]
+__all__ = ["ROLLOUT_ATTEMPTS", "RolloutFeed", "rolling_out"]
 
 log = logging.getLogger("trainer.fully_async")
 
@@ -64,31 +65,23 @@ log = logging.getLogger("trainer.fully_async")
 ROLLOUT_ATTEMPTS = 3
 
 
-async def run_fully_async(ctx: RunContext) -> None:
-    """Sync the policy to the engines, start the rollouts, then run the steps (eval where due)."""
-    with ctx.progress.phase("first weight sync"):
-        await sync_weights(ctx, ctx.first_step - 1)
-    await eval_if_due(ctx, ctx.first_step - 1)  # before the rollouts start
-    feed = RolloutFeed(ctx)
+@asynccontextmanager
+async def rolling_out(ctx: RunContext, prompts: PromptStream) -> AsyncIterator[StepFn]:
+    """The rollout tasks run inside (in an owner nursery); yields one step of this strategy.
+
+    Entered after the first weight sync and its eval, so the rollouts start on the synced
+    policy. Once the steps are done the rollouts are stopped (a resume rolls their prompts
+    out again); an error of one cancels the steps and is the run's.
+    """
+    feed = RolloutFeed(ctx, prompts)
     async with open_owner_nursery() as nursery:
         for _ in range(ctx.cfg.generator.num_parallel_workers):
             nursery.start_soon(feed.roll_out_groups)
-        for step in range(ctx.first_step, ctx.last_step + 1):
-            t0 = time.perf_counter()
-            with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
-                metrics = await run_async_step(ctx, feed, step)
-            step_s = time.perf_counter() - t0
-            ctx.record_step(
-                {
-                    "step": step,
-                    **metrics,
-                    "async/trainer_idle_ratio": metrics["timing/wait_for_generation_buffer"]
-                    / step_s,
-                    "timing/step": step_s,
-                    **ctx.loop_metrics(),
-                }
-            )
-            await eval_if_due(ctx, step)
+
+        async def step(n: int) -> dict[str, Any]:
+            return await run_async_step(ctx, feed, n)
+
+        yield step
         # the last step is done: stop the rollouts (a resume would roll their prompts out again)
         log.info(
             "stopping the rollouts: %d groups in flight%s",
@@ -112,10 +105,9 @@ async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[
         metrics |= await train_on(ctx, step, prompts, merge_groups(groups), timings)
         if step % ctx.cfg.trainer.fully_async.sync_interval == 0 or step == ctx.last_step:
             with Timer("sync_weights", timings):
-                metrics |= await sync_weights(ctx, step)
-            feed.admission.synced(step)
+                metrics |= await sync_weights(ctx, step)  # admission counts from the new step
         else:
-            metrics["sync/weight_version"] = ctx.weight_version
+            metrics["sync/weight_version"] = ctx.versions.current
     return metrics | {f"timing/{k}": v for k, v in timings.items()}
 
 
@@ -148,15 +140,15 @@ def merge_groups(groups: list[Group]) -> GeneratorOutput:
 class RolloutFeed:
     """The rollout tasks' side: admission, prompts, the buffer, and the step's async metrics."""
 
-    def __init__(self, ctx: RunContext) -> None:
-        assert ctx.prompts is not None and ctx.rollout_versions is not None
+    def __init__(self, ctx: RunContext, prompts: PromptStream) -> None:
         self.ctx = ctx
-        self.prompts: PromptStream = ctx.prompts
-        self.versions: WeightVersions = ctx.rollout_versions
+        self.prompts = prompts
+        self.versions: WeightVersions = ctx.versions
         fa = ctx.cfg.trainer.fully_async
         self.batch_size = ctx.cfg.trainer.train_batch_size
         self.max_staleness = fa.max_staleness_steps
-        self.admission = Admission.resumed(self.batch_size, self.max_staleness, ctx.first_step - 1)
+        # after the first sync: the engines serve the resumed step's policy (0 when fresh)
+        self.admission = Admission.resumed(self.batch_size, self.max_staleness, self.versions)
         # admission bounds what is buffered by (max_staleness + 1) batches: a send never waits
         self._send, self._receive = trio.open_memory_channel[Group](
             (self.max_staleness + 1) * self.batch_size

@@ -28,26 +28,10 @@ from typing import Any
 import attrs
 
 from engines.types import Completion, EngineClient, PauseMode, SamplingParams, nth_sample_params
+from trainer.loop._versions import WeightVersions
 from trainer.vocabulary import open_owner_nursery
 
-__all__ = ["VersionedEngine", "WeightVersions"]
-
-
-@attrs.define(eq=False)
-class WeightVersions:
-    """The weight version the engines serve (``sync/weight_version``), and whether a sync runs."""
-
-    current: int
-    #: True from just before a sync's ``/pause`` until its new version is counted.
-    syncing: bool = False
-
-    def label(
-        self, finish_reason: str, pause_mode: PauseMode, sent_at: int, sent_syncing: bool
-    ) -> int:
-        """The version of the tokens of one request (see the module docstring)."""
-        if pause_mode == "abort" and sent_syncing and finish_reason != "abort":
-            return sent_at + 1
-        return sent_at
+__all__ = ["VersionedEngine"]
 
 
 class VersionedEngine:

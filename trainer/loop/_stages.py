@@ -75,7 +75,7 @@ def generator_input(
     """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per prompt."""
     n = n or ctx.cfg.generator.n_samples_per_prompt
     items = [item for g, ex in enumerate(prompts) for item in group_inputs(ctx, ex, g, step, n)]
-    return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.weight_version)
+    return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.versions.current)
 
 
 def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBatch:
@@ -174,7 +174,7 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
     # the checkpoint manager records the step itself (trainer_state.json's "step")
     state = {
         "loader": ctx.data_state(),
-        "weight_version": ctx.weight_version,
+        "weight_version": ctx.versions.current,
         "metrics": jsonable_row({"step": step, **metrics}),
     }
     with ctx.stalls.window() as stalls:

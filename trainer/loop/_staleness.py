@@ -17,7 +17,8 @@ on) and its prompt re-queued; :meth:`Admission.release` gives its place back.
 from __future__ import annotations
 
 import attrs
-import trio
+
+from trainer.loop._versions import WeightVersions
 
 __all__ = ["Admission", "staleness"]
 
@@ -29,20 +30,28 @@ def staleness(train_step: int, policy_step: int) -> int:
 
 @attrs.define(eq=False)
 class Admission:
-    """Counts admitted groups against the staleness bound; :meth:`admit` waits for room."""
+    """Counts admitted groups against the staleness bound; :meth:`admit` waits for room.
+
+    The step whose weights the engines serve is ``versions.policy_step``, the run's one
+    count of it (:class:`~trainer.loop._versions.WeightVersions`, moved by each sync).
+    """
 
     batch_size: int
     max_staleness: int
-    #: The trained step whose weights the engines serve (0: the initial policy).
-    policy_step: int = 0
+    versions: WeightVersions
     #: Groups counted against the bound (see the module docstring).
     admitted: int = 0
-    _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
 
     @classmethod
-    def resumed(cls, batch_size: int, max_staleness: int, step: int) -> Admission:
-        """After ``step`` trained steps: their groups counted, the engines on step ``step``'s policy."""
-        return cls(batch_size, max_staleness, policy_step=step, admitted=step * batch_size)
+    def resumed(cls, batch_size: int, max_staleness: int, versions: WeightVersions) -> Admission:
+        """With the engines on trained step ``versions.policy_step``: that many steps' groups
+        counted (a resumed run's first sync puts the engines on its checkpoint's step)."""
+        return cls(batch_size, max_staleness, versions, admitted=versions.policy_step * batch_size)
+
+    @property
+    def policy_step(self) -> int:
+        """The trained step whose weights the engines serve (0: the initial policy)."""
+        return self.versions.policy_step
 
     @property
     def capacity(self) -> int:
@@ -51,20 +60,11 @@ class Admission:
     async def admit(self) -> int:
         """Wait until a group may start, count it; return the policy step it starts on."""
         while self.admitted >= self.capacity:
-            await self._changed.wait()
+            await self.versions.wait_changed()
         self.admitted += 1
         return self.policy_step
 
     def release(self) -> None:
         """A dropped group's place is free again."""
         self.admitted -= 1
-        self._notify()
-
-    def synced(self, policy_step: int) -> None:
-        """The engines now serve trained step ``policy_step``'s weights."""
-        self.policy_step = policy_step
-        self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self.versions.notify()

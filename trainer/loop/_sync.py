@@ -1,4 +1,5 @@
-"""The synchronous run: the first weight sync, then each step's stages (DESIGN 4.3) in order.
+"""The run's skeleton for either strategy, and the synchronous step: its stages (DESIGN 4.3)
+in order.
 
 Each stage is a ``Timer``; each step runs under ``trainer.step_timeout_s`` and the hang
 watchdog (``trainer.watchdog``), each weight sync
@@ -33,7 +34,9 @@ __all__ = [
 
 
 async def run_training(ctx: RunContext) -> None:
-    """Sync the policy to the engines, then run steps ``first_step..last_step`` (eval where due).
+    """Sync the policy to the engines, then run steps ``first_step..last_step`` (eval where due),
+    each the way ``ctx.strategy`` runs a step, inside what it runs around them (fully-async:
+    the rollout tasks).
 
     The first sync matters on resume: the checkpoint's policy differs from ``model.path``;
     it is the last start-up phase ``ctx.progress`` shows.
@@ -42,14 +45,22 @@ async def run_training(ctx: RunContext) -> None:
     with ctx.progress.phase("first weight sync"):
         await sync_weights(ctx, ctx.first_step - 1)
     await eval_if_due(ctx, ctx.first_step - 1)
-    for step in range(ctx.first_step, ctx.last_step + 1):
-        t0 = time.perf_counter()
-        with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
-            metrics = await run_step(ctx, step)
-        ctx.record_step(
-            {"step": step, **metrics, "timing/step": time.perf_counter() - t0, **ctx.loop_metrics()}
-        )
-        await eval_if_due(ctx, step)
+    async with ctx.strategy.steps(ctx) as run_one:
+        for step in range(ctx.first_step, ctx.last_step + 1):
+            t0 = time.perf_counter()
+            with ctx.watching(step), step_deadline(step, ctx.cfg.trainer.step_timeout_s):
+                metrics = await run_one(step)
+            step_s = time.perf_counter() - t0
+            ctx.record_step(
+                {
+                    "step": step,
+                    **metrics,
+                    **ctx.strategy.step_metrics(metrics, step_s),
+                    "timing/step": step_s,
+                    **ctx.loop_metrics(),
+                }
+            )
+            await eval_if_due(ctx, step)
 
 
 async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
@@ -58,7 +69,7 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
     if ctx.recovery is not None:
         ctx.recovery.step = step
     with Timer("generate", timings):
-        prompts = ctx.loader.next_batch()
+        prompts = ctx.strategy.loader.next_batch()
         rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
     async with ctx.weights_lock:  # a restarted engine's sync waits until the policy is synced
         metrics = await train_on(ctx, step, prompts, rollouts, timings)
@@ -93,19 +104,22 @@ async def train_on(
     return metrics
 
 
-async def sync_weights(ctx: RunContext, step: int, *, verify: bool = False) -> dict[str, float]:
+async def sync_weights(
+    ctx: RunContext, step: int, *, new_policy: bool = True, verify: bool = False
+) -> dict[str, float]:
     """A weight sync under its own (shorter) budget, ``trainer.weight_sync_timeout_s``.
 
-    Under ``fully_async`` rollouts keep running: ``ctx.rollout_versions`` says a sync is
-    under way until the new version is counted (see ``trainer.loop._rollout_versions``). With
-    ``ctx.recovery`` the sync reaches the engines that are up (``sync_members``).
-    ``verify``: check every engine whatever ``sync.verify`` says.
+    ``ctx.versions`` says a sync is under way until its version is counted (rollouts that go
+    on meanwhile, fully-async, label their tokens by it: ``trainer.loop._rollout_versions``),
+    then that the engines serve trained step ``step``'s policy (``new_policy=False``: the same
+    policy again, a restarted engine's sync). With ``ctx.recovery`` the sync reaches the
+    engines that are up (``sync_members``). ``verify``: check every engine whatever
+    ``sync.verify`` says.
     """
-    versions = ctx.rollout_versions
+    versions = ctx.versions
     with step_deadline(step, ctx.cfg.trainer.weight_sync_timeout_s, WeightSyncTimeoutError):
         e = ctx.cfg.engine
-        if versions is not None:
-            versions.syncing = True
+        versions.syncing = True
         try:
 
             async def transfer() -> dict[str, float]:
@@ -116,7 +130,7 @@ async def sync_weights(ctx: RunContext, step: int, *, verify: bool = False) -> d
                     pause_mode=e.pause_mode,
                     colocated=e.colocated,
                     offload_kv=e.offload_kv_for_weight_sync,
-                    fully_async=versions is not None,
+                    fully_async=ctx.strategy.rollouts_continue,
                     grace_s=ctx.cfg.sync.transfer_grace_s,
                 )
 
@@ -125,21 +139,18 @@ async def sync_weights(ctx: RunContext, step: int, *, verify: bool = False) -> d
                     # with recovery: to the engines that are up; one failing meanwhile is left out
                     recovery = ctx.recovery
                     result = await (recovery.sync_members(transfer) if recovery else transfer())
-            result |= await stages.verify_weights(ctx, step, ctx.weight_version + 1, force=verify)
+            result |= await stages.verify_weights(ctx, step, versions.current + 1, force=verify)
         finally:
-            if versions is not None:
-                versions.syncing = False
-    ctx.weight_version += 1
-    if versions is not None:
-        versions.current = ctx.weight_version
-    return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": ctx.weight_version}
+            versions.syncing = False
+    versions.synced(step if new_policy else None)
+    return {**result, "sync/max_stall_ms": stall.max_ms, "sync/weight_version": versions.current}
 
 
 async def resync_engines(ctx: RunContext) -> None:
     """A restarted engine's way back (``ctx.recovery``, holding ``ctx.weights_lock``): one
     complete weight sync to every engine, each verified against the policy."""
     assert ctx.recovery is not None
-    await sync_weights(ctx, ctx.recovery.step, verify=True)
+    await sync_weights(ctx, ctx.recovery.step, new_policy=False, verify=True)
 
 
 async def eval_if_due(ctx: RunContext, step: int) -> None:

@@ -36,12 +36,10 @@ from trainer.generators import Generator, check_generator_kwargs
 from trainer.loop import (
     PromptStream,
     RunContext,
-    VersionedEngine,
-    WeightVersions,
+    make_strategy,
     one_update_per_batch,
     open_engine_recovery,
     resync_engines,
-    run_fully_async,
     run_training,
 )
 from trainer.metrics import (
@@ -200,16 +198,13 @@ async def _train(
     ]
     examples, eval_examples = fitted[0].examples, fitted[1].examples
     reward_fn = data.reward_fn
-    loader = PromptLoader(examples, t.train_batch_size, t.seed)
-    last_step = loader.batches_per_epoch * t.epochs
+    strategy = make_strategy(cfg, examples)  # trainer.strategy, decided here once
+    last_step = strategy.loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
         last_step = min(last_step, t.max_steps)
     ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep)
-    fully_async = t.strategy == "fully_async"
-    # fully-async: the prompts one group at a time, and an engine that labels versions
-    prompts = PromptStream(examples, t.seed, t.epochs) if fully_async else None
     # a resume that changes the data order is refused here, before anything starts
-    resume_from, state = await _read_resume_state(cfg, ckpt, prompts or loader)
+    resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
     if resume_from is None:
         await trio.to_thread.run_sync(_record_config, cfg, run_dir)
     generator_cls = _load_generator_cls(cfg.generator.cls)
@@ -268,10 +263,7 @@ async def _train(
             open_engine_recovery(cfg.engine, engine, engines.processes, transport, workers)
         )
 
-        versions = WeightVersions(0) if fully_async else None
-        rollout_engine = (
-            VersionedEngine(engine, versions, cfg.engine.pause_mode) if versions else engine
-        )
+        rollout_engine = strategy.rollout_engine(engine, cfg)
 
         def make_generator(sp: SamplingParams, engine: Any = engine) -> Generator:
             return generator_cls(
@@ -298,7 +290,7 @@ async def _train(
             cfg=cfg,
             run_dir=run_dir,
             tokenizer=tokenizer,
-            loader=loader,
+            strategy=strategy,
             generator=make_generator(sampling, rollout_engine),
             eval_generator=make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
             if t.eval_interval
@@ -312,25 +304,21 @@ async def _train(
             progress=progress,
             first_step=start + 1,
             last_step=last_step,
-            weight_version=int(state.get("weight_version", 0)),
             watchdog=watchdog,
             trackers=trackers,
             eval_sampled_generator=make_generator(sampling)
             if t.eval_interval and t.eval_n_samples_per_prompt
             else None,
-            prompts=prompts,
-            rollout_versions=versions,
             recovery=recovery,
         )
         if recovery is not None:
             recovery.set_resync(functools.partial(resync_engines, ctx))
-        if versions is not None:
-            versions.current = ctx.weight_version
+        strategy.versions.current = int(state.get("weight_version", 0))  # syncs so far
         progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
         try:
-            await (run_fully_async if fully_async else run_training)(ctx)
+            await run_training(ctx)
         except BaseException:
             teardown.start()
             raise

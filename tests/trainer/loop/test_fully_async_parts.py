@@ -27,7 +27,8 @@ from trainer.loop._staleness import Admission, staleness
 
 
 async def test_admission_waits_for_a_sync_once_the_bound_is_full(autojump_clock):
-    adm = Admission(batch_size=2, max_staleness=1)  # room for (1 + 0 + 1) * 2 = 4 groups
+    versions = WeightVersions()
+    adm = Admission(2, 1, versions)  # room for (1 + 0 + 1) * 2 = 4 groups
     for _ in range(4):
         assert await adm.admit() == 0
     admitted_at: list[float] = []
@@ -39,13 +40,13 @@ async def test_admission_waits_for_a_sync_once_the_bound_is_full(autojump_clock)
         nursery.start_soon(fifth)
         await trio.sleep(100)
         assert admitted_at == []  # still waiting: the bound is full
-        adm.synced(1)  # the engines serve step 1: room for two more
+        versions.synced(1)  # the engines serve step 1: room for two more
         await trio.sleep(1)
     assert admitted_at == [1] and adm.admitted == 5
 
 
 async def test_a_released_place_admits_a_waiting_group(autojump_clock):
-    adm = Admission(batch_size=1, max_staleness=0)
+    adm = Admission(1, 0, WeightVersions())
     await adm.admit()
     with trio.move_on_after(10) as waited:
         await adm.admit()
@@ -56,8 +57,11 @@ async def test_a_released_place_admits_a_waiting_group(autojump_clock):
 
 
 async def test_a_resumed_admission_counts_the_trained_steps_groups():
-    adm = Admission.resumed(batch_size=4, max_staleness=2, step=10)
+    versions = WeightVersions(current=11, policy_step=10)  # after the resumed run's first sync
+    adm = Admission.resumed(4, 2, versions)
     assert (adm.policy_step, adm.admitted, adm.capacity) == (10, 40, (2 + 10 + 1) * 4)
+    versions.synced(None)  # a restarted engine's sync: the same policy, the same bound
+    assert (versions.current, adm.policy_step, adm.capacity) == (12, 10, 52)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -80,13 +80,13 @@ def _feed(
     generator = ScriptedGenerator(hang_when)
     ctx = SimpleNamespace(
         cfg=cfg,
-        prompts=PromptStream(task_examples("max_digit", prompts, 0), seed=0, epochs=1),
-        rollout_versions=WeightVersions(current=0),
+        versions=WeightVersions(current=1),  # after the first sync
         first_step=1,
         generator=generator,
         tokenizer=_Tokenizer(),
     )
-    return RolloutFeed(ctx), generator  # type: ignore[arg-type]
+    stream = PromptStream(task_examples("max_digit", prompts, 0), seed=0, epochs=1)
+    return RolloutFeed(ctx, stream), generator  # type: ignore[arg-type]
 
 
 def _start(nursery: trio.Nursery, feed: RolloutFeed) -> None:

@@ -13,6 +13,7 @@ from tests.trainer.helpers import Recording
 from trainer.config import load_config
 from trainer.data._examples import Example, load_jsonl, task_examples
 from trainer.errors import ConfigError, DataError
+from trainer.loop import WeightVersions
 from trainer.loop._stages import generator_input, group_inputs, trajectory_seed
 
 ROWS = [
@@ -24,7 +25,7 @@ ROWS = [
 def _ctx(seed: int = 0):
     tokenizer = load_tokenizer(build_tiny_model())
     cfg = load_config(None, [f"trainer.seed={seed}"])
-    return types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, weight_version=3)
+    return types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, versions=WeightVersions(current=3))
 
 
 def _write(path, rows):

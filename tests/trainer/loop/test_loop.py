@@ -18,6 +18,7 @@ from trainer.config import load_config
 from trainer.data._examples import task_examples
 from trainer.errors import ConfigError, StepTimeoutError
 from trainer.generators import Generator, GeneratorInput, GeneratorOutput
+from trainer.loop import WeightVersions
 from trainer.loop._sync import run_eval
 
 CUSTOM = "tests.trainer.helpers:OneCallGenerator"
@@ -48,7 +49,7 @@ async def test_eval_is_its_own_stage_under_its_own_step_budget(autojump_clock):
             sampling=SamplingParams(temperature=0.0),
         ),
         eval_examples=task_examples("max_digit", 3, 0),
-        weight_version=4,
+        versions=WeightVersions(current=4),
     )
     t0 = trio.current_time()
     with pytest.raises(StepTimeoutError) as info:
