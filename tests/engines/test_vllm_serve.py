@@ -37,7 +37,7 @@ from engines.vllm_serve import (
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.run import train
-from trainer.run._parts import refuse_sleep_on_the_cpu, vllm_servers
+from trainer.run._engines import refuse_sleep_on_the_cpu, vllm_servers
 
 REFERENCE = Path(__file__).parent / "reference"
 DUMP = json.loads((REFERENCE / "vllm_serve_flags.json").read_text())

@@ -247,16 +247,16 @@ class RolloutFeed:
         """One prompt's ``n_samples_per_prompt`` trajectories (:func:`stages.group_inputs`),
         their seeds and ids fixed by the prompt's key, not by when it happens to start."""
         epoch, position = key
-        base = self.ctx.cfg.trainer.seed * 1_000_003 + epoch * 7_919_993 + position * 10_007
-        items = tuple(
-            attrs.evolve(item, trajectory_id=f"e{epoch}p{position}-{s}", seed=(base + s) % (2**62))
-            for s, item in enumerate(
-                stages.group_inputs(
-                    self.ctx, example, 0, step, self.ctx.cfg.generator.n_samples_per_prompt
-                )
-            )
+        first_seed = self.ctx.cfg.trainer.seed * 1_000_003 + epoch * 7_919_993 + position * 10_007
+        items = stages.group_inputs(
+            self.ctx,
+            example,
+            0,
+            self.ctx.cfg.generator.n_samples_per_prompt,
+            ids=f"e{epoch}p{position}",
+            first_seed=first_seed,
         )
-        return GeneratorInput(items, global_step=step, weight_version=version)
+        return GeneratorInput(tuple(items), global_step=step, weight_version=version)
 
     async def take_batch(self, step: int) -> tuple[list[Group], dict[str, float]]:
         """``train_batch_size`` groups within the staleness bound, and the step's async metrics.

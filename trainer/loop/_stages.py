@@ -34,23 +34,24 @@ __all__ = [
 ]
 
 
-def trajectory_seed(seed: int, step: int, group_id: int, sample: int) -> int:
-    """The sampling seed of sample ``sample`` of group ``group_id`` at ``step`` (run ``seed``).
-
-    The samples of a group count up by one (what ``engine.generate_n`` samples in one request).
-    """
-    return (seed * 1_000_003 + step * 10_007 + group_id * 101 + sample) % (2**62)
+def trajectory_seed(seed: int, step: int, group_id: int) -> int:
+    """The sampling seed of the first sample of group ``group_id`` at ``step`` (run ``seed``),
+    under ``trainer.strategy=sync``; the group's samples count up from it."""
+    return (seed * 1_000_003 + step * 10_007 + group_id * 101) % (2**62)
 
 
 def group_inputs(
-    ctx: RunContext, example: Example, group_id: int, step: int, n: int
+    ctx: RunContext, example: Example, group_id: int, n: int, *, ids: str, first_seed: int
 ) -> list[TrajectoryInput]:
     """The ``n`` trajectories of one prompt: one group, for any strategy.
 
     The prompt is rendered once (:func:`trainer.generators.chat.render_prompt`: a string is
     tokenized, chat messages go through the chat template); each trajectory gets its own copy
-    of the example's ``extra`` and messages, the id ``step-group-sample`` and the seed
-    :func:`trajectory_seed`. Blocking only as long as one tokenization: call it on the loop.
+    of the example's ``extra`` and messages, the id ``{ids}-{s}`` and the seed
+    ``first_seed + s``: the seeds of a group count up by one, which is what
+    ``engine.generate_n`` samples in one request (``shared_first_turns`` relies on it). The
+    caller decides ``ids`` and ``first_seed``, once. Blocking only as long as one
+    tokenization: call it on the loop.
     """
     text, prompt_ids = render_prompt(ctx.tokenizer, example.prompt)
     messages = None if isinstance(example.prompt, str) else example.prompt
@@ -60,8 +61,8 @@ def group_inputs(
             prompt_ids=prompt_ids,
             answer=example.answer,
             group_id=group_id,
-            trajectory_id=f"{step}-{group_id}-{s}",
-            seed=trajectory_seed(ctx.cfg.trainer.seed, step, group_id, s),
+            trajectory_id=f"{ids}-{s}",
+            seed=(first_seed + s) % (2**62),
             extra=dict(example.extra),
             messages=None if messages is None else [dict(m) for m in messages],
         )
@@ -72,9 +73,17 @@ def group_inputs(
 def generator_input(
     ctx: RunContext, prompts: list[Example], step: int, n: int | None = None
 ) -> GeneratorInput:
-    """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per prompt."""
+    """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per
+    prompt, ids ``step-group-sample``, seeds from :func:`trajectory_seed`."""
     n = n or ctx.cfg.generator.n_samples_per_prompt
-    items = [item for g, ex in enumerate(prompts) for item in group_inputs(ctx, ex, g, step, n)]
+    seed = ctx.cfg.trainer.seed
+    items = [
+        item
+        for g, ex in enumerate(prompts)
+        for item in group_inputs(
+            ctx, ex, g, n, ids=f"{step}-{g}", first_seed=trajectory_seed(seed, step, g)
+        )
+    ]
     return GeneratorInput(tuple(items), global_step=step, weight_version=ctx.versions.current)
 
 

@@ -52,10 +52,10 @@ from trainer.metrics import (
     setup_run_logging,
     teardown_run_logging,
 )
+from trainer.run._engines import open_engines
 from trainer.run._interrupt import stop_on_interrupt
 from trainer.run._parts import (
     cpu_threads,
-    open_engines,
     open_ray_cluster,
     open_transport,
     open_workers,
@@ -211,20 +211,6 @@ async def _train(
     check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     s = cfg.generator.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-    policy_kwargs = dict(
-        lr=cfg.optim.lr,
-        betas=cfg.optim.betas,
-        weight_decay=cfg.optim.weight_decay,
-        warmup_steps=cfg.optim.warmup_steps,
-        max_grad_norm=cfg.optim.max_grad_norm,
-        temperature=s.temperature,
-        clip_ratio_low=cfg.algorithm.clip_ratio_low,
-        clip_ratio_high=cfg.algorithm.clip_ratio_high,
-        kl_loss_coef=cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
-        kl_loss_type=cfg.algorithm.kl_loss_type,
-        micro_batch_size=t.micro_batch_size,
-        seed=t.seed,
-    )
     async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
         # the workers' model code is imported while the servers start (seconds each)
         preloading.start_soon(trio.to_thread.run_sync, preload_model_code, model_dir)
@@ -254,7 +240,7 @@ async def _train(
         dumper.engine_urls = tuple(getattr(engine, "urls", ()))
         dumper.engine_api_key = cfg.engine.api_key
         with progress.phase("workers"):
-            workers = await stack.enter_async_context(open_workers(cfg, model_dir, policy_kwargs))
+            workers = await stack.enter_async_context(open_workers(cfg, model_dir))
         with progress.phase("weight transport"):
             transport = await stack.enter_async_context(
                 open_transport(cfg, run_dir, engine, workers)

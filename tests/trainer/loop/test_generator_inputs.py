@@ -40,14 +40,14 @@ def test_the_step_inputs_are_one_group_per_prompt_with_the_seeds_of_before(tmp_p
     assert batch.items == tuple(
         item
         for g, ex in enumerate(prompts)
-        for item in group_inputs(ctx, ex, g, 7, 8)  # type: ignore[arg-type]
+        for item in group_inputs(ctx, ex, g, 8, ids=f"7-{g}", first_seed=trajectory_seed(5, 7, g))  # type: ignore[arg-type]
     )
     assert (batch.global_step, batch.weight_version, len(batch)) == (7, 3, 24)
     # the seeds and ids every run had before the data path was split into groups
     for i, item in enumerate(batch):
         g, s = divmod(i, 8)
         assert item.seed == (5 * 1_000_003 + 7 * 10_007 + g * 101 + s) % (2**62)
-        assert item.seed == trajectory_seed(5, 7, g, s)
+        assert item.seed == trajectory_seed(5, 7, g) + s
         assert item.trajectory_id == f"7-{g}-{s}"
         assert item.prompt == prompts[g].prompt and item.messages is None and item.extra == {}
         assert item.prompt_ids == ctx.tokenizer.encode(prompts[g].prompt, add_special_tokens=False)
@@ -56,11 +56,11 @@ def test_the_step_inputs_are_one_group_per_prompt_with_the_seeds_of_before(tmp_p
 def test_a_rows_extra_fields_and_chat_messages_reach_every_trajectory_as_copies(tmp_path):
     ctx = _ctx()
     text_ex, chat_ex = load_jsonl(_write(tmp_path / "t.jsonl", ROWS))
-    first, second = group_inputs(ctx, text_ex, 0, 1, 2)  # type: ignore[arg-type]
+    first, second = group_inputs(ctx, text_ex, 0, 2, ids="1-0", first_seed=0)  # type: ignore[arg-type]
     assert first.extra == {"weight": 0.5, "id": "a"}
     first.extra["id"] = "changed"  # a generator may scribble on its own copy
     assert second.extra["id"] == "a" and text_ex.extra["id"] == "a"
-    (chat,) = group_inputs(ctx, chat_ex, 1, 1, 1)  # type: ignore[arg-type]
+    (chat,) = group_inputs(ctx, chat_ex, 1, 1, ids="1-1", first_seed=0)  # type: ignore[arg-type]
     assert chat.messages == [{"role": "user", "content": "max 3 8 ="}]
     assert chat.prompt == "user : max 3 8 = <eos> assistant :"
     assert chat.prompt_ids == ctx.tokenizer.apply_chat_template(

@@ -17,7 +17,7 @@ from engines.models import resolve_model_path
 from tests.trainer.helpers import random_batch
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.run._parts import open_engine
+from trainer.run._engines import open_engine
 from trainer.workers.batch import TrainBatch
 from trainer.workers.device import collective_backend
 from trainer.workers.offload import (
