@@ -405,10 +405,9 @@ async def open_ray_engines(
         yield engines
     finally:
         bound = shutdown_timeout_s + 15.0
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(bound) as scope:
-                await trio.to_thread.run_sync(
-                    _stop_all, list(engines), shutdown_timeout_s, abandon_on_cancel=True
-                )
+        with trio.move_on_after(bound, shield=True) as scope:
+            await trio.to_thread.run_sync(
+                _stop_all, list(engines), shutdown_timeout_s, abandon_on_cancel=True
+            )
         if scope.cancelled_caught:
             log.warning("stopping the Ray-placed engines did not finish in %.0fs", bound)

@@ -190,18 +190,17 @@ async def shutdown_async_llm(llm: Any, timeout_s: float = DEFAULT_VLLM_SHUTDOWN_
     """``llm.shutdown(timeout=timeout_s)`` in a thread, shielded from cancellation, and given up
     on (with a warning) a few seconds past ``timeout_s``; a failure is logged, not raised, so
     it never replaces the error the block exits with."""
-    with trio.CancelScope(shield=True):
-        with trio.move_on_after(timeout_s + _SHUTDOWN_SLACK_S) as scope:
-            try:
-                stop = functools.partial(llm.shutdown, timeout=timeout_s)
-                await trio.to_thread.run_sync(stop, abandon_on_cancel=True)
-            except Exception as exc:
-                log.warning("vLLM's AsyncLLM.shutdown failed: %s: %s", type(exc).__name__, exc)
-            else:
-                # AsyncLLM.__del__ shuts down again; at interpreter exit (where reference
-                # cycles keep it) that fails on vLLM's torn-down module globals, printing
-                # "Exception ignored in ... TypeError"
-                llm.shutdown = _already_shut_down
+    with trio.move_on_after(timeout_s + _SHUTDOWN_SLACK_S, shield=True) as scope:
+        try:
+            stop = functools.partial(llm.shutdown, timeout=timeout_s)
+            await trio.to_thread.run_sync(stop, abandon_on_cancel=True)
+        except Exception as exc:
+            log.warning("vLLM's AsyncLLM.shutdown failed: %s: %s", type(exc).__name__, exc)
+        else:
+            # AsyncLLM.__del__ shuts down again; at interpreter exit (where reference
+            # cycles keep it) that fails on vLLM's torn-down module globals, printing
+            # "Exception ignored in ... TypeError"
+            llm.shutdown = _already_shut_down
     if scope.cancelled_caught:
         log.warning(
             "vLLM's AsyncLLM.shutdown did not finish in %.0fs", timeout_s + _SHUTDOWN_SLACK_S

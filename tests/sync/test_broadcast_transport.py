@@ -11,7 +11,7 @@ from engines.launch import launch_local_engines
 from engines.local.engine import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
-from sync.transports import broadcast
+from sync.transports import broadcast_rank0 as broadcast
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
 from trainer.errors import CheckpointEngineInitError

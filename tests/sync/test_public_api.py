@@ -22,14 +22,16 @@ PUBLIC = {
         "WeightTransport",
     ],
     "sync.transports.base": ["Rank0", "WeightTransport"],
-    "sync.transports.broadcast": [
-        "BroadcastTransport",
+    "sync.transports.broadcast": ["BroadcastTransport"],
+    "sync.transports.broadcast_rank0": [
         "GROUP",
         "group_endpoint",
         "host_group",
         "hosted_groups",
+        "is_loopback",
         "leave_group",
         "plan_sync",
+        "route_address",
         "send_buckets",
     ],
     "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],

@@ -247,7 +247,8 @@ PUBLIC = {
         "start_cluster",
         "stop_cluster",
     ],
-    "trainer.workers.ray_group": ["RayWorkerGroup", "gpus_for", "padded_shard", "shards"],
+    "trainer.workers.ray_group": ["RayWorkerGroup"],
+    "trainer.workers.ray_placement": ["bundles", "gpus_for", "padded_shard", "shards"],
 }
 
 

@@ -8,9 +8,9 @@ from trainer.config._fields import ConfigWarning as ConfigWarning
 from trainer.config._load import help_text as help_text
 from trainer.config._load import load_config as load_config
 from trainer.config._load import to_dict as to_dict
-from trainer.config._load import validate_cfg as validate_cfg
 from trainer.config._schema import Config as Config
 from trainer.config._schema import DataConfig as DataConfig
+from trainer.config._validate import validate_cfg as validate_cfg
 
 __all__ = [
     "Config",

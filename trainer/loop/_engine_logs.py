@@ -42,6 +42,7 @@ async def engine_logs_on_unusable(run_dir: Path) -> AsyncIterator[None]:
     except EngineUnusableError as exc:
         if exc.log_tail:
             raise
+        tail = ""
         with trio.CancelScope(shield=True):
             tail = await engine_logs_tail(run_dir)
         if not tail:

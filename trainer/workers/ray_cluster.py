@@ -145,9 +145,8 @@ async def open_cluster(
     try:
         yield owned
     finally:
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(STOP_TIMEOUT_S) as scope:
-                await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
+        with trio.move_on_after(STOP_TIMEOUT_S, shield=True) as scope:
+            await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
         if scope.cancelled_caught:
             log.warning("disconnecting from Ray did not finish in %.0fs", STOP_TIMEOUT_S)
         elif owned:

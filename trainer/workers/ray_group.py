@@ -53,8 +53,9 @@ from trainer.vocabulary import (
 from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
 from trainer.workers.ray_cluster import actor_env
+from trainer.workers.ray_placement import bundles, gpus_for, padded_shard, shards
 
-__all__ = ["RayWorkerGroup", "gpus_for", "padded_shard", "shards"]
+__all__ = ["RayWorkerGroup"]
 
 T = TypeVar("T")
 
@@ -95,46 +96,6 @@ def _summed(per_rank: list[dict[str, float]]) -> dict[str, float]:
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of ``model``'s parameters (run on each rank by ``rank_weights``)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def padded_shard(batch: TrainBatch, rows: slice, size: int) -> TrainBatch:
-    """``batch``'s ``rows``, padded to ``size`` rows with copies of row 0 whose loss mask is 0."""
-    real = list(range(rows.start, rows.stop))
-    part = batch.select(real + [0] * (size - len(real)))
-    part.loss_mask[len(real) :] = 0.0
-    return part
-
-
-def gpus_for(requested: float | None, device: str) -> float:
-    """GPUs each actor asks Ray for: ``requested``, or (None) 1 for ``device=cuda``, 1 for
-    ``auto`` on a cluster with GPUs, else 0 (asks the cluster: off the trio thread)."""
-    if requested is not None:
-        return requested
-    if device == "cuda":
-        return 1.0
-    if device == "auto" and ray.cluster_resources().get("GPU", 0) > 0:
-        return 1.0
-    return 0.0
-
-
-def bundles(num_workers: int, gpus: float, with_ref: bool) -> list[dict[str, float]]:
-    """The placement group's bundles: one per policy rank (a CPU, and ``gpus`` GPUs), and,
-    when the reference model is on GPUs, one more for it (its GPUs alone: it computes
-    between the policy's passes, never beside them). So the whole worker group is placed
-    at once, or not at all (``pg.ready()`` says so), never a policy without its reference."""
-    rank: dict[str, float] = {"CPU": 1.0, **({"GPU": gpus} if gpus else {})}
-    return [rank] * num_workers + ([{"GPU": gpus}] if with_ref and gpus else [])
-
-
-def shards(n: int, world: int) -> list[slice]:
-    """Contiguous row ranges, one per rank (the first ``n % world`` ranks get one more)."""
-    base, extra = divmod(n, world)
-    out, start = [], 0
-    for r in range(world):
-        size = base + (1 if r < extra else 0)
-        out.append(slice(start, start + size))
-        start += size
-    return out
 
 
 async def _submit(calls: Callable[[], list[ObjectRef]]) -> list[ObjectRef]:

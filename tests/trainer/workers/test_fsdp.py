@@ -24,7 +24,7 @@ from tests.trainer.helpers import assert_same_adam_step, random_batch
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import GatheredModel, is_sharded
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_group import padded_shard, shards
+from trainer.workers.ray_placement import padded_shard, shards
 
 KWARGS = dict(lr=1e-2, max_grad_norm=0.5, seed=0, micro_batch_size=2)
 WORLD = 2

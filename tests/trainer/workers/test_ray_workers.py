@@ -37,7 +37,8 @@ from trainer.errors import (
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline, wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
-from trainer.workers.ray_group import RayWorkerGroup, bundles, gpus_for, shards
+from trainer.workers.ray_group import RayWorkerGroup
+from trainer.workers.ray_placement import bundles, gpus_for, shards
 
 POLICY_KWARGS: dict[str, Any] = dict(lr=1e-3, max_grad_norm=1e9, seed=0)
 

@@ -1,0 +1,212 @@
+"""Cross-field validation of a loaded :class:`~trainer.config.Config` (:func:`validate_cfg`):
+what no single field's check can see, each a ``ConfigError`` naming the keys involved.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from trainer.config._schema import (
+    Config,
+    ConfigWarning,
+)
+from trainer.errors import ConfigError
+from trainer.vocabulary import Fault, parse_faults
+
+__all__ = ["validate_cfg"]
+
+
+def _unreachable(fault: Fault, cfg: Config) -> str | None:
+    """Why ``fault`` can never fire in a run configured as ``cfg`` (and what would reach it)."""
+    e, t = cfg.engine, cfg.trainer
+    op = fault.op
+    if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
+        return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
+    if op == "init_process_group" and (
+        cfg.sync.transport not in ("gloo", "nccl") or e.backend == "inprocess"
+    ):
+        return (
+            f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
+            f"engine.backend={e.backend}); set sync.transport=gloo (or nccl) to reach it"
+        )
+    if fault.action.signals_engine:
+        if e.backend not in ("local", "vllm") or e.placement != "process":
+            return (
+                f"it signals an engine server the trainer started, and engine.backend={e.backend} "
+                f"with engine.placement={e.placement} starts none as its child; use "
+                "engine.backend=local or vllm with engine.placement=process"
+            )
+        if fault.engine is not None and fault.engine >= e.num_engines:
+            return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
+    if op == "save_checkpoint" and t.ckpt_interval <= 0:
+        return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
+    sleeps = e.colocated or e.offload_kv_for_weight_sync
+    if op in ("/sleep", "/wake_up") and not sleeps:
+        return (
+            "weight syncs pause the engines instead of sleeping them; set "
+            "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
+        )
+    if op == "wait_for_batch" and t.strategy != "fully_async":
+        return (
+            "only trainer.strategy=fully_async waits for a batch of rollouts; the synchronous "
+            "loop generates its own (target generate instead)"
+        )
+    async_offload = t.strategy == "fully_async" and e.offload_kv_for_weight_sync
+    if op in ("/pause", "/resume") and sleeps and not async_offload:
+        return (
+            "weight syncs sleep the engines instead of pausing them (engine.colocated or "
+            "engine.offload_kv_for_weight_sync); set both to false to reach it"
+        )
+    if op == "/reset_prefix_cache" and sleeps:
+        return (
+            "weight syncs sleep the engines (engine.colocated or "
+            "engine.offload_kv_for_weight_sync), which clears their caches without it; set both "
+            "to false to reach it"
+        )
+    transfer_routes = (
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+    )
+    if op in transfer_routes and e.backend == "inprocess":
+        return (
+            "engine.backend=inprocess takes weights in memory; use engine.backend=local to reach it"
+        )
+    return None
+
+
+def _check_reachable(fault: Fault, cfg: Config) -> None:
+    reason = _unreachable(fault, cfg)
+    if reason is not None:
+        raise ConfigError(f"config: faults={str(fault)!r} can never fire: {reason}")
+
+
+def _check_fully_async(cfg: Config) -> None:
+    if cfg.trainer.strategy != "fully_async":
+        return
+    fa = cfg.trainer.fully_async
+    if fa.max_staleness_steps < fa.sync_interval - 1:
+        raise ConfigError(
+            f"config: trainer.fully_async.max_staleness_steps={fa.max_staleness_steps} is out of "
+            f"range: must be >= trainer.fully_async.sync_interval - 1 = {fa.sync_interval - 1} "
+            "(between two syncs the engines' policy falls that many steps behind, so no group "
+            "could be admitted and the run would wait forever)"
+        )
+    if cfg.engine.colocated:
+        raise ConfigError(
+            "config: engine.colocated=true cannot be combined with trainer.strategy='fully_async': "
+            "colocated engines sleep while the policy trains, and fully-async generation runs "
+            "during training; give generation its own devices (engine.colocated=false)"
+        )
+
+
+def _check_rollout_timeout(cfg: Config) -> None:
+    """A rollout bound set for the synchronous loop would bound nothing: say so."""
+    bound = cfg.generator.rollout_timeout_s
+    if bound is not None and cfg.trainer.strategy != "fully_async":
+        warnings.warn(
+            f"generator.rollout_timeout_s={bound:g} applies to trainer.strategy=fully_async only; "
+            "the synchronous loop bounds generation by the step's budget "
+            "(trainer.step_timeout_s)",
+            ConfigWarning,
+            stacklevel=3,
+        )
+
+
+def _check_vllm(cfg: Config) -> None:
+    """vLLM backends: tensor parallelism only where vLLM runs, and one GPU's buffer for ipc.
+
+    Every ``sync.transport`` reaches vLLM: ``nccl`` and ``ipc`` are vLLM's own, ``gloo`` and
+    ``disk`` the project's vLLM plugin (:mod:`engines.vllm`)."""
+    e = cfg.engine
+    vllm = e.backend in ("vllm", "vllm_inprocess")
+    if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "
+            f"engine.tensor_parallel_size={e.tensor_parallel_size} is out of range: use 1, or "
+            "sync.transport=nccl for a tensor-parallel engine"
+        )
+    if not vllm and e.tensor_parallel_size != 1:
+        raise ConfigError(
+            f"config: engine.tensor_parallel_size={e.tensor_parallel_size} applies to vLLM "
+            f"engines (engine.backend=vllm or vllm_inprocess), not engine.backend={e.backend!r}"
+        )
+
+
+def validate_cfg(cfg: Config) -> None:
+    """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
+
+    The budget warning fires only where the run has a torch.distributed group whose watchdog
+    (``workers.collective_timeout_s``) a shorter budget would pre-empt: Ray workers, or the
+    broadcast weight transport to HTTP engines. Local workers with the disk transport have none.
+    """
+    t = cfg.trainer
+    ws, st = t.weight_sync_timeout_s, t.step_timeout_s
+    if ws is not None and st is not None and ws > st:
+        raise ConfigError(
+            f"config: trainer.weight_sync_timeout_s={ws:g} is out of range: "
+            f"must be <= trainer.step_timeout_s={st:g}"
+        )
+    if t.policy_mini_batch_size is not None and t.train_batch_size % t.policy_mini_batch_size:
+        raise ConfigError(
+            f"config: trainer.policy_mini_batch_size={t.policy_mini_batch_size} is out of range: "
+            f"must divide trainer.train_batch_size={t.train_batch_size}"
+        )
+    _check_fully_async(cfg)
+    _check_rollout_timeout(cfg)
+    if cfg.engine.backend == "remote" and not cfg.engine.urls:
+        raise ConfigError(
+            "config: engine.backend='remote' needs engine.urls=[http://HOST:PORT,...]"
+        )
+    if cfg.engine.placement == "ray" and cfg.engine.backend not in ("local", "vllm"):
+        raise ConfigError(
+            f"config: engine.placement='ray' places the servers the trainer starts, but "
+            f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local or vllm"
+        )
+    _check_vllm(cfg)
+    if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
+        raise ConfigError(
+            f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "
+            "engine.backend='inprocess' has none (it takes the weights in memory); use "
+            f"engine.backend=local for {cfg.sync.transport}, or leave sync.transport at its default"
+        )
+    w = cfg.workers
+    if w.backend == "local" and w.num_policy_workers != 1:
+        raise ConfigError(
+            f"config: workers.num_policy_workers={w.num_policy_workers} is out of range: "
+            "workers.backend='local' runs exactly 1 policy worker (use workers.backend=ray for "
+            "data parallel)"
+        )
+    if w.data_parallel == "fsdp2" and (t.ckpt_interval > 0 or t.resume_mode != "none"):
+        raise ConfigError(
+            "config: workers.data_parallel='fsdp2' cannot save or resume checkpoints yet "
+            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
+            "use workers.data_parallel=replicate for a run with checkpoints"
+        )
+    if t.resume_mode == "path" and not t.resume_path:
+        raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
+    if cfg.data.overlong_prompts == "drop" and cfg.data.max_prompt_length is None:
+        raise ConfigError(
+            "config: data.overlong_prompts='drop' drops the prompts longer than "
+            "data.max_prompt_length, which is unset: set data.max_prompt_length=TOKENS"
+        )
+    if cfg.faults:
+        for fault in parse_faults(cfg.faults):
+            _check_reachable(fault, cfg)
+    collective = cfg.workers.collective_timeout_s
+    uses_collectives = cfg.workers.backend == "ray" or (
+        cfg.sync.transport in ("gloo", "nccl") and cfg.engine.backend != "inprocess"
+    )
+    for key, budget in (
+        ("trainer.step_timeout_s", t.step_timeout_s),
+        ("trainer.weight_sync_timeout_s", t.weight_sync_timeout_s),
+    ):
+        if uses_collectives and budget is not None and budget < collective:
+            warnings.warn(
+                f"{key}={budget:g} is below the collective timeout in use "
+                f"(workers.collective_timeout_s={collective:g}): a stuck collective will surface as "
+                "a step timeout naming the stage, before torch's own watchdog can name the collective",
+                ConfigWarning,
+                stacklevel=2,
+            )
