@@ -3,12 +3,12 @@ the stages of one step, the run context the stages share, and the weight version
 serve. :func:`run_training` is the entry; the assembly of the parts is ``trainer.run``'s."""
 
 from trainer.loop._context import RunContext as RunContext
+from trainer.loop._context import Strategy as Strategy
 from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
 from trainer.loop._prompt_stream import PromptStream as PromptStream
 from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
 from trainer.loop._stages import one_update_per_batch as one_update_per_batch
 from trainer.loop._strategy import FullyAsyncStrategy as FullyAsyncStrategy
-from trainer.loop._strategy import Strategy as Strategy
 from trainer.loop._strategy import SyncStrategy as SyncStrategy
 from trainer.loop._strategy import make_strategy as make_strategy
 from trainer.loop._sync import resync_engines as resync_engines

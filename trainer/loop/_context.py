@@ -1,34 +1,67 @@
-"""``RunContext``: what the loop's stages need of a run, built by ``trainer.run._train``."""
+"""``RunContext``: what the loop's stages need of a run, built by ``trainer.run._train``; the
+``Strategy`` protocol it holds."""
 
 from __future__ import annotations
 
 import logging
 import resource
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import attrs
 import trio
 
+from engines.types import EngineClient
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
-from trainer.data import Example
+from trainer.data import Example, PromptLoader
 from trainer.debug import StallInstrument, Watchdog
 from trainer.generators import Generator
 from trainer.loop._engine_recovery import EngineRecovery
-from trainer.loop._strategy import Strategy
+from trainer.loop._prompt_stream import PromptStream
 from trainer.loop._versions import WeightVersions
 from trainer.metrics import MetricsLogger, StepProgress, TrackerSink
 from trainer.workers.group import WorkerGroup
 
-__all__ = ["SLOW_STALL_MS", "RunContext"]
+__all__ = ["SLOW_STALL_MS", "RunContext", "StepFn", "Strategy"]
 
 log = logging.getLogger("trainer.run")
 #: A step whose longest event-loop stall exceeds this logs the task that caused it.
 SLOW_STALL_MS = 100.0
+
+
+#: One step: its number in, its metrics out.
+StepFn = Callable[[int], Awaitable[dict[str, Any]]]
+
+
+class Strategy(Protocol):
+    """What the loop needs of ``trainer.strategy`` (``trainer.loop._strategy`` builds one)."""
+
+    name: ClassVar[str]
+    #: Whether rollouts go on while the policy trains and syncs (the sync's bracket differs).
+    rollouts_continue: ClassVar[bool]
+    loader: PromptLoader
+    versions: WeightVersions
+
+    @property
+    def order(self) -> PromptLoader | PromptStream:
+        """What holds the data position: saved in a checkpoint, loaded on resume."""
+        ...
+
+    def rollout_engine(self, engine: EngineClient, cfg: Config) -> EngineClient:
+        """The engine the training generator sees."""
+        ...
+
+    def steps(self, ctx: RunContext) -> AbstractAsyncContextManager[StepFn]:
+        """``async with strategy.steps(ctx) as step:`` what runs around the steps, and one step."""
+        ...
+
+    def step_metrics(self, metrics: dict[str, Any], step_s: float) -> dict[str, float]:
+        """The strategy's own metrics of a finished step."""
+        ...
 
 
 @attrs.define(eq=False)

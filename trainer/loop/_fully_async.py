@@ -39,10 +39,9 @@ from trainer.data import Example
 from trainer.errors import RolloutTimeoutError
 from trainer.generators import GeneratorInput, GeneratorOutput
 from trainer.loop import _stages as stages
-from trainer.loop._context import RunContext
+from trainer.loop._context import RunContext, StepFn
 from trainer.loop._prompt_stream import PromptKey, PromptStream
 from trainer.loop._staleness import Admission, staleness
-from trainer.loop._strategy import StepFn
 from trainer.loop._sync import sync_weights, train_on
 from trainer.loop._versions import WeightVersions
 from trainer.vocabulary import (

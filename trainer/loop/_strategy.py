@@ -5,54 +5,27 @@ runs, and whether rollouts go on while the policy trains and syncs.
 which strategy runs. Both share one skeleton, :func:`trainer.loop._sync.run_training`: the
 first weight sync, then each step under its deadline and the watchdog, recorded, with eval
 where due. A strategy supplies the step (:meth:`Strategy.steps`), the data position a
-checkpoint keeps, and the engine its rollouts see.
+checkpoint keeps, and the engine its rollouts see (the :class:`~trainer.loop._context.Strategy`
+protocol, beside the run context that holds it).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, ClassVar, cast
 
 from engines.types import EngineClient
 from trainer.config import Config
 from trainer.data import Example, PromptLoader
+from trainer.loop._context import RunContext, StepFn
+from trainer.loop._fully_async import rolling_out
 from trainer.loop._prompt_stream import PromptStream
 from trainer.loop._rollout_versions import VersionedEngine
+from trainer.loop._sync import run_step
 from trainer.loop._versions import WeightVersions
 
-if TYPE_CHECKING:
-    from trainer.loop._context import RunContext
-
-__all__ = ["FullyAsyncStrategy", "Strategy", "SyncStrategy", "make_strategy"]
-
-#: One step: its number in, its metrics out.
-StepFn = Callable[[int], Awaitable[dict[str, Any]]]
-
-
-class Strategy(Protocol):
-    name: ClassVar[str]
-    #: Whether rollouts go on while the policy trains and syncs (the sync's bracket differs).
-    rollouts_continue: ClassVar[bool]
-    loader: PromptLoader
-    versions: WeightVersions
-
-    @property
-    def order(self) -> PromptLoader | PromptStream:
-        """What holds the data position: saved in a checkpoint, loaded on resume."""
-        ...
-
-    def rollout_engine(self, engine: EngineClient, cfg: Config) -> EngineClient:
-        """The engine the training generator sees."""
-        ...
-
-    def steps(self, ctx: RunContext) -> AbstractAsyncContextManager[StepFn]:
-        """``async with strategy.steps(ctx) as step:`` what runs around the steps, and one step."""
-        ...
-
-    def step_metrics(self, metrics: dict[str, Any], step_s: float) -> dict[str, float]:
-        """The strategy's own metrics of a finished step."""
-        ...
+__all__ = ["FullyAsyncStrategy", "SyncStrategy", "make_strategy"]
 
 
 class SyncStrategy:
@@ -74,8 +47,6 @@ class SyncStrategy:
 
     @asynccontextmanager
     async def steps(self, ctx: RunContext) -> AsyncIterator[StepFn]:
-        from trainer.loop._sync import run_step
-
         async def step(n: int) -> dict[str, Any]:
             return await run_step(ctx, n)
 
@@ -107,8 +78,6 @@ class FullyAsyncStrategy:
 
     @asynccontextmanager
     async def steps(self, ctx: RunContext) -> AsyncIterator[StepFn]:
-        from trainer.loop._fully_async import rolling_out
-
         async with rolling_out(ctx, self.prompts) as step:
             yield step
 
