@@ -308,7 +308,7 @@ class ControlPlane:
         """One sha256 per server over its loaded weights (``POST /weight_checker`` checksum).
 
         The reference server's ``checksum`` field equals
-        ``engines.local.engine.state_checksum`` of the same state dict; for vLLM (which
+        ``engines.local.model_weights.state_checksum`` of the same state dict; for vLLM (which
         returns only per-parameter digests) it is a sha256 over the sorted ``name:digest``
         pairs. vLLM answers 409 while paused or asleep.
         """

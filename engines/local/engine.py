@@ -29,87 +29,44 @@ Control-plane state (each change wakes the scheduler):
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-import attrs
 import torch
 import trio
 
 from engines.devices import resolve_device, resolve_dtype
-from engines.local.decode import KVRef, StepResult, decode_step
+from engines.local.decode import StepResult, decode_step
+from engines.local.engine_states import EngineStates
+from engines.local.model_weights import (
+    load_into,
+    parameter_digests,
+    state_checksum,
+)
+from engines.local.requests import (
+    EngineAsleepError,
+    EngineDeadError,
+    Request,
+    TokenCallback,
+)
 from engines.local.text import first_stop
 from engines.models import load_tokenizer
-from engines.types import Completion, FinishReason, PauseMode, SamplingParams
+from engines.types import Completion, FinishReason, SamplingParams
 from trainer.vocabulary import open_owner_nursery
 
-__all__ = [
-    "DEFAULT_BATCH_WAIT_S",
-    "EngineAsleepError",
-    "EngineDeadError",
-    "LocalEngine",
-    "TokenCallback",
-    "open_local_engine",
-    "state_checksum",
-]
+__all__ = ["DEFAULT_BATCH_WAIT_S", "LocalEngine", "open_local_engine"]
 
 log = logging.getLogger(__name__)
 
-#: vLLM's ``/weight_checker`` key prefix of its one worker (data, pipeline, context, tensor rank).
-WORKER_PREFIX = "dp0:pp0:pcp0:tp0:"
 #: Longest gap between two arriving requests that still joins them into one first step.
 DEFAULT_BATCH_WAIT_S = 0.002
 
 
-#: Called on the event loop with each sampled token: ``(token id, logprob, alternatives)``.
-#: It must not block or raise (a streaming server puts it on a channel).
-TokenCallback = Callable[[int, float, list[tuple[int, float]]], None]
-
-
-class EngineAsleepError(RuntimeError):
-    """A generation was asked of an engine whose weights are offloaded (``/sleep``)."""
-
-
-#: vLLM's ``EngineDeadError`` message, which its server answers (500) once its engine died.
-ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
-
-
-class EngineDeadError(RuntimeError):
-    """The engine died (it ran a decode step on partial weights, as vLLM's worker crashes)."""
-
-    def __init__(self) -> None:
-        super().__init__(ENGINE_DEAD_MESSAGE)
-
-
-@attrs.define(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    #: The request's own sampler state (seeded by ``params.seed``).
-    generator: torch.Generator
-    out_ids: list[int] = attrs.field(factory=list)
-    out_logprobs: list[float] = attrs.field(factory=list)
-    out_top: list[list[tuple[int, float]]] = attrs.field(factory=list)
-    #: Set when the engine died with the request in it.
-    error: BaseException | None = None
-    on_token: TokenCallback | None = None
-    stop_reason: int | str | None = None
-    #: KV cache of ``prompt_ids + out_ids[:-1]``; None until prefilled (or after a drop).
-    kv: KVRef | None = None
-    finish_reason: FinishReason | None = None
-    done: trio.Event = attrs.field(factory=trio.Event)
-
-    def finish(self, reason: FinishReason) -> None:
-        self.finish_reason = reason
-        self.done.set()
-
-
-class LocalEngine:
+class LocalEngine(EngineStates):
     """A causal LM with a continuous-batching scheduler; create with :func:`open_local_engine`."""
 
     def __init__(
@@ -142,14 +99,14 @@ class LocalEngine:
         self.max_num_seqs = max_num_seqs
         self.batch_wait_s = batch_wait_s
         self._rng = random.Random(seed)
-        self._pending: list[_Request] = []
-        self._active: list[_Request] = []
+        self._pending: list[Request] = []
+        self._active: list[Request] = []
         #: Set (and replaced) on every state change; the scheduler waits on it when idle.
         self._changed = trio.Event()
         self._step_lock = trio.Lock()
         self._paused = False
         #: Requests a ``pause(mode="wait")`` lets finish; None when no drain is running.
-        self._drain: set[_Request] | None = None
+        self._drain: set[Request] | None = None
         self._drainers = 0
         self._weights_asleep = False
         self._kv_asleep = False
@@ -198,7 +155,7 @@ class LocalEngine:
             )
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
-        req = _Request(list(prompt_ids), params, generator, on_token=on_token)
+        req = Request(list(prompt_ids), params, generator, on_token=on_token)
         if params.max_tokens <= 0:
             req.finish("length")
         else:
@@ -225,134 +182,6 @@ class LocalEngine:
             top_logprobs=req.out_top if params.top_logprobs else [],
         )
 
-    # -- control plane ------------------------------------------------------------------------
-
-    @property
-    def is_paused(self) -> bool:
-        return self._paused
-
-    @property
-    def is_sleeping(self) -> bool:
-        """True while either the weights or the KV cache sleeps."""
-        return self._weights_asleep or self._kv_asleep
-
-    @property
-    def sleep_state(self) -> dict[str, bool]:
-        """Which halves sleep: ``{"weights": bool, "kv_cache": bool}``."""
-        return {"weights": self._weights_asleep, "kv_cache": self._kv_asleep}
-
-    @property
-    def num_requests(self) -> int:
-        """Requests not finished yet (decoding or queued)."""
-        return len(self._pending) + len(self._active)
-
-    @property
-    def num_running(self) -> int:
-        """Requests admitted to the batch (frozen ones included while paused)."""
-        return len(self._active)
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests queued for admission."""
-        return len(self._pending)
-
-    @property
-    def _awake(self) -> bool:
-        return not (self._weights_asleep or self._kv_asleep)
-
-    def _asleep_detail(self) -> str:
-        halves = [k for k, v in self.sleep_state.items() if v]
-        return (
-            f"the engine is sleeping ({' and '.join(halves)} offloaded); "
-            "call /wake_up (no tags, or tags=weights then tags=kv_cache) first"
-        )
-
-    def _poke(self) -> None:
-        """Wake every waiter on the state (the scheduler, draining pauses)."""
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        """Stop decoding and admitting requests until ``resume``.
-
-        ``keep``: in-flight requests freeze and continue after ``resume``; ``abort``: they end
-        now with ``finish_reason='abort'`` and their partial tokens (queued ones too);
-        ``wait``: the requests in flight when called run to completion first, then the engine
-        stays paused (requests arriving meanwhile queue until ``resume``). Returns once no
-        decode step is running. Raises ``ValueError`` for an unknown mode. If a ``wait``
-        pause is cancelled mid-drain the engine stays paused with what is left frozen; a
-        ``wait`` pause on a sleeping engine waits for the wake-up.
-        """
-        if mode not in ("keep", "abort", "wait"):
-            raise ValueError(f"unknown pause mode {mode!r}; expected one of keep, abort, wait")
-        if mode == "wait":
-            inflight = {*self._active, *self._pending}
-            self._drain = (self._drain or set()) | inflight
-            self._drainers += 1
-            self._paused = True
-            self._poke()
-            try:
-                for req in inflight:
-                    await req.done.wait()
-            finally:
-                self._drainers -= 1
-                if not self._drainers:
-                    self._drain = None
-                self._poke()
-            async with self._step_lock:  # the step in flight (if any) finishes first
-                return
-        self._paused = True
-        self._poke()
-        async with self._step_lock:  # the step in flight finishes first
-            if mode == "abort":
-                for req in [*self._active, *self._pending]:
-                    req.finish("abort")
-                self._active.clear()
-                self._pending.clear()
-
-    def resume(self) -> None:
-        """Resume decoding and admissions; a no-op when not paused."""
-        self._paused = False
-        self._poke()
-
-    async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
-        """Put the weights and the KV cache to sleep (vLLM ``/sleep``).
-
-        Level 1 keeps the weights in host memory; level 2 discards them (they read as zeros
-        until ``load_weights``). In-flight requests are handled as by ``pause(mode)`` (vLLM's
-        default: abort); kept ones continue after a full ``wake_up``. The paused flag is
-        left as it was. Raises ``ValueError`` for another level or mode.
-        """
-        if level not in (1, 2):
-            raise ValueError(f"unknown sleep level {level!r}; expected 1 or 2")
-        was_paused = self._paused
-        await self.pause(mode)
-        async with self._step_lock:
-            self._weights_asleep = True
-            self._kv_asleep = True
-            self._drop_kv()  # the KV cache is discarded, as vLLM's sleep does
-            if level == 2 and not self._weights_discarded:
-                await trio.to_thread.run_sync(self._zero_weights_sync)
-                self._weights_discarded = True
-        self._paused = was_paused
-        self._poke()
-
-    async def wake_up(self, tags: list[str] | None = None) -> None:
-        """Wake the halves named by ``tags`` (``weights``, ``kv_cache``); None or [] wakes both.
-
-        Waking an awake half is a no-op. Raises ``ValueError`` for an unknown tag.
-        """
-        wanted = set(tags) if tags else {"weights", "kv_cache"}
-        unknown = wanted - {"weights", "kv_cache"}
-        if unknown:
-            raise ValueError(f"unknown wake_up tags {sorted(unknown)}; expected weights, kv_cache")
-        async with self._step_lock:
-            if "weights" in wanted:
-                self._weights_asleep = False
-            if "kv_cache" in wanted:
-                self._kv_asleep = False
-        self._poke()
-
     async def load_weights(self, state: dict[str, torch.Tensor], *, adopt: bool = False) -> bool:
         """Replace weights between decode steps (atomic with respect to requests).
 
@@ -373,41 +202,15 @@ class LocalEngine:
         return adopted
 
     def _load_weights_sync(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
-        with torch.no_grad():
-            params = dict(self.model.named_parameters())
-            unknown = [name for name in state if name not in params]
-            if unknown:
-                raise KeyError(f"unknown parameter {unknown[0]!r}")
-            adopt = adopt and all(
-                (t.dtype, t.shape, t.device) == (params[n].dtype, params[n].shape, params[n].device)
-                and t.is_contiguous()
-                for n, t in state.items()
-            )
-            for name, tensor in state.items():
-                if adopt:
-                    params[name].data = tensor
-                else:
-                    params[name].copy_(tensor)
-            return adopt
-
-    def _zero_weights_sync(self) -> None:
-        with torch.no_grad():
-            for param in self.model.parameters():
-                param.zero_()
+        return load_into(self.model, state, adopt)
 
     def weight_checksum(self) -> str:
         """sha256 over every parameter's name and bytes, in name order."""
         return state_checksum(dict(self.model.named_parameters()))
 
     def weight_checksums(self) -> dict[str, str]:
-        """vLLM's ``/weight_checker`` digests: sha256 of each parameter's own bytes (its dtype),
-        keyed by the worker's ranks and the name (``dp0:pp0:pcp0:tp0:NAME``)."""
-        return {
-            f"{WORKER_PREFIX}{name}": hashlib.sha256(
-                p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-            ).hexdigest()
-            for name, p in sorted(self.model.named_parameters())
-        }
+        """vLLM's ``/weight_checker`` digests (:func:`parameter_digests`)."""
+        return parameter_digests(self.model)
 
     # -- scheduler ----------------------------------------------------------------------------
 
@@ -425,7 +228,7 @@ class LocalEngine:
         taken = set(admitted)
         self._pending = [r for r in self._pending if r not in taken]
 
-    def _runnable(self) -> list[_Request]:
+    def _runnable(self) -> list[Request]:
         """The batch of the next decode step (empty while asleep or paused, unless draining)."""
         if not self._awake:
             return []
@@ -498,7 +301,7 @@ class LocalEngine:
                 if len(self._pending) == arrived:  # quiet for batch_wait_s: go
                     return
 
-    def _stop_reason(self, req: _Request, tok: int) -> FinishReason | None:
+    def _stop_reason(self, req: Request, tok: int) -> FinishReason | None:
         p = req.params
         if not p.ignore_eos and tok == self.eos_token_id:
             return "stop"
@@ -516,7 +319,7 @@ class LocalEngine:
             return "length"
         return None
 
-    def _decode_step(self, batch: list[_Request]) -> StepResult:
+    def _decode_step(self, batch: list[Request]) -> StepResult:
         return decode_step(self.model, batch, self.pad_token_id)
 
     def _die(self, batch_size: int) -> None:
@@ -536,19 +339,6 @@ class LocalEngine:
         self._active.clear()
         self._pending.clear()
         self.died.set()
-
-    def _drop_kv(self) -> None:
-        for req in (*self._active, *self._pending):
-            req.kv = None
-
-
-def state_checksum(named: dict[str, torch.Tensor]) -> str:
-    """sha256 over each tensor's name and float32 bytes, in name order."""
-    h = hashlib.sha256()
-    for name in sorted(named):
-        h.update(name.encode())
-        h.update(named[name].detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 @asynccontextmanager

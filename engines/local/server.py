@@ -35,7 +35,7 @@ import trio
 
 from engines.local.chat_protocol import chat_response, parse_chat_request
 from engines.local.control_routes import CONTROL_ROUTES, ControlHandler
-from engines.local.engine import EngineAsleepError, EngineDeadError, LocalEngine
+from engines.local.engine import LocalEngine
 from engines.local.http import (
     MAX_BODY_BYTES,
     Request,
@@ -50,6 +50,7 @@ from engines.local.protocol import (
     parse_completion_request,
     parse_json_object,
 )
+from engines.local.requests import EngineAsleepError, EngineDeadError
 from engines.local.streaming import ChatChunks, ChunkFormat, CompletionChunks, stream_events
 from engines.local.validation import GenerationOptions, refusal
 from engines.local.weight_routes import (

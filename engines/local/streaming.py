@@ -27,8 +27,8 @@ import attrs
 import trio
 
 from engines.local.chat_protocol import chat_logprobs
-from engines.local.engine import EngineAsleepError, EngineDeadError, TokenCallback
 from engines.local.protocol import completion_logprobs, usage
+from engines.local.requests import EngineAsleepError, EngineDeadError, TokenCallback
 from engines.local.text import TextStream
 from engines.local.validation import ProtocolError, refusal
 from engines.types import Completion, SamplingParams

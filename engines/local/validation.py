@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from engines.local.engine import EngineAsleepError, EngineDeadError
+from engines.local.requests import EngineAsleepError, EngineDeadError
 from engines.types import SamplingParams
 
 __all__ = [

@@ -51,9 +51,10 @@ import torch
 import trio
 from safetensors.torch import load_file
 
-from engines.local.engine import EngineAsleepError, LocalEngine
+from engines.local.engine import LocalEngine
 from engines.local.http import Request, Response, json_response
 from engines.local.protocol import ProtocolError, parse_json_object
+from engines.local.requests import EngineAsleepError
 from engines.local.weight_receive import StagingPools, check_names, receive_collective, receive_ipc
 from engines.process_group import join_group, require_cuda
 from engines.weight_transfer import (

@@ -16,8 +16,9 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.client import InferenceClient
-from engines.local.engine import EngineAsleepError, LocalEngine, open_local_engine
+from engines.local.engine import LocalEngine, open_local_engine
 from engines.local.inprocess import open_inprocess_client
+from engines.local.requests import EngineAsleepError
 from engines.local.server import ServerApp
 from engines.types import SamplingParams
 from tests.engines.helpers import StepGate, greedy_reference

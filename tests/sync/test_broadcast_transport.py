@@ -8,7 +8,7 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
-from engines.local.engine import state_checksum
+from engines.local.model_weights import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from sync.transports import broadcast_rank0 as broadcast

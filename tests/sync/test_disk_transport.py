@@ -13,7 +13,7 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
-from engines.local.engine import state_checksum
+from engines.local.model_weights import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from sync.transports import DiskTransport, disk

@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engines.client import InferenceClient
-from engines.local.engine import ENGINE_DEAD_MESSAGE
+from engines.local.requests import ENGINE_DEAD_MESSAGE
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from tests.engines.helpers import BackgroundEngines

@@ -17,7 +17,7 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
-from engines.local.engine import state_checksum
+from engines.local.model_weights import state_checksum
 from engines.models import resolve_model_path
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
