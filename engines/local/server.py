@@ -27,13 +27,12 @@ import hmac
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
 import trio
 
-from engines.local.chat_protocol import chat_response, parse_chat_request
+from engines.local.completion_routes import CompletionRoutes
 from engines.local.control_routes import CONTROL_ROUTES, ControlHandler
 from engines.local.engine import LocalEngine
 from engines.local.http import (
@@ -46,19 +45,12 @@ from engines.local.http import (
 )
 from engines.local.protocol import (
     ProtocolError,
-    completion_response,
-    parse_completion_request,
-    parse_json_object,
 )
-from engines.local.requests import EngineAsleepError, EngineDeadError
-from engines.local.streaming import ChatChunks, ChunkFormat, CompletionChunks, stream_events
-from engines.local.validation import GenerationOptions, refusal
 from engines.local.weight_routes import (
     WEIGHT_TRANSFER_PATHS,
     WeightReceiver,
     handle_weight_transfer,
 )
-from engines.types import Completion, SamplingParams
 from trainer.vocabulary import fire_fault
 
 __all__ = [
@@ -86,7 +78,7 @@ SLEEP_MODE_OFF = (
 )
 
 
-class ServerApp:
+class ServerApp(CompletionRoutes):
     """ASGI app over one :class:`LocalEngine` (whose scheduler runs elsewhere)."""
 
     def __init__(
@@ -253,133 +245,6 @@ class ServerApp:
             "max_model_len": self.max_model_len,
         }
         return json_response({"object": "list", "data": [card]})
-
-    async def completions(self, request: Request) -> Response:
-        tok = self.engine.tokenizer
-        req = parse_completion_request(
-            parse_json_object(request.body),
-            served_model=self.served_model,
-            encode=lambda text: list(tok.encode(text, add_special_tokens=True)),
-            vocab_size=self.engine.vocab_size,
-            max_model_len=self.max_model_len,
-        )
-        jobs = [(p, req.params_for(j)) for p in req.prompts for j in range(req.n)]
-        if req.options.stream:
-            fmt = CompletionChunks(
-                req.model,
-                [p for p, _ in jobs],
-                req.logprobs,
-                req.return_token_ids,
-                tok.convert_ids_to_tokens,
-            )
-            return self._event_stream(jobs, fmt, req.options)
-        done = await self._generate_all(jobs)
-        payload = completion_response(
-            req,
-            [done[i * req.n : (i + 1) * req.n] for i in range(len(req.prompts))],
-            decode=self._decoder(req.options),
-            convert_ids_to_tokens=tok.convert_ids_to_tokens,
-        )
-        return json_response(payload)
-
-    async def chat_completions(self, request: Request) -> Response:
-        req = parse_chat_request(
-            parse_json_object(request.body),
-            served_model=self.served_model,
-            render=self._render_chat,
-            max_model_len=self.max_model_len,
-        )
-        jobs = [(req.prompt_ids, req.params_for(j)) for j in range(req.n)]
-        if req.options.stream:
-            fmt = ChatChunks(
-                req.model,
-                req.prompt_ids,
-                req.logprobs,
-                req.options.return_token_ids,
-                self._token_text,
-            )
-            return self._event_stream(jobs, fmt, req.options)
-        done = await self._generate_all(jobs)
-        return json_response(
-            chat_response(req, done, decode=self._decoder(req.options), token_text=self._token_text)
-        )
-
-    def _decoder(self, options: GenerationOptions) -> Callable[[list[int]], str]:
-        """Token ids to text as the request asked (``skip_special_tokens``)."""
-        return partial(
-            self.engine.tokenizer.decode, skip_special_tokens=options.skip_special_tokens
-        )
-
-    def _token_text(self, token_id: int) -> str:
-        return self.engine.tokenizer.decode([token_id])
-
-    def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
-    ) -> list[int]:
-        """The prompt ids of a conversation: the chat template's text, tokenized without
-        special tokens (the template writes them), as vLLM renders chat."""
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise ProtocolError(
-                400,
-                "the model has no chat template (tokenizer_config.json chat_template): "
-                "use /v1/completions, or give the model a template",
-                "messages",
-            )
-        try:
-            text = tok.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-            )
-        except Exception as exc:  # jinja errors of a template: the request's fault
-            raise ProtocolError(400, f"the chat template failed: {exc}", "messages") from None
-        ids = list(tok.encode(str(text), add_special_tokens=False))
-        if any(not 0 <= t < self.engine.vocab_size for t in ids):
-            raise ProtocolError(400, "the rendered prompt has ids outside the vocabulary")
-        return ids
-
-    async def _generate_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
-        """One completion per ``(prompt ids, params)``, concurrently (they batch); 409 while
-        the engine sleeps."""
-        results: list[Completion | None] = [None] * len(jobs)
-        refused: list[ProtocolError] = []
-
-        async def one(i: int) -> None:
-            try:
-                results[i] = await self.engine.generate(*jobs[i])
-            except (EngineAsleepError, EngineDeadError) as exc:
-                refused.append(refusal(exc))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(jobs)):
-                nursery.start_soon(one, i)
-        if refused:
-            raise refused[0]
-        return [c for c in results if c is not None]
-
-    def _event_stream(
-        self,
-        jobs: list[tuple[list[int], SamplingParams]],
-        fmt: ChunkFormat,
-        options: GenerationOptions,
-    ) -> Response:
-        """A server-sent-events response generating ``jobs`` (:mod:`engines.local.streaming`)."""
-        if self.engine.is_sleeping:  # refused before the 200 goes out, as a whole answer is
-            raise ProtocolError(409, "the engine is sleeping; call /wake_up first")
-
-        async def body(write: Callable[[bytes], Awaitable[None]]) -> None:
-            await stream_events(
-                write,
-                self.engine.generate,
-                jobs,
-                fmt,
-                decode=self._decoder(options),
-                include_stop_str=options.include_stop_str,
-                include_usage=options.include_usage,
-            )
-
-        return Response(200, content_type="text/event-stream", stream=body)
-
-    # -- control plane (engines.local.control_routes, and the weight-transfer routes) ------------
 
     async def weight_transfer(self, request: Request) -> Response:
         """One of the weight-transfer routes (:mod:`engines.local.weight_routes`)."""
