@@ -18,17 +18,8 @@ from pathlib import Path
 import pytest
 
 import trainer.run
+from tests.trainer.run.test_resume import SMALL
 from trainer.config import load_config
-
-SMALL = [
-    "engine.backend=inprocess",
-    "generator.cls=tests.trainer.helpers:OneCallGenerator",
-    "trainer.train_batch_size=2",
-    "generator.n_samples_per_prompt=2",
-    "generator.sampling.max_tokens=2",
-    "trainer.ckpt_interval=1",
-    "trainer.progress=false",
-]
 
 _EVENTS = {"open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.truncate"}
 
