@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -46,6 +45,7 @@ import httpx
 import trio
 
 from engines.process_stop import signal_group, stop_group
+from engines.ready_line import READY_RE
 from trainer.errors import EngineStartError
 from trainer.vocabulary import exception_leaves, raise_first
 
@@ -71,7 +71,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 #: Characters of a server's log carried by ``EngineStartError``.
 LOG_TAIL_CHARS = 4000
 
-READY_RE = re.compile(r"^ENGINE_READY port=(\d+)", re.MULTILINE)
 _POLL_S = 0.05
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 

@@ -53,12 +53,12 @@ from engines.launch import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     LOG_TAIL_CHARS,
-    READY_RE,
     ServersSpec,
     base_url,
     server_env,
 )
 from engines.process_stop import KILL_WAIT_S, stop_group_blocking
+from engines.ready_line import READY_RE
 from trainer.errors import EngineStartError
 from trainer.vocabulary import get_refs_as_completed
 

@@ -43,13 +43,12 @@ from engines.local.engine import DEFAULT_BATCH_WAIT_S, LocalEngine, open_local_e
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
+from engines.ready_line import ready_line
 
-__all__ = ["READY_PREFIX", "main", "serve"]
+__all__ = ["main", "serve"]
 
 log = logging.getLogger("engines.local")
 
-#: First word of the line printed once the server listens.
-READY_PREFIX = "ENGINE_READY"
 #: Seconds in-flight requests get to finish on shutdown.
 GRACEFUL_TIMEOUT_S = 2.0
 #: Seconds an idle client connection stays open (hypercorn's default is 5 s): long enough
@@ -230,7 +229,7 @@ async def serve(args: argparse.Namespace) -> bool:
                     partial(hypercorn_serve, cast(Any, app), config, shutdown_trigger=shutdown.wait)
                 )
                 port = int(binds[0].rsplit(":", 1)[1])
-                print(f"{READY_PREFIX} port={port} url=http://{host}:{port}", flush=True)
+                print(ready_line(host, port), flush=True)
             died = engine.died.is_set()
         nursery.cancel_scope.cancel()
     return died

@@ -98,6 +98,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "require_cuda",
     ],
     "engines.process_stop": ["KILL_WAIT_S", "signal_group", "stop_group", "stop_group_blocking"],
+    "engines.ready_line": ["READY_PREFIX", "READY_RE", "ready_line"],
     "engines.ray_launch": ["EngineServerActor", "RayEngine", "open_ray_engines"],
     "engines.routes": [
         "DATA_PLANE_ROUTES",
