@@ -40,7 +40,6 @@ StepFn = Callable[[int], Awaitable[dict[str, Any]]]
 class Strategy(Protocol):
     """What the loop needs of ``trainer.strategy`` (``trainer.loop._strategy`` builds one)."""
 
-    name: ClassVar[str]
     #: Whether rollouts go on while the policy trains and syncs (the sync's bracket differs).
     rollouts_continue: ClassVar[bool]
     loader: PromptLoader

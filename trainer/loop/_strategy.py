@@ -31,7 +31,6 @@ __all__ = ["FullyAsyncStrategy", "SyncStrategy", "make_strategy"]
 class SyncStrategy:
     """Generate, train, sync, in turn: a batch of prompts per step from the loader."""
 
-    name: ClassVar[str] = "sync"
     rollouts_continue: ClassVar[bool] = False
 
     def __init__(self, loader: PromptLoader) -> None:
@@ -60,7 +59,6 @@ class FullyAsyncStrategy:
     """Rollout tasks keep generating, one group at a time from the prompt stream, while the
     policy trains; weights synced every ``trainer.fully_async.sync_interval`` steps."""
 
-    name: ClassVar[str] = "fully_async"
     rollouts_continue: ClassVar[bool] = True
 
     def __init__(self, loader: PromptLoader, prompts: PromptStream) -> None:
