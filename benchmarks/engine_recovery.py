@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.e2e.helpers import processes_with_marker  # noqa: E402
 
-SERVER_MARKS = ("engines.local", "engines.stdin_guard")
+SERVER_MARKS = ("engines.local", "engines.launch.stdin_guard")
 LOG_TIME = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) WARNING trainer\.run: engine (\d+) (.*)$"
 )

@@ -7,7 +7,7 @@
         ...
 
 :class:`VllmServers` makes each server's :class:`~engines.launch.ServerSpec` for the one
-launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.placement=ray``):
+launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.placement=ray``):
 
 - the command is ``python -m vllm.entrypoints.openai.api_server --model MODEL`` (what ``vllm
   serve`` runs, in the trainer's own Python: not ``vllm.entrypoints.cli.main``, which dies in
@@ -22,7 +22,7 @@ launcher (:mod:`engines.launch`, or :mod:`engines.ray_launch` with ``engine.plac
   in ``engine.extra_args`` undoes it), then ``engine.extra_args``
   as given; every flag is one the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
-- it runs under :mod:`engines.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
+- it runs under :mod:`engines.launch.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
   a trainer that dies (even SIGKILL) takes its servers down;
 - its environment adds ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.33 serves the control routes,
   pause, sleep and weight transfer, only then), ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for
@@ -197,7 +197,7 @@ class VllmServers:
 
     def __call__(self, index: int, host: str) -> ServerSpec:
         port = free_port(host)
-        guard = [sys.executable, "-m", "engines.stdin_guard"]
+        guard = [sys.executable, "-m", "engines.launch.stdin_guard"]
         guard += ["--grace-s", f"{self.shutdown_grace_s:g}", "--"]
         return ServerSpec((*guard, *self.command(index, host, port)), self.env(index), port)
 

@@ -39,11 +39,11 @@ from hypercorn.config import Config
 from hypercorn.trio import serve as hypercorn_serve
 
 from engines.devices import DTYPES, resolve_device
+from engines.launch import ready_line
 from engines.local.engine import DEFAULT_BATCH_WAIT_S, LocalEngine, open_local_engine
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
-from engines.ready_line import ready_line
 
 __all__ = ["main", "serve"]
 

@@ -1,4 +1,4 @@
-"""engines.ray_launch: servers in real Ray actors start, serve, fail loudly, and never linger.
+"""engines.launch, placed by Ray: servers in real Ray actors start, serve, fail loudly, and never linger.
 
 Every test tags the actors it starts (and so their servers) with a fresh
 ``TRAINER_TEST_MARKER`` and checks afterwards that no process carrying it is left.
@@ -16,8 +16,7 @@ import ray
 import trio
 
 from engines.client import InferenceClient
-from engines.launch import ReferenceServers, ServerSpec
-from engines.ray_launch import EngineServerActor, open_ray_engines
+from engines.launch import EngineServerActor, ReferenceServers, ServerSpec, open_ray_engines
 from engines.types import SamplingParams
 from tests.e2e.helpers import (
     new_marker,
@@ -192,7 +191,7 @@ def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
     actor = EngineServerActor(0, str(tmp_path), ReferenceServers(), None)
     assert actor.stop(1.0) is None  # nothing started yet
     with pytest.raises(EngineStartError, match="stopped during start-up"):
-        actor.start(30.0)
+        actor.start()
     assert leftovers(marker, timeout=0) == []
 
 
@@ -200,8 +199,7 @@ def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
 #: then one that asks for 4. Prints the server's CUDA_VISIBLE_DEVICES and the refusal.
 _GPU_PLACEMENT = """
 import json, sys, trio, ray
-from engines.launch import ReferenceServers, ServerSpec
-from engines.ray_launch import open_ray_engines
+from engines.launch import ReferenceServers, ServerSpec, open_ray_engines
 from trainer.errors import EngineStartError
 from trainer.workers.ray_cluster import actor_env, init_kwargs, prepare_env
 

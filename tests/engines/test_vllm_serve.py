@@ -225,7 +225,7 @@ class GuardedReference:
         port = free_port(host)
         cmd = [sys.executable, "-m", "engines.local", "serve", "--model", self.model_dir]
         cmd += ["--host", host, "--port", str(port)]
-        guard = [sys.executable, "-m", "engines.stdin_guard", "--grace-s", "5", "--"]
+        guard = [sys.executable, "-m", "engines.launch.stdin_guard", "--grace-s", "5", "--"]
         return ServerSpec((*guard, *cmd), {"MARK_GUARDED": "1"}, port)
 
 
@@ -243,7 +243,7 @@ async def test_a_server_told_its_port_starts_serves_and_leaves_nothing(
     async with open_engine_processes(
         1, GuardedReference(str(model_dir)), tmp_path, startup_timeout_s=120
     ) as (engine,):
-        assert engine.url == f"http://127.0.0.1:{engine.port}"
+        assert engine.url == f"http://127.0.0.1:{engine.told_port}"
         async with InferenceClient([engine.url]) as client:
             completion = await client.generate([5, 6], SamplingParams(max_tokens=2, seed=0))
             # a server without vLLM's /server_info (404) is not checked
@@ -271,7 +271,7 @@ def test_the_guard_takes_its_server_down_when_the_launcher_dies(model_dir: Path)
     """The launcher's end of the stdin pipe closing (it died, even by SIGKILL) stops the
     guarded server and everything in its group, within the guard's grace."""
     port = free_port()
-    cmd = [sys.executable, "-m", "engines.stdin_guard", "--grace-s", "5", "--"]
+    cmd = [sys.executable, "-m", "engines.launch.stdin_guard", "--grace-s", "5", "--"]
     cmd += [sys.executable, "-m", "engines.local", "serve", "--model", str(model_dir)]
     cmd += ["--port", str(port)]
     env = {**os.environ, "PYTHONPATH": str(PROJECT)}
@@ -316,7 +316,15 @@ def test_the_guard_exits_with_its_commands_status() -> None:
     reader, writer = os.pipe()  # stdin held open: only the command's own exit ends it
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "engines.stdin_guard", "--", sys.executable, "-c", "exit(3)"],
+            [
+                sys.executable,
+                "-m",
+                "engines.launch.stdin_guard",
+                "--",
+                sys.executable,
+                "-c",
+                "exit(3)",
+            ],
             stdin=reader,
             cwd=PROJECT,
             timeout=60,

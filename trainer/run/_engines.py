@@ -209,7 +209,7 @@ async def _start_servers(
             open_engine_processes(e.num_engines, servers, log_dir, **started)
         )
         return engines
-    from engines.ray_launch import open_ray_engines
+    from engines.launch import open_ray_engines
     from trainer.workers.ray_cluster import actor_env
 
     if e.backend == "local":  # placed by Ray, so the device is resolved on its node

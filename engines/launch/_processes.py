@@ -1,4 +1,4 @@
-"""Start and stop the engine servers the trainer owns: the one launcher, whatever the server.
+"""The servers the trainer starts as its own child processes (``engine.placement=process``).
 
 ::
 
@@ -8,15 +8,10 @@
     async with open_engine_processes(2, VllmServers(model_dir, ...), run_dir / "engines") as engines:
         ...
 
-What a server is comes from a :class:`ServerSpec` (command line, environment, port), made per
-server by a callable: :class:`ReferenceServers` (``python -m engines.local serve --port 0
---exit-on-stdin-eof``) or :class:`engines.vllm_serve.VllmServers` (``vllm serve``). Each runs
-in its own process group (its own session), stdout and stderr appended to
-``LOG_DIR/engine-I.log``. Start-up waits for the server's ``ENGINE_READY`` line (a server
-given ``--port 0``) or knows its port up front, then waits for ``GET /health``, bounded by
-``startup_timeout_s``; a server that exits first, or is not healthy in time, raises
-:class:`~trainer.errors.EngineStartError` carrying the tail of its log (and every server
-already started is stopped).
+Each server (a :class:`~engines.launch.ServerSpec`) runs in its own process group (its own
+session), stdout and stderr appended to ``LOG_DIR/engine-I.log``; start-up is the launchers'
+one wait (:func:`~engines.launch._ready.wait_all_ready`), bounded by ``startup_timeout_s``;
+every server already started is stopped when one fails.
 
 Servers never outlive the trainer:
 
@@ -25,54 +20,37 @@ Servers never outlive the trainer:
   this cleanup is shielded from the cancellation and bounded;
 - if the trainer dies without cleaning up (even SIGKILL), the write end of each server's
   stdin pipe closes with it, and the server shuts itself down on end-of-file (a server
-  without that option runs under :mod:`engines.stdin_guard`, which does it for it).
+  without that option runs under :mod:`engines.launch.stdin_guard`, which does it for it).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Protocol
 
 import attrs
-import httpx
 import trio
 
-from engines.process_stop import signal_group, stop_group
-from engines.ready_line import READY_RE
-from trainer.errors import EngineStartError
-from trainer.vocabulary import exception_leaves, raise_first
+from engines.launch._ready import READY_SEARCH_CHARS, exit_text, ready_port, wait_all_ready
+from engines.launch._spec import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    LOG_TAIL_CHARS,
+    ReferenceServers,
+    ServerSpec,
+    ServersSpec,
+    base_url,
+    popen_kwargs,
+    server_env,
+)
+from engines.launch._stop import signal_group, stop_group
 
-__all__ = [
-    "DEFAULT_SHUTDOWN_TIMEOUT_S",
-    "DEFAULT_STARTUP_TIMEOUT_S",
-    "EngineProcess",
-    "EngineProcesses",
-    "ReferenceServers",
-    "ServerSpec",
-    "ServersSpec",
-    "base_url",
-    "launch_local_engines",
-    "open_engine_processes",
-    "server_device",
-    "server_env",
-]
-
-#: Seconds a server gets to load its model and answer ``/health``.
-DEFAULT_STARTUP_TIMEOUT_S = 180.0
-#: Seconds between SIGTERM and SIGKILL when stopping a server.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
-#: Characters of a server's log carried by ``EngineStartError``.
-LOG_TAIL_CHARS = 4000
+__all__ = ["EngineProcess", "EngineProcesses", "launch_local_engines", "open_engine_processes"]
 
 _POLL_S = 0.05
-_PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 @attrs.define(eq=False)
@@ -85,14 +63,16 @@ class EngineProcess:
     process: trio.Process
     #: Where its stdout and stderr go.
     log_path: Path
-    #: ``http://HOST:PORT`` once it is ready; a placeholder naming the process before that.
+    #: The address it listens on.
+    host: str
+    #: ``http://HOST:PORT`` once its port is known; a placeholder naming the process before that.
     url: str
     #: True once it answered ``/health``.
     ready: bool = False
     #: Size of the (appended) log when this process started: only what follows is its own.
     log_offset: int = 0
     #: The port it was told to use; None: read from its ``ENGINE_READY`` line.
-    port: int | None = None
+    told_port: int | None = None
 
     @property
     def pid(self) -> int:
@@ -110,60 +90,13 @@ class EngineProcess:
             return ""
         return data[self.log_offset :].decode(errors="replace")[-chars:]
 
+    async def port(self) -> int | None:
+        if self.told_port is not None:
+            return self.told_port
+        return ready_port(await self.log_tail(READY_SEARCH_CHARS))
 
-@attrs.frozen
-class ServerSpec:
-    """How to start one server: its command line, what it adds to the environment, its port."""
-
-    argv: tuple[str, ...]
-    #: Set on top of the launcher's environment (``CUDA_VISIBLE_DEVICES``, ``VLLM_*``).
-    env: Mapping[str, str] = attrs.field(factory=dict)
-    #: The port it will listen on; None: it picks one and prints ``ENGINE_READY port=N``.
-    port: int | None = None
-
-
-class ServersSpec(Protocol):
-    """Makes server ``index``'s :class:`ServerSpec`, listening on ``host`` (picklable for Ray)."""
-
-    def __call__(self, index: int, host: str) -> ServerSpec: ...
-
-
-@attrs.frozen
-class ReferenceServers:
-    """``python -m engines.local serve`` servers (the reference engine): server ``I`` gets seed
-    ``seed + I`` and ``devices[I % len(devices)]`` (none: the server's default, ``auto``)."""
-
-    model_dir: str | None = None
-    seed: int = 0
-    extra_args: tuple[str, ...] = ()
-    devices: tuple[str, ...] = ()
-    #: ``--enable-sleep-mode``: the run sleeps its engines (without it ``/sleep`` is refused).
-    enable_sleep_mode: bool = False
-    #: ``--num-threads``: torch's intra-op threads per server (None: the server's default, 1).
-    num_threads: int | None = None
-
-    def __call__(self, index: int, host: str) -> ServerSpec:
-        cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
-        cmd += ["--seed", str(self.seed + index), "--exit-on-stdin-eof"]
-        if self.enable_sleep_mode:
-            cmd.append("--enable-sleep-mode")
-        if self.num_threads is not None:
-            cmd += ["--num-threads", str(self.num_threads)]
-        if self.model_dir is not None:
-            cmd += ["--model", str(self.model_dir)]
-        device = self.devices[index % len(self.devices)] if self.devices else None
-        flags, env = server_device(device, os.environ)
-        return ServerSpec((*cmd, *self.extra_args, *flags), env)
-
-
-def server_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
-    child = dict(os.environ if env is None else env)
-    # The server imports ``engines`` and ``trainer`` from this checkout even when not installed.
-    paths = [str(_PROJECT_ROOT), *filter(None, child.get("PYTHONPATH", "").split(os.pathsep))]
-    child["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    if api_key is not None:
-        child["VLLM_API_KEY"] = api_key
-    return child
+    async def exit_status(self) -> str | None:
+        return exit_text(self.process.poll())
 
 
 async def _spawn(
@@ -173,57 +106,14 @@ async def _spawn(
     offset = log_file.seek(0, 2)
     try:
         process = await trio.lowlevel.open_process(
-            list(spec.argv),
-            stdin=subprocess.PIPE,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**env, **spec.env},
+            list(spec.argv), **popen_kwargs(spec, log_file, env)
         )
     finally:
         log_file.close()  # the child holds its own descriptor
     url = f"engine-{index} (pid {process.pid})" if spec.port is None else base_url(host, spec.port)
-    return EngineProcess(index, process, log_path, url, log_offset=offset, port=spec.port)
-
-
-def base_url(host: str, port: int) -> str:
-    """``http://HOST:PORT`` (an IPv6 host in brackets)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-async def _wait_ready(
-    engine: EngineProcess, host: str, api_key: str | None, http: httpx.AsyncClient
-) -> None:
-    """Wait for the ready line (a server that picks its port), then for ``/health`` 200;
-    raise if the process exits first."""
-
-    async def died() -> EngineStartError:
-        code = engine.process.returncode
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return EngineStartError(
-            engine.url, f"exited during start-up ({how})", await engine.log_tail()
-        )
-
-    while engine.port is None:
-        if engine.process.poll() is not None:
-            raise await died()
-        match = READY_RE.search(await engine.log_tail(chars=1 << 20))
-        if match:
-            engine.url = base_url(host, int(match.group(1)))
-            break
-        await trio.sleep(_POLL_S)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    while True:
-        if engine.process.poll() is not None:
-            raise await died()
-        try:
-            response = await http.get(f"{engine.url}/health", headers=headers)
-            if response.status_code == 200:
-                engine.ready = True
-                return
-        except httpx.TransportError:
-            pass
-        await trio.sleep(_POLL_S)
+    return EngineProcess(
+        index, process, log_path, host, url, log_offset=offset, told_port=spec.port
+    )
 
 
 async def _stop(engine: EngineProcess, timeout_s: float) -> None:
@@ -275,6 +165,13 @@ class EngineProcesses(list[EngineProcess]):
         log_path = self.log_dir / f"engine-{index}.log"
         return await _spawn(index, spec, self.host, log_path, self.env)
 
+    async def wait_ready(self, engines: Sequence[EngineProcess], reason: str) -> None:
+        """Wait until ``engines`` are healthy within ``startup_timeout_s``; ``EngineStartError``
+        (``reason`` when one is not in time)."""
+        await wait_all_ready(
+            engines, self.api_key, self.startup_timeout_s, lambda _: reason, poll_s=_POLL_S
+        )
+
     def signal(self, index: int, sig: signal.Signals) -> None:
         """Send ``sig`` to server ``index``'s whole process group (gone already: nothing)."""
         signal_group(self[index].pid, sig)
@@ -287,15 +184,8 @@ class EngineProcesses(list[EngineProcess]):
         with trio.CancelScope(shield=True):
             await _stop(self[index], 0.0)
         self[index] = engine = await self.spawn(index)
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            with trio.move_on_after(self.startup_timeout_s) as scope:
-                await _wait_ready(engine, self.host, self.api_key, http)
-        if scope.cancelled_caught:
-            raise EngineStartError(
-                engine.url,
-                f"not healthy within {self.startup_timeout_s:g}s of its restart",
-                await engine.log_tail(),
-            )
+        timeout = f"not healthy within {self.startup_timeout_s:g}s of its restart"
+        await self.wait_ready([engine], timeout)
         return engine
 
 
@@ -332,42 +222,13 @@ async def open_engine_processes(
     try:
         for i in range(num_engines):
             engines.append(await engines.spawn(i))
-        async with httpx.AsyncClient(timeout=5.0) as http:
-            with trio.move_on_after(startup_timeout_s) as scope:
-                try:
-                    async with trio.open_nursery() as nursery:
-                        for engine in engines:
-                            nursery.start_soon(_wait_ready, engine, host, api_key, http)
-                except BaseExceptionGroup as group:
-                    _, errors = group.split(trio.Cancelled)
-                    if errors is None:
-                        raise
-                    raise_first(exception_leaves(errors))
-            if scope.cancelled_caught:
-                slow = next((e for e in engines if not e.ready), engines[0])
-                raise EngineStartError(
-                    slow.url, f"not healthy within {startup_timeout_s:g}s", await slow.log_tail()
-                )
+        await engines.wait_ready(engines, f"not healthy within {startup_timeout_s:g}s")
         yield engines
     finally:
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as nursery:
                 for engine in engines:
                     nursery.start_soon(_stop, engine, shutdown_timeout_s)
-
-
-def server_device(device: str | None, env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-    """The ``--device`` flag and the variables to set for a reference server on ``device``:
-    ``cuda:N`` becomes ``--device cuda`` with GPU ``N`` (of those visible in ``env``) its only
-    visible GPU."""
-    if device is None:
-        return [], {}
-    if not device.startswith("cuda:"):
-        return ["--device", device], {}
-    index = int(device.split(":", 1)[1])
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    physical = visible.split(",")[index].strip() if visible else str(index)
-    return ["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": physical}
 
 
 @asynccontextmanager

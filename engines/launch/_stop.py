@@ -1,7 +1,7 @@
 """Stopping a server's process group: SIGTERM, SIGKILL after a timeout, then the stragglers.
 
-Both launchers stop a server this way, each waiting its own way: :mod:`engines.launch` from
-trio (a ``trio.Process``), :mod:`engines.ray_launch` from a Ray actor's thread (a
+Both launchers stop a server this way, each waiting its own way: the trainer's child
+processes from trio (a ``trio.Process``), a Ray-placed server from its actor's thread (a
 ``subprocess.Popen``). The escalation is written once, here; the caller closes the server's
 stdin first and supplies ``wait(seconds) -> exited``::
 

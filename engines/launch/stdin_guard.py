@@ -2,9 +2,9 @@
 
 ::
 
-    python -m engines.stdin_guard [--grace-s 10] -- vllm serve MODEL ...
+    python -m engines.launch.stdin_guard [--grace-s 10] -- vllm serve MODEL ...
 
-The launchers (:mod:`engines.launch`, :mod:`engines.ray_launch`) start every server in its
+The launchers (:mod:`engines.launch`: child processes, Ray actors) start every server in its
 own session with a pipe on its stdin, and rely on the server exiting when that pipe reaches
 end-of-file: that is how a server never outlives a trainer that was SIGKILLed. The reference
 server does it itself (``--exit-on-stdin-eof``); ``vllm serve`` has no such option, so it
@@ -59,7 +59,9 @@ def _watch_stdin(child: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engines.stdin_guard", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m engines.launch.stdin_guard", description=__doc__
+    )
     parser.add_argument("--grace-s", type=float, default=10.0, help="SIGTERM to SIGKILL, seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     args = parser.parse_args(argv)

@@ -1,0 +1,76 @@
+"""Start and stop the engine servers the trainer owns: one launcher, whatever the server,
+wherever it runs.
+
+::
+
+    async with launch_local_engines(2, model_dir, run_dir / "engines", seed=0) as urls:
+        client = InferenceClient(urls)
+    async with open_engine_processes(2, VllmServers(model_dir, ...), run_dir / "engines") as engines:
+        ...
+    async with open_ray_engines(2, ReferenceServers(model_dir), run_dir / "engines") as engines:
+        ...
+
+- what a server is: a :class:`ServerSpec` (command line, environment, port) per server, made
+  by a :class:`ServersSpec` (:class:`ReferenceServers`; :class:`engines.vllm.VllmServers`);
+- where it runs: a child process of the trainer (:func:`open_engine_processes`,
+  ``engine.placement=process``) or a process started by a Ray actor on the node Ray picks
+  (:func:`open_ray_engines`, ``engine.placement=ray``);
+- when it is ready, for both: its ``ENGINE_READY port=N`` line (a server given ``--port 0``)
+  or the port it was told, then ``GET /health`` from the trainer, bounded by
+  ``startup_timeout_s``; a server that exits first, or is not healthy in time, raises
+  :class:`~trainer.errors.EngineStartError` with the tail of its log;
+- how it stops, for both: stdin closed, SIGTERM to its process group, SIGKILL after
+  ``shutdown_timeout_s``; shielded and bounded on every way out of the block;
+- why it never outlives the trainer: a pipe on its stdin, which closes when the trainer dies
+  (even SIGKILLed); the reference server exits on its end-of-file, ``vllm serve`` runs under
+  :mod:`engines.launch.stdin_guard`, which does it for it.
+
+The private modules: ``_spec`` (the specs), ``_ready`` (the ready line, the one start-up
+wait), ``_stop`` (the SIGTERM/SIGKILL escalation), ``_processes`` (child processes),
+``_ray`` and ``_ray_actor`` (Ray placement: the trainer's side, the actor's side).
+"""
+
+from engines.launch._processes import (
+    EngineProcess,
+    EngineProcesses,
+    launch_local_engines,
+    open_engine_processes,
+)
+from engines.launch._ray import RayEngine, open_ray_engines
+from engines.launch._ray_actor import EngineServerActor
+from engines.launch._ready import READY_PREFIX, READY_RE, ready_line
+from engines.launch._spec import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    LOG_TAIL_CHARS,
+    ReferenceServers,
+    ServerSpec,
+    ServersSpec,
+    base_url,
+    server_device,
+    server_env,
+)
+from engines.launch._stop import KILL_WAIT_S
+
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT_S",
+    "DEFAULT_STARTUP_TIMEOUT_S",
+    "KILL_WAIT_S",
+    "LOG_TAIL_CHARS",
+    "READY_PREFIX",
+    "READY_RE",
+    "EngineProcess",
+    "EngineProcesses",
+    "EngineServerActor",
+    "RayEngine",
+    "ReferenceServers",
+    "ServerSpec",
+    "ServersSpec",
+    "base_url",
+    "launch_local_engines",
+    "open_engine_processes",
+    "open_ray_engines",
+    "ready_line",
+    "server_device",
+    "server_env",
+]
