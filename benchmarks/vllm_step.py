@@ -13,7 +13,7 @@ hits every arm alike):
 - ``vllm-spin-1s``: ``engine.backend=vllm`` with vLLM's own message-queue spin (its readers
   busy-spin 1 s after every message: ``TRAINER_VLLM_BUSY_LOOP_S=1``, vLLM's default);
 - ``vllm``: ``engine.backend=vllm`` as the launcher starts it (its default spin, see
-  ``engines.vllm_serve``);
+  ``engines.vllm.serve``);
 
 and any ``key=value`` given after ``--`` in every arm. For each run it reads ``metrics.jsonl``:
 the median of ``timing/step`` and ``timing/generate`` over the steps after the first 5 (the

@@ -14,7 +14,7 @@ BACKENDS = {
 }
 #: Seconds vLLM's message-queue readers busy-spin after each message (vLLM's
 #: ``SpinCondition(busy_loop_s=1)``); unset: vLLM's own. The trainer sets it for the vLLM it
-#: starts on the CPU (``engines.vllm_serve.DEFAULT_CPU_BUSY_LOOP_S``, which says why); a
+#: starts on the CPU (``engines.vllm.serve.DEFAULT_CPU_BUSY_LOOP_S``, which says why); a
 #: server a user starts gets it from its own environment.
 BUSY_LOOP_ENV = "TRAINER_VLLM_BUSY_LOOP_S"
 

@@ -74,12 +74,9 @@ PUBLIC_API: dict[str, list[str]] = {
     ],
     "engines.launch.stdin_guard": ["main"],
     "engines.rotation": ["EngineState", "Rotation", "is_engine_failure"],
-    "engines.vllm_serve": [
+    "engines.vllm.serve": [
         "DEFAULT_CPU_BUSY_LOOP_S",
-        "VLLM_SERVE_MODULE",
-        "VLLM_TRANSPORTS",
         "VllmServers",
-        "WeightTransferBackend",
         "check_server_config",
         "config_problems",
         "cpu_env",
@@ -140,7 +137,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "pickle_ipc_handles",
         "tensor_update_info",
     ],
-    "engines.vllm_inprocess": [
+    "engines.vllm.inprocess": [
         "VLLM_AVAILABLE",
         "VLLMInProcessEngine",
         "completion_from_output",
@@ -148,7 +145,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "open_vllm_inprocess_client",
         "to_vllm_sampling_kwargs",
     ],
-    "engines.vllm_control": [
+    "engines.vllm.control": [
         "PROBE_METHODS",
         "VLLM_ROUTES",
         "VLLM_URL",
@@ -157,12 +154,18 @@ PUBLIC_API: dict[str, list[str]] = {
         "load_vllm_classes",
         "probe_asyncllm",
     ],
-    "engines.vllm_start": [
+    "engines.vllm.flags": [
+        "ENGINE_ARG_FLAGS",
+        "VLLM_SERVE_MODULE",
+        "VLLM_TRANSPORTS",
+        "WeightTransferBackend",
+        "engine_argv",
+        "flag_clashes",
+    ],
+    "engines.vllm.async_llm": [
         "DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S",
         "DEFAULT_VLLM_STARTUP_TIMEOUT_S",
-        "ENGINE_ARG_FLAGS",
         "build_async_llm",
-        "engine_argv",
         "open_async_llm",
         "shutdown_async_llm",
     ],

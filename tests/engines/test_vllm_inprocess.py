@@ -1,4 +1,4 @@
-"""engines.vllm_inprocess against vLLM: its own classes where importable, its recorded shapes elsewhere.
+"""engines.vllm.inprocess against vLLM: its own classes where importable, its recorded shapes elsewhere.
 
 Where ``import vllm`` works, the conversions run on vLLM's own ``SamplingParams``,
 ``RequestOutput``, ``CompletionOutput`` and ``Logprob``. Everywhere (CI included) they also run
@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 import trio
 
-from engines import vllm_inprocess
 from engines.control_plane import (
     CONTROL_PLANE_TIMEOUT_ENV,
 )
 from engines.types import SamplingParams
-from engines.vllm_control import VLLM_URL, load_vllm_classes
-from engines.vllm_start import (
+from engines.vllm import inprocess as vllm_inprocess
+from engines.vllm.async_llm import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     open_async_llm,
 )
+from engines.vllm.control import VLLM_URL, load_vllm_classes
 from tests.engines.vllm_stand_in import (
     SHAPES,
     OutputClasses,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engines.vllm_start import (
+from engines.vllm.flags import (
     ENGINE_ARG_FLAGS,
     engine_argv,
 )

@@ -1,4 +1,4 @@
-"""engines.vllm_inprocess's control surface on the real trio-asyncio bridge, against a stand-in
+"""engines.vllm.inprocess's control surface on the real trio-asyncio bridge, against a stand-in
 ``AsyncLLM`` whose methods have the signatures recorded from vLLM (``reference/vllm_shapes.json``):
 each route calls the method vLLM's router calls, with its argument conversion, bounded and typed.
 """
@@ -30,8 +30,8 @@ from engines.routes import (
     WEIGHT_TRANSFER_ROUTES,
 )
 from engines.types import SamplingParams
-from engines.vllm_control import PROBE_METHODS, VLLM_URL
-from engines.vllm_inprocess import VLLMInProcessEngine
+from engines.vllm.control import PROBE_METHODS, VLLM_URL
+from engines.vllm.inprocess import VLLMInProcessEngine
 from engines.weight_transfer import ipc_update_info, pickle_ipc_handles
 from tests.engines.vllm_stand_in import (
     SHAPES,

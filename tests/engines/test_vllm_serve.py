@@ -27,8 +27,8 @@ from engines.client import InferenceClient
 from engines.launch import ServerSpec, open_engine_processes
 from engines.process_group import free_port
 from engines.types import SamplingParams
-from engines.vllm_serve import (
-    VLLM_SERVE_MODULE,
+from engines.vllm.flags import VLLM_SERVE_MODULE
+from engines.vllm.serve import (
     VllmServers,
     check_server_config,
     config_problems,

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from engines.vllm_control import VLLMClasses
+from engines.vllm.control import VLLMClasses
 
 SHAPES: dict[str, Any] = json.loads(
     (Path(__file__).parent / "reference" / "vllm_shapes.json").read_text()

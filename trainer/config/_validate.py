@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+from engines.vllm.flags import flag_clashes
 from trainer.config._schema import (
     Config,
     ConfigWarning,
@@ -114,13 +115,31 @@ def _check_rollout_timeout(cfg: Config) -> None:
         )
 
 
+#: The config key behind each engine field the trainer sets as a ``vllm serve`` flag.
+_ENGINE_FIELD_KEYS = {
+    "model": "model.path",
+    "tensor_parallel_size": "engine.tensor_parallel_size",
+    "gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "seed": "trainer.seed",
+    "enable_sleep_mode": "engine.colocated or engine.offload_kv_for_weight_sync",
+    "weight_transfer_config": "sync.transport",
+}
+
+
 def _check_vllm(cfg: Config) -> None:
-    """vLLM backends: tensor parallelism only where vLLM runs, and one GPU's buffer for ipc.
+    """vLLM backends: tensor parallelism only where vLLM runs, one GPU's buffer for ipc, and
+    ``engine.extra_args`` that leave the trainer's own flags alone.
 
     Every ``sync.transport`` reaches vLLM: ``nccl`` and ``ipc`` are vLLM's own, ``gloo`` and
     ``disk`` the project's vLLM plugin (:mod:`engines.vllm`)."""
     e = cfg.engine
     vllm = e.backend in ("vllm", "vllm_inprocess")
+    if vllm and (clashes := flag_clashes(e.extra_args)):
+        keys = ", ".join(f"{field} ({_ENGINE_FIELD_KEYS[field]})" for field in clashes)
+        raise ConfigError(
+            f"config: engine.extra_args={list(e.extra_args)} set what the trainer sets from its "
+            f"own keys: {keys}; set those keys instead and drop the flags from engine.extra_args"
+        )
     if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "

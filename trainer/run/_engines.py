@@ -22,8 +22,9 @@ from engines.launch import (
     open_engine_processes,
 )
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
-from engines.vllm_inprocess import open_vllm_inprocess_client
-from engines.vllm_serve import VLLM_TRANSPORTS, VllmServers, check_server_config, gpu_groups
+from engines.vllm.flags import VLLM_TRANSPORTS
+from engines.vllm.inprocess import open_vllm_inprocess_client
+from engines.vllm.serve import VllmServers, check_server_config, gpu_groups
 from engines.weight_transfer import dtype_name
 from trainer.config import Config
 from trainer.errors import ConfigError
@@ -158,7 +159,7 @@ def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
 
 
 def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
-    """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm_serve`).
+    """The ``vllm serve`` servers of ``engine.backend=vllm`` (see :mod:`engines.vllm.serve`).
 
     Their ``--dtype`` is :func:`policy_dtype`; ``cpu`` where this process sees no CUDA
     (vLLM's CPU build).

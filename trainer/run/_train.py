@@ -26,7 +26,7 @@ import yaml
 
 from engines.models import load_tokenizer, resolve_model_path
 from engines.types import SamplingParams
-from engines.vllm_serve import require_vllm
+from engines.vllm.serve import require_vllm
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
 from trainer.data import PromptLoader, load_datasets

@@ -1,7 +1,7 @@
 """Write ``vllm_serve_flags.json``: every option ``vllm serve`` accepts, from vLLM's own parser.
 
 ``tests/engines/test_vllm_serve.py`` checks that the command line the trainer builds for
-``engine.backend=vllm`` (:mod:`engines.vllm_serve`) uses only these options, each with the
+``engine.backend=vllm`` (:mod:`engines.vllm.serve`) uses only these options, each with the
 number of values it takes, so the check runs where vLLM is not installed. Regenerate the file
 whenever the vLLM the docs pin changes.
 
@@ -34,7 +34,7 @@ def _arity(action: argparse.Action) -> str:
 
 
 #: The fields of ``GET /server_info?config_format=json``'s ``vllm_config`` that
-#: ``engines.vllm_serve.check_server_config`` reads, as (config class path, field).
+#: ``engines.vllm.serve.check_server_config`` reads, as (config class path, field).
 SERVER_INFO_FIELDS = {
     "weight_transfer_config": ("vllm.config.vllm:VllmConfig", "weight_transfer_config"),
     "weight_transfer_config.backend": (

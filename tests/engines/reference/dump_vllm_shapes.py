@@ -1,4 +1,4 @@
-"""Write ``vllm_shapes.json``: the shapes of vLLM's objects that ``engines.vllm_*`` use.
+"""Write ``vllm_shapes.json``: the shapes of vLLM's objects that ``engines.vllm``'s trainer-side modules use.
 
 ``tests/engines/test_vllm_inprocess*.py`` check the conversions against this file where vLLM
 is not importable (CI, CPU machines), so regenerate it whenever the vLLM we target changes.
@@ -30,7 +30,7 @@ from typing import Any
 
 OUT = Path(__file__).with_name("vllm_shapes.json")
 
-#: ``AsyncLLM`` methods that ``engines.vllm_inprocess`` and ``engines.vllm_control`` call.
+#: ``AsyncLLM`` methods that ``engines.vllm.inprocess`` and ``engines.vllm.control`` call.
 ASYNC_LLM_METHODS = (
     "from_engine_args",
     "generate",
@@ -49,7 +49,7 @@ ASYNC_LLM_METHODS = (
     "compute_weight_checksums",
     "shutdown",
 )
-#: ``AsyncEngineArgs`` fields that ``engines.vllm_start.engine_argv`` sets by their flags.
+#: ``AsyncEngineArgs`` fields that ``engines.vllm.flags.engine_argv`` sets by their flags.
 ENGINE_ARG_FIELDS = (
     "model",
     "tensor_parallel_size",

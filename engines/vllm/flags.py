@@ -1,0 +1,113 @@
+"""The engine's settings as ``vllm serve`` flags: one builder for the servers the trainer starts
+(:mod:`engines.vllm.serve`) and the in-process engine (:mod:`engines.vllm.inprocess`).
+
+::
+
+    engine_argv("/models/qwen", tensor_parallel_size=2, weight_transfer_backend="nccl",
+                extra_args=["--max-model-len", "4096"])
+    # ['--model', '/models/qwen', '--tensor-parallel-size', '2', '--seed', '0',
+    #  '--weight-transfer-config', '{"backend": "nccl"}', '--max-model-len', '4096']
+
+``extra_args`` (``engine.extra_args``) come last, as given, and may not set a field the
+trainer sets (:data:`ENGINE_ARG_FLAGS`, vLLM 0.33.0's ``AsyncEngineArgs.add_cli_args``):
+:func:`flag_clashes` names those, and the config refuses them at load.
+"""
+
+from __future__ import annotations
+
+import json
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+__all__ = [
+    "ENGINE_ARG_FLAGS",
+    "VLLM_SERVE_MODULE",
+    "VLLM_TRANSPORTS",
+    "WeightTransferBackend",
+    "engine_argv",
+    "flag_clashes",
+]
+
+#: What ``vllm serve`` runs: vLLM's OpenAI API server (``python -m`` of it takes ``--model``).
+VLLM_SERVE_MODULE = "vllm.entrypoints.openai.api_server"
+WeightTransferBackend = Literal["nccl", "ipc", "gloo", "disk"]
+#: The ``sync.transport`` values a vLLM engine takes: vLLM's ``nccl`` and ``ipc``, and the
+#: project's plugin's ``gloo`` and ``disk`` (:mod:`engines.vllm`).
+VLLM_TRANSPORTS: tuple[str, ...] = typing.get_args(WeightTransferBackend)
+
+#: ``AsyncEngineArgs`` field -> its ``vllm serve`` flags (vLLM 0.33.0's ``add_cli_args``):
+#: the fields :func:`engine_argv` sets, which ``extra_args`` may therefore not set.
+ENGINE_ARG_FLAGS: Mapping[str, tuple[str, ...]] = {
+    "model": ("--model",),
+    "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
+    "gpu_memory_utilization": ("--gpu-memory-utilization", "--device-memory-utilization"),
+    "seed": ("--seed",),
+    "enable_sleep_mode": ("--enable-sleep-mode",),
+    "weight_transfer_config": ("--weight-transfer-config",),
+}
+
+
+def _flag_of(token: str) -> str | None:
+    """The option a command-line token names, as vLLM's parser reads it: ``--a_b=1`` and
+    ``--a-b.key`` name ``--a-b``, ``--no-a-b`` names ``--a-b`` (a boolean's negation)."""
+    if token.startswith("--"):
+        name = token[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        return "--" + name.removeprefix("no-")
+    if token.startswith("-") and len(token) > 1 and not token[1].isdigit():
+        return token.split("=", 1)[0]
+    return None
+
+
+def flag_clashes(extra_args: Sequence[str]) -> list[str]:
+    """The fields of :data:`ENGINE_ARG_FLAGS` that ``extra_args`` set, sorted (none: [])."""
+    owners = {flag: field for field, flags in ENGINE_ARG_FLAGS.items() for flag in flags}
+    return sorted({owners[f] for t in extra_args if (f := _flag_of(t)) in owners})
+
+
+def engine_argv(
+    model: str,
+    *,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    seed: int = 0,
+    enable_sleep_mode: bool = False,
+    weight_transfer_backend: WeightTransferBackend | None = "nccl",
+    extra_args: Sequence[str] = (),
+    dtype: str | None = None,
+    cpu: bool = False,
+) -> list[str]:
+    """``vllm serve``'s engine flags for these settings, ``--model`` first, ``extra_args`` last.
+
+    ``gpu_memory_utilization`` None keeps vLLM's default; ``weight_transfer_backend`` None
+    leaves the weight-transfer routes off (as ``vllm serve`` without
+    ``--weight-transfer-config``); ``gloo`` and ``disk`` are the project's plugin's
+    (:mod:`engines.vllm`). ``dtype``: ``--dtype`` unless ``extra_args`` sets one (None:
+    vLLM's ``auto``, which serves a float32 checkpoint in bfloat16 on the CPU). ``cpu``:
+    vLLM's CPU build, started with ``--enforce-eager`` (torch.compile's warm-up: 64 s to start
+    against 37 s, no faster after) unless ``extra_args`` says ``--no-enforce-eager``. Raises
+    ``ValueError`` for an unknown backend, and for ``extra_args`` that set a field these
+    arguments set (:func:`flag_clashes`), naming it.
+    """
+    if weight_transfer_backend is not None and weight_transfer_backend not in VLLM_TRANSPORTS:
+        raise ValueError(
+            f"weight_transfer_backend={weight_transfer_backend!r}: one of {VLLM_TRANSPORTS} or None"
+        )
+    if clashes := flag_clashes(extra_args):
+        raise ValueError(
+            f"extra_args {list(extra_args)} set {', '.join(clashes)}, which the engine's own "
+            "settings set: use those instead"
+        )
+    argv = ["--model", str(model), "--tensor-parallel-size", str(tensor_parallel_size)]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", repr(float(gpu_memory_utilization))]
+    argv += ["--seed", str(seed)]
+    if enable_sleep_mode:
+        argv.append("--enable-sleep-mode")
+    if weight_transfer_backend is not None:
+        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
+    if dtype is not None and "--dtype" not in {_flag_of(t) for t in extra_args}:
+        argv += ["--dtype", dtype]
+    if cpu and "--no-enforce-eager" not in extra_args:
+        argv.append("--enforce-eager")
+    return [*argv, *extra_args]
