@@ -47,7 +47,9 @@ from engines.control_plane import (
 )
 from engines.http_requests import (
     BODY_EXCERPT_CHARS,
+    DEFAULT_RETRY,
     RETRYABLE_ERRORS,
+    RetryPolicy,
     decode_json,
     send,
 )
@@ -73,6 +75,7 @@ __all__ = [
     "SLEEP_ROUTES",
     "WEIGHT_TRANSFER_ROUTES",
     "InferenceClient",
+    "RetryPolicy",
     "resolve_control_plane_timeout",
 ]
 
@@ -94,9 +97,7 @@ class InferenceClient(ControlPlane):
         model: str | None = None,
         max_concurrency: int = 256,
         control_plane_timeout_s: float | None = None,
-        max_retries: int = 3,
-        backoff_s: float = 0.2,
-        max_backoff_s: float = 2.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
         connect_timeout_s: float = 10.0,
     ) -> None:
         """``control_plane_timeout_s`` is resolved by :func:`resolve_control_plane_timeout`
@@ -109,9 +110,7 @@ class InferenceClient(ControlPlane):
             urls,
             api_key=api_key,
             control_plane_timeout_s=control_plane_timeout_s,
-            max_retries=max_retries,
-            backoff_s=backoff_s,
-            max_backoff_s=max_backoff_s,
+            retry=retry,
             connect_timeout_s=connect_timeout_s,
         )
         self.model = model
@@ -231,7 +230,8 @@ class InferenceClient(ControlPlane):
             "POST",
             path,
             headers=self._headers,
-            retries=self.retry_policy(RETRYABLE_ERRORS),
+            retry=self.retry,
+            retry_on=RETRYABLE_ERRORS,
             json_body=body,
         )
         return _completions(url, path, decode_json(url, path, response), prompt_ids, n)

@@ -30,7 +30,7 @@ from typing import Any, Self, TypeVar
 import httpx
 import trio
 
-from engines.http_requests import CONNECT_ERRORS, RetryPolicy, decode_json, send
+from engines.http_requests import CONNECT_ERRORS, DEFAULT_RETRY, RetryPolicy, decode_json, send
 from engines.rotation import Rotation
 from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
 from engines.types import PauseMode
@@ -110,21 +110,19 @@ class ControlPlane:
         *,
         api_key: str | None = None,
         control_plane_timeout_s: float | None = None,
-        max_retries: int = 3,
-        backoff_s: float = 0.2,
-        max_backoff_s: float = 2.0,
+        retry: RetryPolicy = DEFAULT_RETRY,
         connect_timeout_s: float = 10.0,
     ) -> None:
         """``control_plane_timeout_s`` is resolved by :func:`resolve_control_plane_timeout`
-        (the env var wins; None means 600 s; <= 0 disables). ``ValueError`` for no URLs."""
+        (the env var wins; None means 600 s; <= 0 disables); ``retry``: how failed connections
+        are retried. ``ValueError`` for no URLs."""
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
         #: The servers by index, their states and requests (:mod:`engines.rotation`).
         self.rotation = Rotation(urls)
         self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
-        self.max_backoff_s = max_backoff_s
+        #: How a request is sent again after a transport error (each request says which).
+        self.retry = retry
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Control-plane calls get their own pool, so a /pause never waits behind frozen
         # generation requests holding every data-plane connection. It keeps no connection
@@ -157,10 +155,6 @@ class ControlPlane:
         """Close the connection pool (idempotent)."""
         await self._control_http.aclose()
 
-    def retry_policy(self, retry_on: tuple[type[Exception], ...]) -> RetryPolicy:
-        """This client's retry settings, retrying ``retry_on``."""
-        return RetryPolicy(self.max_retries, self.backoff_s, self.max_backoff_s, retry_on)
-
     # -- one server, every server -----------------------------------------------------------------
 
     async def control_one(
@@ -187,7 +181,8 @@ class ControlPlane:
                 method,
                 path,
                 headers=self._headers,
-                retries=self.retry_policy(CONNECT_ERRORS),
+                retry=self.retry,
+                retry_on=CONNECT_ERRORS,
                 params=params,
                 json_body=json,
             ),

@@ -2,7 +2,7 @@
 
 Shared by both halves of the client (:mod:`engines.control_plane` and :mod:`engines.client`)::
 
-    response = await send(http, url, "POST", "/pause", headers=headers, retries=RetryPolicy())
+    response = await send(http, url, "POST", "/pause", headers=headers, retry=RetryPolicy())
     body = decode_json(url, "/pause", response)
 
 Errors: a non-2xx answer raises :class:`~trainer.errors.InferenceServerError` with the
@@ -28,6 +28,7 @@ from trainer.vocabulary import current_step
 __all__ = [
     "BODY_EXCERPT_CHARS",
     "CONNECT_ERRORS",
+    "DEFAULT_RETRY",
     "RETRYABLE_ERRORS",
     "STEP_HEADER",
     "RetryPolicy",
@@ -57,20 +58,26 @@ RETRYABLE_ERRORS: tuple[type[Exception], ...] = (
 
 @attrs.frozen
 class RetryPolicy:
-    """How often, and how patiently, a request is sent again after a transport error."""
+    """How often, and how patiently, a request is sent again after a transport error: one
+    setting of a client (``InferenceClient(urls, retry=RetryPolicy(max_retries=5))``). Which
+    errors are retried is the request's (a control call retries only failed connections,
+    :data:`CONNECT_ERRORS`; a generation every transport error, :data:`RETRYABLE_ERRORS`).
+    ``ValueError`` for a negative count or wait."""
 
     #: Retries after the first attempt (``max_retries + 1`` attempts in all).
-    max_retries: int = 3
+    max_retries: int = attrs.field(default=3, validator=attrs.validators.ge(0))
     #: Wait before the first retry; doubled before each next one.
-    backoff_s: float = 0.2
+    backoff_s: float = attrs.field(default=0.2, validator=attrs.validators.ge(0.0))
     #: Longest wait between two attempts.
-    max_backoff_s: float = 2.0
-    #: The transport errors that are retried; any other raises at once.
-    retry_on: tuple[type[Exception], ...] = RETRYABLE_ERRORS
+    max_backoff_s: float = attrs.field(default=2.0, validator=attrs.validators.ge(0.0))
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt ``attempt`` (0-based)."""
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+
+#: The clients' default: 3 retries, 0.2 s doubling up to 2 s (about 1.4 s of waiting in all).
+DEFAULT_RETRY = RetryPolicy()
 
 
 def _step_headers(headers: Mapping[str, str]) -> Mapping[str, str]:
@@ -88,15 +95,16 @@ async def send(
     path: str,
     *,
     headers: Mapping[str, str],
-    retries: RetryPolicy,
+    retry: RetryPolicy,
+    retry_on: tuple[type[Exception], ...] = RETRYABLE_ERRORS,
     params: Mapping[str, Any] | None = None,
     json_body: Any = None,
 ) -> httpx.Response:
     """``method url+path`` with the step header; the 2xx response.
 
     Raises ``InferenceServerError`` for a non-2xx answer (never retried), or for a transport
-    error: at once when it is not in ``retries.retry_on``, else once ``retries.max_retries``
-    retries failed too. Cancellation drops the request in flight.
+    error: at once when it is not in ``retry_on``, else once ``retry.max_retries`` retries
+    failed too. Cancellation drops the request in flight.
     """
     attempt = 0
     while True:
@@ -109,15 +117,15 @@ async def send(
                 headers=_step_headers(headers),
             )
             break
-        except retries.retry_on as exc:
-            if attempt >= retries.max_retries:
+        except retry_on as exc:
+            if attempt >= retry.max_retries:
                 raise InferenceServerError(
                     url,
                     path,
                     None,
                     f"transport error after {attempt + 1} attempts: {type(exc).__name__}: {exc}",
                 ) from None
-            await trio.sleep(retries.backoff(attempt))
+            await trio.sleep(retry.backoff(attempt))
             attempt += 1
         except httpx.HTTPError as exc:
             raise InferenceServerError(url, path, None, f"{type(exc).__name__}: {exc}") from None

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
 __all__ = [
     "Completion",
+    "ControlPlaneClient",
     "EngineClient",
     "FinishReason",
     "PauseMode",
@@ -117,13 +118,25 @@ class EngineClient(Protocol):
         """
         ...
 
-    async def pause(self, mode: PauseMode = "keep") -> None: ...
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Pause generation on every engine (``keep``: freeze in-flight requests, ``abort``:
+        end them, ``wait``: drain them) (operation ``/pause``)."""
+        ...
 
-    async def resume(self) -> None: ...
+    async def resume(self) -> None:
+        """Resume generation on every engine (operation ``/resume``)."""
+        ...
 
-    async def sleep(self, level: int = 1) -> None: ...
+    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
+        """Put every engine to sleep (1: weights offloaded, 2: discarded); ``mode`` says what
+        happens to in-flight requests, as for :meth:`pause` (None: the engine's default,
+        vLLM's ``abort``) (operation ``/sleep``)."""
+        ...
 
-    async def wake_up(self, tags: list[str] | None = None) -> None: ...
+    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Wake ``tags`` (``weights`` and/or ``kv_cache``; None or empty: both) on every
+        engine (operation ``/wake_up``)."""
+        ...
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Drop cached prefixes computed with earlier weights (with ``reset_running_requests``,
@@ -133,4 +146,41 @@ class EngineClient(Protocol):
     async def max_model_len(self) -> int | None:
         """The shortest context of the engines (prompt plus completion tokens a request may
         hold), as vLLM's ``/v1/models`` reports it; None when the engines do not say."""
+        ...
+
+
+@runtime_checkable
+class ControlPlaneClient(EngineClient, Protocol):
+    """An :class:`EngineClient` whose engines take vLLM's control routes by path: what the
+    route-based weight transports (``nccl``, ``gloo``, ``ipc``, ``disk``) drive.
+
+    ``engines.client.InferenceClient`` (over HTTP) and ``engines.vllm.inprocess``'s engine
+    (``AsyncLLM`` in this process) implement it; the in-process reference engine does not
+    (its weights are loaded directly: ``sync.transport=inprocess``).
+    """
+
+    async def control_one(
+        self,
+        url: str,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> Any:
+        """``method path`` on the engine at ``url`` (operation ``path``); its answer."""
+        ...
+
+    async def control(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> list[Any]:
+        """``method path`` on every engine concurrently; their answers, in URL order (the
+        first failure raised once every call ended, the others as its notes)."""
+        ...
+
+    async def get_world_size(self) -> list[int]:
+        """Each engine's number of weight-receiving ranks (vLLM's tensor-parallel ranks)."""
         ...

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from engines.types import EngineClient, PauseMode
+from engines.types import ControlPlaneClient, EngineClient, PauseMode
 from sync.transports.base import Rank0, WeightTransport
 from trainer.errors import EngineUnusableError, StepTimeoutError
 from trainer.vocabulary import (
@@ -112,6 +112,18 @@ class _Outcome:
     broken = False
 
 
+def routes_of(engine: EngineClient) -> ControlPlaneClient:
+    """``engine`` as the route-based transports drive it; ``TypeError`` when it takes no control
+    routes (a transport paired with an engine it cannot reach: ``validate_cfg`` refuses the
+    configurations that would)."""
+    if not isinstance(engine, ControlPlaneClient):
+        raise TypeError(
+            f"{type(engine).__name__} takes no control routes (/start_weight_update, ...): "
+            "use sync.transport=inprocess with it"
+        )
+    return engine
+
+
 class _EngineDuringTransfer:
     """The engines as one transfer attempt sees them: whether it reached them, how far it got,
     and the two trainer-side fault points inside it (first attempt only)."""
@@ -140,7 +152,7 @@ class _EngineDuringTransfer:
             self.all_sent = self.open
             await self._point(BEFORE_FINISH)
         try:
-            answer = await self._engine.control(method, path, params, json)
+            answer = await routes_of(self._engine).control(method, path, params, json)
         except BaseException:
             if path == "/update_weights":
                 self.open = False  # what the engines kept of the update is unknown
@@ -317,19 +329,22 @@ async def save_weights_for_sampler(
         with trio.CancelScope(shield=True, deadline=current_deadline()):
             try:
                 if first.open and first.all_sent:
-                    await engine.control("POST", "/finish_weight_update", json={})
+                    await routes_of(engine).control("POST", "/finish_weight_update", json={})
                     return None
                 if first.open:
                     with contextlib.suppress(Exception):
-                        await engine.control("POST", "/finish_weight_update", json={})
+                        await routes_of(engine).control("POST", "/finish_weight_update", json={})
                     return (
                         "its update was open with buckets missing, which an engine cannot "
                         "take again within one update (real vLLM refuses a second start)"
                     )
                 if refusal is not None:
                     return f"the transport cannot send again: {refusal}"
-                with contextlib.suppress(Exception):
-                    await engine.control("POST", "/finish_weight_update", json={})
+                if isinstance(
+                    engine, ControlPlaneClient
+                ):  # an update an earlier transfer left open
+                    with contextlib.suppress(Exception):
+                        await engine.control("POST", "/finish_weight_update", json={})
                 await attempt(fire=False)
             except BaseException as exc:  # any way it ends, the engines hold partial weights
                 return f"sending the weights again failed too ({type(exc).__name__}: {exc})"

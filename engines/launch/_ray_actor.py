@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from engines.launch._ready import READY_SEARCH_CHARS, exit_text, ready_port
 from engines.launch._spec import LOG_TAIL_CHARS, ServersSpec, popen_kwargs, server_env
@@ -76,10 +76,14 @@ class EngineServerActor:
                 raise EngineStartError(f"{self.name} on {host}", "stopped during start-up")
             self._log_offset = log_file.seek(0, 2)
             env = server_env(None, self._api_key)
-            self._proc = subprocess.Popen(list(spec.argv), **popen_kwargs(spec, log_file, env))
-            self._told_port = spec.port
+            # no text mode among the kwargs: a bytes process (typeshed cannot see that in **)
+            proc = cast(
+                "subprocess.Popen[bytes]",
+                subprocess.Popen(list(spec.argv), **popen_kwargs(spec, log_file, env)),
+            )
+            self._proc, self._told_port = proc, spec.port
         return {
-            "pid": self._proc.pid,
+            "pid": proc.pid,
             "actor_pid": os.getpid(),
             "node_ip": host,
             "log_path": str(self._log_path),

@@ -8,7 +8,7 @@ apart. Useful for tests and debugging; the HTTP path is what runs against real v
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -74,15 +74,15 @@ class InProcessClient:
             await fire_fault("/resume")
             self.engine.resume()
 
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
         with operation("/sleep"):
             await fire_fault("/sleep")
-            await self.engine.sleep(level)
+            await self.engine.sleep(level, "abort" if mode is None else mode)
 
-    async def wake_up(self, tags: list[str] | None = None) -> None:
+    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
         with operation("/wake_up"):
             await fire_fault("/wake_up")
-            await self.engine.wake_up(tags)
+            await self.engine.wake_up(None if tags is None else list(tags))
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         """Nothing to drop (the engine has no prefix cache, and loading weights drops its KV

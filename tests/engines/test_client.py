@@ -14,6 +14,7 @@ from engines.client import (
     SLEEP_ROUTES,
     WEIGHT_TRANSFER_ROUTES,
     InferenceClient,
+    RetryPolicy,
     resolve_control_plane_timeout,
 )
 from engines.types import SamplingParams
@@ -172,7 +173,10 @@ async def test_http_errors_are_never_retried() -> None:
         calls.append(path)
         return 503, {"error": {"message": "busy", "type": "ServiceUnavailable", "code": 503}}
 
-    async with serve_app(unavailable) as url, InferenceClient([url], backoff_s=0.01) as client:
+    async with (
+        serve_app(unavailable) as url,
+        InferenceClient([url], retry=RetryPolicy(backoff_s=0.01)) as client,
+    ):
         with pytest.raises(InferenceServerError) as info:
             await client.generate([1], SamplingParams())
     assert info.value.status == 503
@@ -181,13 +185,27 @@ async def test_http_errors_are_never_retried() -> None:
 
 async def test_transport_errors_are_retried_then_name_the_server() -> None:
     url = free_port_url()  # nothing listens there
-    async with InferenceClient([url], max_retries=2, backoff_s=0.01) as client:
+    async with InferenceClient([url], retry=RetryPolicy(max_retries=2, backoff_s=0.01)) as client:
         with pytest.raises(InferenceServerError) as info:
             await client.generate([1], SamplingParams())
     assert info.value.status is None
     assert info.value.url == url
     assert "after 3 attempts" in str(info.value)
     assert url in str(info.value)
+
+
+async def test_control_calls_retry_failed_connections_by_the_clients_one_policy() -> None:
+    url = free_port_url()  # nothing listens there
+    async with InferenceClient([url], retry=RetryPolicy(max_retries=1, backoff_s=0.0)) as client:
+        with pytest.raises(InferenceServerError, match="after 2 attempts") as info:
+            await client.pause()
+    assert info.value.endpoint == "/pause" and info.value.status is None
+
+
+@pytest.mark.parametrize("bad", [{"max_retries": -1}, {"backoff_s": -0.1}, {"max_backoff_s": -1}])
+def test_a_retry_policy_refuses_a_negative_count_or_wait(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
 
 
 async def test_a_fan_out_with_several_failures_raises_the_first_with_the_others_as_notes() -> None:

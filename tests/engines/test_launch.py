@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from engines.client import InferenceClient
+from engines.client import InferenceClient, RetryPolicy
 from engines.launch import (
     ReferenceServers,
     launch_local_engines,
@@ -35,7 +35,9 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
         pids = [e.pid for e in engines]
         victim = engines[0]
         caught: list[InferenceServerError] = []
-        async with InferenceClient([victim.url], max_retries=2, backoff_s=0.05) as client:
+        async with InferenceClient(
+            [victim.url], retry=RetryPolicy(max_retries=2, backoff_s=0.05)
+        ) as client:
 
             async def generate() -> None:
                 with pytest.raises(InferenceServerError) as info:

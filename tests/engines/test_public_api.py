@@ -22,6 +22,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "SLEEP_ROUTES",
         "WEIGHT_TRANSFER_ROUTES",
         "InferenceClient",
+        "RetryPolicy",
         "resolve_control_plane_timeout",
     ],
     "engines.control_plane": [
@@ -37,6 +38,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "CONNECT_ERRORS",
         "RETRYABLE_ERRORS",
         "STEP_HEADER",
+        "DEFAULT_RETRY",
         "RetryPolicy",
         "decode_json",
         "send",
@@ -114,6 +116,7 @@ PUBLIC_API: dict[str, list[str]] = {
     "engines.server_state": ["LAST_CONTROL_CALLS", "server_states"],
     "engines.types": [
         "Completion",
+        "ControlPlaneClient",
         "EngineClient",
         "FinishReason",
         "PauseMode",
