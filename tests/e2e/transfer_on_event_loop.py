@@ -20,14 +20,21 @@ _fire_in_its_thread = sync.weights.fire_fault_sync
 
 def _fire_on_the_event_loop(op: str, *args: Any, **kwargs: Any) -> None:
     """Called in the transfer's worker thread: the trio thread is held blocked for as long as
-    the fault lasts (a helper thread holds it in ``Event.wait``), as if the fault ran there."""
+    the fault lasts (a helper thread holds it in ``Event.wait``), as if the fault ran there.
+    The fault starts only once the trio thread is held, so the stall lasts the whole fault."""
     token = trio.from_thread.run_sync(trio.lowlevel.current_trio_token)
-    over = threading.Event()
+    held, over = threading.Event(), threading.Event()
+
+    def hold() -> None:  # runs on the trio thread
+        held.set()
+        over.wait()
+
     holder = threading.Thread(
-        target=trio.from_thread.run_sync, args=(over.wait,), kwargs={"trio_token": token}
+        target=trio.from_thread.run_sync, args=(hold,), kwargs={"trio_token": token}
     )
     holder.start()
     try:
+        held.wait()
         _fire_in_its_thread(op, *args, **kwargs)
     finally:
         over.set()
