@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from engines.http_requests import STEP_HEADER
+from engines.client import STEP_HEADER
 from engines.local.validation import error_body
 
 __all__ = [

@@ -34,7 +34,7 @@ from typing import Any, Literal
 
 import attrs
 
-from engines.routes import ROUTE_FLAGS, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.client import ROUTE_FLAGS, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
 from trainer.errors import InferenceServerError
 
 __all__ = [
@@ -211,7 +211,7 @@ VLLM_ROUTES: Mapping[str, Route] = {
     "/weight_checker": Route("POST", ("compute_weight_checksums",), _weight_checker),
 }
 
-#: Route -> the ``AsyncLLM`` methods it needs, for every route ``engines.routes.probe`` knows.
+#: Route -> the ``AsyncLLM`` methods it needs, for every route ``engines.client.probe`` knows.
 PROBE_METHODS: Mapping[str, tuple[str, ...]] = {
     "/health": ("check_health",),
     "/v1/completions": ("generate",),
@@ -225,7 +225,7 @@ def probe_asyncllm(llm: Any, required: Iterable[str]) -> None:
     routes are required.
 
     ``InferenceServerError`` (status 404) naming the missing methods or setting; ``ValueError``
-    for a route ``engines.routes`` does not know (as ``ControlPlane.probe``).
+    for a route ``engines.client.ROUTE_FLAGS`` does not know (as ``ControlPlane.probe``).
     """
 
     routes = list(dict.fromkeys(required))

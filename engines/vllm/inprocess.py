@@ -12,7 +12,7 @@
 
 :class:`VLLMInProcessEngine` offers what the trainer uses of
 :class:`engines.client.InferenceClient`: ``generate``/``generate_n``, and the control plane
-with :class:`engines.control_plane.ControlPlane`'s signatures (``control``, ``control_one``,
+with :class:`engines.client.ControlPlane`'s signatures (both are :class:`engines.client.ControlRoutes`) (``control``, ``control_one``,
 ``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
 ``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``), so the weight transports
 (``sync.transports``) and the weight-sync bracket (``sync.weights``) drive it unchanged. Each
@@ -52,13 +52,15 @@ from typing import Any
 import trio
 
 from engines.bridge import Bridge, open_bridge
-from engines.control_plane import (
+from engines.client import (
+    DATA_PLANE_ROUTES,
+    PAUSE_ROUTES,
+    ControlRoutes,
     bounded_control,
     digests_checksum,
     resolve_control_plane_timeout,
 )
-from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES
-from engines.types import Completion, FinishReason, PauseMode, SamplingParams
+from engines.types import Completion, FinishReason, SamplingParams
 from engines.vllm.async_llm import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     DEFAULT_VLLM_STARTUP_TIMEOUT_S,
@@ -136,7 +138,7 @@ def _sample_completion(output: Any, sample: Any) -> Completion:
     return Completion(token_ids, logprobs, finish, [int(t) for t in output.prompt_token_ids])
 
 
-class VLLMInProcessEngine:
+class VLLMInProcessEngine(ControlRoutes):
     """One ``AsyncLLM`` driven from trio; create with :func:`open_vllm_inprocess_client`.
 
     ``llm`` is the ``AsyncLLM`` (or an object with its methods), ``classes`` the vLLM classes
@@ -156,8 +158,11 @@ class VLLMInProcessEngine:
         self.llm = llm
         self.classes = classes
         self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
-        #: One entry, naming this engine.
-        self.urls = [VLLM_URL]
+
+    @property
+    def urls(self) -> list[str]:
+        """One entry, naming this engine."""
+        return [VLLM_URL]
 
     # -- data plane --------------------------------------------------------------------------------
 
@@ -254,35 +259,15 @@ class VLLMInProcessEngine:
         """:meth:`control_one` on the one engine; its answer in a one-element list."""
         return [await self.control_one(self.urls[0], method, path, params, json)]
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        """``/pause?mode=...``: ``pause_generation(mode=mode, clear_cache=True)``."""
-        await self.control("POST", "/pause", params={"mode": mode})
-
-    async def resume(self) -> None:
-        await self.control("POST", "/resume")
-
-    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
-        """``/sleep?level=...``; ``mode`` None leaves vLLM's default (abort)."""
-        params: dict[str, Any] = {"level": level}
-        if mode is not None:
-            params["mode"] = mode
-        await self.control("POST", "/sleep", params=params)
-
-    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        """``/wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None or empty wakes both)."""
-        tag_list = list(tags) if tags is not None else []
-        await self.control("POST", "/wake_up", params={"tags": tag_list} if tag_list else None)
-
-    async def is_paused(self) -> list[bool]:
-        return [bool(body["is_paused"]) for body in await self.control("GET", "/is_paused")]
-
-    async def is_sleeping(self) -> list[bool]:
-        return [bool(body["is_sleeping"]) for body in await self.control("GET", "/is_sleeping")]
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        """``/reset_prefix_cache`` (``reset_running_requests``: also the requests in flight)."""
-        params = {"reset_running_requests": "true"} if reset_running_requests else None
-        await self.control("POST", "/reset_prefix_cache", params=params)
+    async def control_json(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        json: Any = None,
+    ) -> list[Any]:
+        """:meth:`control`: its answers are already the route's JSON bodies."""
+        return await self.control(method, path, params, json)
 
     async def get_world_size(self) -> list[int]:
         """The engine's ranks (``/get_world_size``'s answer: tensor x pipeline x data
@@ -311,7 +296,7 @@ class VLLMInProcessEngine:
         started with sleep mode / a weight-transfer backend when those routes are required.
 
         ``InferenceServerError`` (status 404) naming the missing methods or setting;
-        ``ValueError`` for a route ``engines.routes`` does not know (as ``ControlPlane.probe``).
+        ``ValueError`` for a route ``engines.client.ROUTE_FLAGS`` does not know (as ``ControlPlane.probe``).
         """
         await trio.lowlevel.checkpoint()
         probe_asyncllm(self.llm, required)

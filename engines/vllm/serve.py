@@ -55,8 +55,7 @@ from typing import Any
 
 import attrs
 
-from engines.control_plane import ControlPlane
-from engines.http_requests import decode_json
+from engines.client import ControlPlane, decode_json
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV

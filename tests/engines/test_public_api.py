@@ -17,31 +17,26 @@ PUBLIC_API: dict[str, list[str]] = {
         "DATA_CONNECTIONS_PER_SERVER",
         "DATA_PLANE_ROUTES",
         "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
+        "DEFAULT_RETRY",
+        "LAST_CONTROL_CALLS",
         "PAUSE_ROUTES",
         "ROUTE_FLAGS",
         "SLEEP_ROUTES",
+        "STEP_HEADER",
         "WEIGHT_TRANSFER_ROUTES",
+        "ControlPlane",
+        "ControlRoutes",
+        "EngineState",
         "InferenceClient",
         "RetryPolicy",
-        "resolve_control_plane_timeout",
-    ],
-    "engines.control_plane": [
-        "CONTROL_PLANE_TIMEOUT_ENV",
-        "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
-        "ControlPlane",
+        "Rotation",
         "bounded_control",
-        "digests_checksum",
-        "resolve_control_plane_timeout",
-    ],
-    "engines.http_requests": [
-        "BODY_EXCERPT_CHARS",
-        "CONNECT_ERRORS",
-        "RETRYABLE_ERRORS",
-        "STEP_HEADER",
-        "DEFAULT_RETRY",
-        "RetryPolicy",
         "decode_json",
-        "send",
+        "digests_checksum",
+        "is_engine_failure",
+        "probe",
+        "resolve_control_plane_timeout",
+        "server_states",
     ],
     "engines.devices": [
         "DEVICES",
@@ -75,7 +70,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "server_env",
     ],
     "engines.launch.stdin_guard": ["main"],
-    "engines.rotation": ["EngineState", "Rotation", "is_engine_failure"],
     "engines.vllm.serve": [
         "DEFAULT_CPU_BUSY_LOOP_S",
         "VllmServers",
@@ -104,16 +98,6 @@ PUBLIC_API: dict[str, list[str]] = {
         "join_group",
         "require_cuda",
     ],
-    "engines.routes": [
-        "DATA_PLANE_ROUTES",
-        "PAUSE_ROUTES",
-        "ROUTE_FLAGS",
-        "SLEEP_ROUTES",
-        "WEIGHT_TRANSFER_ROUTES",
-        "SupportsControlOne",
-        "probe",
-    ],
-    "engines.server_state": ["LAST_CONTROL_CALLS", "server_states"],
     "engines.types": [
         "Completion",
         "ControlPlaneClient",
@@ -186,11 +170,21 @@ def test_all_is_the_pinned_public_api_and_every_name_exists(module_name: str) ->
         assert not name.startswith("_"), f"{module_name}.__all__ exports a private name {name}"
 
 
-def test_the_client_keeps_the_names_other_packages_import() -> None:
-    """``trainer`` and ``sync`` reach these through ``engines.client`` and ``engines.routes``."""
-    from engines import client, control_plane, routes
+def test_the_route_methods_are_written_once_for_both_control_planes() -> None:
+    """HTTP's ``ControlPlane`` and the in-process vLLM engine take the routes from one class."""
+    from engines.client import ControlPlane, ControlRoutes, InferenceClient
+    from engines.vllm.inprocess import VLLMInProcessEngine
 
-    assert client.DATA_PLANE_ROUTES is routes.DATA_PLANE_ROUTES
-    assert client.resolve_control_plane_timeout is control_plane.resolve_control_plane_timeout
-    assert issubclass(client.InferenceClient, control_plane.ControlPlane)
-    assert callable(client.InferenceClient.control_one)
+    routes = (
+        "pause",
+        "resume",
+        "sleep",
+        "wake_up",
+        "is_paused",
+        "is_sleeping",
+        "reset_prefix_cache",
+    )
+    for cls in (ControlPlane, InferenceClient, VLLMInProcessEngine):
+        assert issubclass(cls, ControlRoutes)
+        for name in routes:
+            assert getattr(cls, name) is getattr(ControlRoutes, name), f"{cls.__name__}.{name}"

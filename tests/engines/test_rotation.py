@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from engines.rotation import Rotation, is_engine_failure
+from engines.client import Rotation, is_engine_failure
 from trainer.errors import InferenceServerError
 
 URLS = ["http://a:1", "http://b:2", "http://c:3/"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import trio
 
-from engines.server_state import server_states
+from engines.client import server_states
 from tests.engines.helpers import serve_app, serve_reference
 
 

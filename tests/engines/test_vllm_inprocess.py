@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 
-from engines.control_plane import (
+from engines.client import (
     CONTROL_PLANE_TIMEOUT_ENV,
 )
 from engines.types import SamplingParams

@@ -17,17 +17,15 @@ import torch
 import trio
 
 from engines.bridge import open_bridge
-from engines.control_plane import (
+from engines.client import (
     CONTROL_PLANE_TIMEOUT_ENV,
-    DEFAULT_CONTROL_PLANE_TIMEOUT_S,
-    digests_checksum,
-)
-from engines.routes import (
     DATA_PLANE_ROUTES,
+    DEFAULT_CONTROL_PLANE_TIMEOUT_S,
     PAUSE_ROUTES,
     ROUTE_FLAGS,
     SLEEP_ROUTES,
     WEIGHT_TRANSFER_ROUTES,
+    digests_checksum,
 )
 from engines.types import SamplingParams
 from engines.vllm.control import PROBE_METHODS, VLLM_URL
@@ -101,7 +99,7 @@ def test_every_asyncllm_method_the_routes_call_is_recorded_and_stood_in() -> Non
     assert set(SHAPES["AsyncLLM"]["methods"]) == {
         name for name in vars(StandInAsyncLLM) if not name.startswith("_")
     }
-    # the probe knows every route engines.routes knows (so ControlPlane's callers work)
+    # the probe knows every route engines.client.ROUTE_FLAGS knows (so ControlPlane's callers work)
     assert set(PROBE_METHODS) == set(ROUTE_FLAGS) | {"/weight_checker"}
 
 

@@ -36,9 +36,8 @@ import httpx
 import jsonschema
 import torch
 
-from engines.client import InferenceClient
+from engines.client import ROUTE_FLAGS, InferenceClient
 from engines.local.http import answer_lifespan
-from engines.routes import ROUTE_FLAGS
 from engines.types import SamplingParams
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
 from sync.transports import DiskTransport

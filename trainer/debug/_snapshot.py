@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 import trio
 
-from engines.server_state import server_states
+from engines.client import server_states
 from trainer.debug._waits import WaitClock
 from trainer.vocabulary import place_of
 

@@ -9,7 +9,7 @@ someone else's (``remote``), each engine is watched:
   ``engine.health_check_first_wait_s`` after the engine (re)started; and whether its server
   process has exited;
 - **requests**: a generation request that gets no answer (after the client's retries) or a
-  5xx marks its engine failed (:mod:`engines.rotation`).
+  5xx marks its engine failed (:class:`engines.client.Rotation`).
 
 A failed engine is taken out of rotation at once; its requests in flight are cancelled and
 sent again, to another live engine or, when none is, to it once it is back (the step waits,

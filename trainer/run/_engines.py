@@ -13,7 +13,13 @@ from typing import Any
 import attrs
 import torch
 
-from engines.client import InferenceClient
+from engines.client import (
+    DATA_PLANE_ROUTES,
+    PAUSE_ROUTES,
+    SLEEP_ROUTES,
+    WEIGHT_TRANSFER_ROUTES,
+    InferenceClient,
+)
 from engines.devices import resolve_device, resolve_dtype
 from engines.launch import (
     EngineProcesses,
@@ -21,7 +27,6 @@ from engines.launch import (
     ServersSpec,
     open_engine_processes,
 )
-from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
 from engines.vllm.flags import VLLM_TRANSPORTS
 from engines.vllm.inprocess import open_vllm_inprocess_client
 from engines.vllm.serve import VllmServers, check_server_config, gpu_groups

@@ -17,7 +17,7 @@ transport errors are retried (bounded exponential backoff); an HTTP status never
 bounded by nothing but the caller's cancel scopes (the step deadline).
 
 Control plane (``pause``, ``resume``, ``sleep``, ``wake_up``, ... or ``control``), inherited
-from :class:`~engines.control_plane.ControlPlane`: fans out to every server at once, each call
+from :class:`~engines.client.ControlPlane`: fans out to every server at once, each call
 inside ``operation(path)`` and bounded by ``control_plane_timeout_s`` with a trio cancel scope
 (so a server that accepts the connection and never answers is caught) ->
 :class:`~trainer.errors.InferenceServerTimeoutError`. Only connection failures (the request
@@ -39,13 +39,10 @@ from typing import Any
 import httpx
 import trio
 
-from engines.control_plane import (
-    CONTROL_PLANE_TIMEOUT_ENV,
-    DEFAULT_CONTROL_PLANE_TIMEOUT_S,
+from engines.client._control_plane import (
     ControlPlane,
-    resolve_control_plane_timeout,
 )
-from engines.http_requests import (
+from engines.client._requests import (
     BODY_EXCERPT_CHARS,
     DEFAULT_RETRY,
     RETRYABLE_ERRORS,
@@ -53,31 +50,12 @@ from engines.http_requests import (
     decode_json,
     send,
 )
-from engines.rotation import is_engine_failure
-from engines.routes import (
-    DATA_PLANE_ROUTES,
-    PAUSE_ROUTES,
-    ROUTE_FLAGS,
-    SLEEP_ROUTES,
-    WEIGHT_TRANSFER_ROUTES,
-)
+from engines.client._rotation import is_engine_failure
 from engines.types import Completion, SamplingParams
 from trainer.errors import InferenceServerError
 from trainer.vocabulary import fire_fault, operation
 
-__all__ = [
-    "CONTROL_PLANE_TIMEOUT_ENV",
-    "DATA_CONNECTIONS_PER_SERVER",
-    "DATA_PLANE_ROUTES",
-    "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
-    "PAUSE_ROUTES",
-    "ROUTE_FLAGS",
-    "SLEEP_ROUTES",
-    "WEIGHT_TRANSFER_ROUTES",
-    "InferenceClient",
-    "RetryPolicy",
-    "resolve_control_plane_timeout",
-]
+__all__ = ["DATA_CONNECTIONS_PER_SERVER", "InferenceClient"]
 
 #: Data-plane HTTP/1.1 connections per server (requests beyond it queue in the client).
 DATA_CONNECTIONS_PER_SERVER = 32
@@ -133,7 +111,7 @@ class InferenceClient(ControlPlane):
 
     def url_for(self, trajectory_id: str | None) -> str:
         """The server of a trajectory: stable for one id while it is live (sha256, not
-        ``hash``), round-robin for None (:meth:`engines.rotation.Rotation.pick`)."""
+        ``hash``), round-robin for None (:meth:`engines.client.Rotation.pick`)."""
         index = self.rotation.pick(trajectory_id)
         return self.rotation.urls[0 if index is None else index]
 

@@ -14,7 +14,7 @@ Each request runs inside ``operation(path)`` and is bounded by ``control_plane_t
 with a trio cancel scope (so a server that accepts the connection and never answers is
 caught) -> :class:`~trainer.errors.InferenceServerTimeoutError`. Only connection failures
 (the request never reached the server) are retried. A non-2xx answer or a malformed body
-raises :class:`~trainer.errors.InferenceServerError` (see :mod:`engines.http_requests`). When
+raises :class:`~trainer.errors.InferenceServerError` (see ``engines.client._requests``). When
 several servers fail one fan-out, every call still runs to its end; then the first failure
 (in URL order) is raised with the others attached as notes.
 """
@@ -30,10 +30,10 @@ from typing import Any, Self, TypeVar
 import httpx
 import trio
 
-from engines.http_requests import CONNECT_ERRORS, DEFAULT_RETRY, RetryPolicy, decode_json, send
-from engines.rotation import Rotation
-from engines.routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
-from engines.types import PauseMode
+from engines.client._requests import CONNECT_ERRORS, DEFAULT_RETRY, RetryPolicy, decode_json, send
+from engines.client._rotation import Rotation
+from engines.client._route_methods import ControlRoutes
+from engines.client._routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
 from trainer.vocabulary import operation, raise_first
 
@@ -98,7 +98,7 @@ async def bounded_control(
         raise InferenceServerTimeoutError(url, path, timeout_s)
 
 
-class ControlPlane:
+class ControlPlane(ControlRoutes):
     """Drives the control routes of N inference servers (reference or vLLM) over HTTP.
 
     Use as ``async with ControlPlane(urls) as servers:`` or call :meth:`aclose`.
@@ -118,7 +118,7 @@ class ControlPlane:
         are retried. ``ValueError`` for no URLs."""
         if not urls:
             raise ValueError("InferenceClient needs at least one server URL")
-        #: The servers by index, their states and requests (:mod:`engines.rotation`).
+        #: The servers by index, their states and requests (:class:`engines.client.Rotation`).
         self.rotation = Rotation(urls)
         self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
         #: How a request is sent again after a transport error (each request says which).
@@ -223,65 +223,7 @@ class ControlPlane:
         responses = await self.control(method, path, params, json)
         return [decode_json(url, path, r) for url, r in zip(self.urls, responses)]
 
-    def _field(self, values: list[Any], path: str, key: str, kind: type) -> list[Any]:
-        out = []
-        for url, value in zip(self.urls, values):
-            if not isinstance(value, dict) or not isinstance(value.get(key), kind):
-                raise InferenceServerError(
-                    url, path, 200, f"expected a JSON object with {key!r}: {value!r:.200}"
-                )
-            out.append(value[key])
-        return out
-
-    # -- the routes -------------------------------------------------------------------------------
-
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        """``POST /pause?mode=...`` on every server (keep: freeze, abort: end, wait: drain)."""
-        await self.control("POST", "/pause", params={"mode": mode})
-
-    async def resume(self) -> None:
-        """``POST /resume`` on every server."""
-        await self.control("POST", "/resume")
-
-    async def sleep(self, level: int = 1, mode: PauseMode | None = None) -> None:
-        """``POST /sleep?level=...`` on every server (1: offload weights, 2: discard them).
-
-        ``mode`` says what happens to in-flight requests, as for :meth:`pause`; None leaves
-        it to the server (vLLM's default: abort)."""
-        params: dict[str, Any] = {"level": level}
-        if mode is not None:
-            params["mode"] = mode
-        await self.control("POST", "/sleep", params=params)
-
-    async def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        """``POST /wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None wakes both)."""
-        tag_list = list(tags) if tags is not None else []
-        await self.control("POST", "/wake_up", params={"tags": tag_list} if tag_list else None)
-
-    async def is_paused(self) -> list[bool]:
-        """``GET /is_paused`` of every server."""
-        return self._field(
-            await self.control_json("GET", "/is_paused"), "/is_paused", "is_paused", bool
-        )
-
-    async def is_sleeping(self) -> list[bool]:
-        """``GET /is_sleeping`` of every server."""
-        return self._field(
-            await self.control_json("GET", "/is_sleeping"), "/is_sleeping", "is_sleeping", bool
-        )
-
-    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
-        """``POST /reset_prefix_cache`` on every server (``reset_running_requests``: vLLM also
-        preempts the requests in flight, which it recomputes; without it, a server with
-        running requests leaves its cache as it is)."""
-        params = {"reset_running_requests": "true"} if reset_running_requests else None
-        await self.control("POST", "/reset_prefix_cache", params)
-
-    async def get_world_size(self) -> list[int]:
-        """``GET /get_world_size`` of every server."""
-        return self._field(
-            await self.control_json("GET", "/get_world_size"), "/get_world_size", "world_size", int
-        )
+    # -- the routes beyond ControlRoutes' -------------------------------------------------------
 
     async def max_model_len(self) -> int | None:
         """The shortest context of the servers (prompt plus completion tokens a request may
@@ -324,7 +266,7 @@ class ControlPlane:
     async def probe(self, required: Iterable[str] = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES)) -> None:
         """Check that every server serves ``required`` routes; name the vllm flag when one is missing.
 
-        See :func:`engines.routes.probe` (side-effect free; 404 names the ``vllm serve``
+        See :func:`engines.client.probe` (side-effect free; 404 names the ``vllm serve``
         flag, 501 means present but not implemented; ``ValueError`` for an unknown route).
         """
         await probe(self, required)

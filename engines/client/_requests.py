@@ -1,6 +1,6 @@
 """One HTTP request to an inference server, and every way it can fail, as a typed error.
 
-Shared by both halves of the client (:mod:`engines.control_plane` and :mod:`engines.client`)::
+Shared by both halves of the client (``_control_plane`` and ``_inference``)::
 
     response = await send(http, url, "POST", "/pause", headers=headers, retry=RetryPolicy())
     body = decode_json(url, "/pause", response)

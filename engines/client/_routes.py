@@ -54,7 +54,7 @@ WEIGHT_TRANSFER_ROUTES = (
 
 
 class SupportsControlOne(Protocol):
-    """What :func:`probe` needs of a client (:class:`engines.control_plane.ControlPlane` has it)."""
+    """What :func:`probe` needs of a client (:class:`engines.client.ControlPlane` has it)."""
 
     @property
     def urls(self) -> Sequence[str]: ...
