@@ -43,6 +43,15 @@ PUBLIC = {
         "save_state",
         "set_rng_state",
     ],
+    "trainer.checkpoint.format": [
+        "SaveCheckpoint",
+        "load_model",
+        "load_state",
+        "rng_state",
+        "save_model",
+        "save_state",
+        "set_rng_state",
+    ],
     "trainer.config": [
         "Config",
         "ConfigWarning",

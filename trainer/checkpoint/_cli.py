@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from trainer.checkpoint._format import TRAINER_STATE_FILE, read_trainer_state, verify
 from trainer.checkpoint._inspect import list_checkpoints
+from trainer.checkpoint._layout import TRAINER_STATE_FILE, read_trainer_state, verify
 from trainer.checkpoint._manager import CheckpointManager
 
 __all__ = ["ckpt_main"]

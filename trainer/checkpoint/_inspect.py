@@ -1,8 +1,8 @@
 """Listing a run's checkpoints for a person: what ``python -m trainer ckpt list`` prints.
 
 The rest of ``ckpt`` needs nothing of its own: ``show`` reads
-``trainer.checkpoint._format.read_trainer_state``, ``verify`` is
-``trainer.checkpoint._format.verify``, and ``prune`` is ``CheckpointManager.prune`` (the same
+``trainer.checkpoint._layout.read_trainer_state``, ``verify`` is
+``trainer.checkpoint._layout.verify``, and ``prune`` is ``CheckpointManager.prune`` (the same
 retention a save applies). Every function blocks.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import attrs
 
-from trainer.checkpoint._format import MANIFEST_FILE, is_complete, step_dirs
 from trainer.checkpoint._io import files_under
+from trainer.checkpoint._layout import MANIFEST_FILE, is_complete, step_dirs
 from trainer.checkpoint._manager import CheckpointManager
 
 __all__ = ["CheckpointInfo", "list_checkpoints"]

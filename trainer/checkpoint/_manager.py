@@ -1,7 +1,7 @@
 """Atomic checkpoints: save, resume, retention (DESIGN 4.6 and 5).
 
 The layout under ``RUN_DIR/checkpoints``, the manifest and the trainer state are described,
-read and checked in ``trainer.checkpoint._format`` (its file-name constants are re-exported
+read and checked in ``trainer.checkpoint._layout`` (its file-name constants are re-exported
 here). Listing a run's checkpoints for a person is ``trainer.checkpoint._inspect``.
 
 How a save stays atomic: everything is written into a ``.tmp-*`` directory, every file and
@@ -46,7 +46,18 @@ from typing import Literal
 
 import attrs
 
-from trainer.checkpoint._format import (
+from trainer.checkpoint._io import (
+    fsync_dir,
+    load_model,
+    load_state,
+    remove_path,
+    rng_state,
+    save_model,
+    save_state,
+    set_rng_state,
+    write_text_synced,
+)
+from trainer.checkpoint._layout import (
     LATEST_FILE,
     MANIFEST_FILE,
     STEP_DIR_PREFIX,
@@ -58,17 +69,6 @@ from trainer.checkpoint._format import (
     step_dirs,
     verify,
     write_manifest,
-)
-from trainer.checkpoint._io import (
-    fsync_dir,
-    load_model,
-    load_state,
-    remove_path,
-    rng_state,
-    save_model,
-    save_state,
-    set_rng_state,
-    write_text_synced,
 )
 from trainer.errors import CheckpointError
 
@@ -222,9 +222,9 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- find
 
-    #: ``trainer.checkpoint._format.read_trainer_state``, here for whoever holds the manager.
+    #: ``trainer.checkpoint._layout.read_trainer_state``, here for whoever holds the manager.
     read_trainer_state = staticmethod(read_trainer_state)
-    #: ``trainer.checkpoint._format.verify``, here for whoever holds the manager.
+    #: ``trainer.checkpoint._layout.verify``, here for whoever holds the manager.
     verify = staticmethod(verify)
 
     def latest(self) -> Path | None:

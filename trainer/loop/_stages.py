@@ -187,7 +187,7 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
         "metrics": jsonable_row({"step": step, **metrics}),
     }
     with ctx.stalls.window() as stalls:
-        path = await ctx.workers.save_checkpoint(ctx.ckpt, step, state)
+        path = await ctx.workers.save_checkpoint(ctx.ckpt.save, step, state)
     return {
         "checkpoint/step": step,
         "checkpoint/path": str(path),

@@ -15,7 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.format import SaveCheckpoint
 from trainer.workers.batch import TrainBatch
 
 __all__ = ["WorkerGroup"]
@@ -65,9 +65,10 @@ class WorkerGroup(Protocol):
         ...
 
     async def save_checkpoint(
-        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
     ) -> Path:
-        """Write checkpoint ``step`` atomically through ``ckpt`` (operation ``save_checkpoint``)."""
+        """Write checkpoint ``step`` through ``save`` (``CheckpointManager.save``, which makes
+        it atomic), handing it the policy's writer (operation ``save_checkpoint``)."""
         ...
 
     async def load_checkpoint(self, directory: Path) -> None: ...

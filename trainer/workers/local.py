@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.format import SaveCheckpoint
 from trainer.vocabulary import fire_fault_sync, operation
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker, RefWorker
@@ -150,13 +150,13 @@ class LocalWorkerGroup:
         )
 
     async def save_checkpoint(
-        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
     ) -> Path:
-        """Write ``global_step_N`` atomically through ``ckpt`` (operation ``save_checkpoint``)."""
+        """Write ``global_step_N`` through ``save`` (operation ``save_checkpoint``)."""
         return await self._call(
             "save_checkpoint",
             self._policy_limiter,
-            ckpt.save,
+            save,
             step,
             self.policy.save_checkpoint,
             trainer_state,

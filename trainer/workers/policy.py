@@ -20,7 +20,7 @@ import torch
 
 from engines.devices import resolve_device, resolve_dtype
 from trainer import algorithms
-from trainer.checkpoint import (
+from trainer.checkpoint.format import (
     load_model,
     load_state,
     rng_state,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engines.process_group import free_port
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
 from trainer.vocabulary import at_step, fire_fault_sync
 from trainer.workers.batch import TrainBatch
@@ -196,13 +196,13 @@ class PolicyActor(_Actor):
         self,
         op: str,
         step: int | None,
-        ckpt: CheckpointManager,
+        save: SaveCheckpoint,
         global_step: int,
         trainer_state: dict[str, Any],
     ) -> Path:
         self.fire(op, step)
         self._refuse_sharded_checkpoint()
-        return ckpt.save(global_step, self.worker.save_checkpoint, trainer_state)
+        return save(global_step, self.worker.save_checkpoint, trainer_state)
 
     def load_checkpoint(self, directory: str) -> None:
         self._refuse_sharded_checkpoint()

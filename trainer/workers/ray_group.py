@@ -40,7 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
 from trainer.vocabulary import (
     current_stage,
@@ -354,12 +354,13 @@ class RayWorkerGroup:
             ) from None
 
     async def save_checkpoint(
-        self, ckpt: CheckpointManager, step: int, trainer_state: dict[str, Any]
+        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
     ) -> Path:
-        """Rank 0 writes the checkpoint (the ranks' states are identical)."""
+        """Rank 0 writes the checkpoint (the ranks' states are identical); ``save`` travels
+        to its actor (a bound ``CheckpointManager.save`` pickles with its manager)."""
         with operation("save_checkpoint"):
             ref = self.policy[0].save_checkpoint.remote(
-                "save_checkpoint", current_step(), ckpt, step, trainer_state
+                "save_checkpoint", current_step(), save, step, trainer_state
             )
             return (await self._wait([ref]))[0]
 

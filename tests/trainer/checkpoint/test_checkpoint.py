@@ -24,8 +24,8 @@ from trainer.checkpoint import (
     save_state,
     set_rng_state,
 )
-from trainer.checkpoint._format import read_trainer_state, verify
 from trainer.checkpoint._inspect import list_checkpoints
+from trainer.checkpoint._layout import read_trainer_state, verify
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint._format import (
+from trainer.checkpoint._layout import (
     MANIFEST_FILE,
     TRAINER_STATE_FILE,
     is_complete,

@@ -1,0 +1,38 @@
+"""The checkpoint format as the workers write and read it, and nothing that decides the run.
+
+A worker's part of a checkpoint is its files: the model (``save_model``/``load_model``,
+safetensors in a Hugging Face-loadable directory), the optimizer and scheduler
+(``save_state``/``load_state``, ``torch.load(weights_only=True)``) and the RNG state
+(``rng_state``/``set_rng_state``). Which step is saved, the atomic write around the files,
+the ``latest`` pointer and retention are the run's (``trainer.checkpoint.CheckpointManager``):
+a worker group is handed the manager's ``save`` as a :data:`SaveCheckpoint` and calls it with
+its writer. Every function blocks: call them from a worker thread or process.
+
+The workers import this module, never the package's face (lint-imports keeps it so).
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from trainer.checkpoint._io import load_model as load_model
+from trainer.checkpoint._io import load_state as load_state
+from trainer.checkpoint._io import rng_state as rng_state
+from trainer.checkpoint._io import save_model as save_model
+from trainer.checkpoint._io import save_state as save_state
+from trainer.checkpoint._io import set_rng_state as set_rng_state
+
+__all__ = [
+    "SaveCheckpoint",
+    "load_model",
+    "load_state",
+    "rng_state",
+    "save_model",
+    "save_state",
+    "set_rng_state",
+]
+
+#: ``save(step, write, trainer_state) -> directory``: ``CheckpointManager.save``'s shape.
+#: ``write(tmp)`` puts the worker's files into the checkpoint's temporary directory; the
+#: manager adds the trainer state and the manifest, and installs the directory atomically.
+SaveCheckpoint: TypeAlias = Callable[[int, Callable[[Path], None], dict[str, Any]], Path]
