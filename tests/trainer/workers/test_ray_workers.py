@@ -25,6 +25,7 @@ from sync.transports.inprocess import copy_weights
 from sync.weights import save_weights_for_sampler
 from tests.e2e.helpers import alive_after, run_in_own_ray_cluster
 from tests.trainer.helpers import assert_same_adam_step
+from trainer.checkpoint import CheckpointManager
 from trainer.config import load_config
 from trainer.errors import (
     CheckpointEngineInitError,
@@ -88,6 +89,37 @@ def test_cluster_start_error_is_picklable_and_names_every_attempt():
 def test_shards_cover_every_row_once():
     assert shards(5, 2) == [slice(0, 3), slice(3, 5)]
     assert shards(1, 3) == [slice(0, 1), slice(1, 1), slice(1, 1)]
+
+
+async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
+    ray_cluster, model_dir, tmp_path
+):
+    """The run hands the workers ``CheckpointManager.save``; it travels to rank 0's actor,
+    which writes a complete, verified checkpoint that every rank loads back."""
+    ckpt = CheckpointManager(tmp_path / "checkpoints", max_to_keep=1)
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
+    )
+    try:
+        batch = make_batch(model_dir)
+        await group.forward_backward(batch, batch.num_tokens)
+        await group.optim_step()
+        saved, _ = await group.rank_weights()
+        path = await group.save_checkpoint(ckpt.save, 1, {"data": 7})
+        assert path == ckpt.step_dir(1) and ckpt.resolve("latest") == path  # verified
+        state = ckpt.read_trainer_state(path)
+        assert (state["step"], state["data"]) == (1, 7)
+        later = make_batch(model_dir, seed=1)
+        await group.forward_backward(later, later.num_tokens)
+        await group.optim_step()
+        assert not all(torch.equal(w, saved[n]) for n, w in (await group.rank_weights())[0].items())
+        await group.load_checkpoint(path)
+        for weights in await group.rank_weights():
+            for name, w in weights.items():
+                assert torch.equal(w, saved[name]), name
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
 
 
 async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_cluster, model_dir):
