@@ -57,7 +57,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
 
 
 async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(tmp_path):
-    """Each a 500 in vLLM's frame (tests/engines/test_weight_transfer_routes.py); a failed
+    """Each a 500 in vLLM's frame (tests/engines/local/test_weight_transfer_routes.py); a failed
     update closes the update, as vLLM's does, so each bad bucket gets its own start."""
     model_dir = build_tiny_model()
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:

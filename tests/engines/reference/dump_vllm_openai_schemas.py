@@ -1,6 +1,6 @@
 """Write ``vllm_openai_schemas.json``: the JSON schemas of vLLM's OpenAI-server pydantic models.
 
-``tests/engines/test_openai_routes.py`` validates the reference server's answers (chat and
+``tests/engines/local/test_openai_routes.py`` validates the reference server's answers (chat and
 completions, whole and streamed) against these schemas, so the server's shapes are vLLM's own.
 Regenerate the file whenever the vLLM we follow changes.
 

@@ -1,6 +1,6 @@
 """Write ``vllm_serve_flags.json``: every option ``vllm serve`` accepts, from vLLM's own parser.
 
-``tests/engines/test_vllm_serve.py`` checks that the command line the trainer builds for
+``tests/engines/vllm/test_vllm_serve.py`` checks that the command line the trainer builds for
 ``engine.backend=vllm`` (:mod:`engines.vllm.serve`) uses only these options, each with the
 number of values it takes, so the check runs where vLLM is not installed. Regenerate the file
 whenever the vLLM the docs pin changes.

@@ -13,7 +13,7 @@ from engines.vllm.flags import (
     ENGINE_ARG_FLAGS,
     engine_argv,
 )
-from tests.engines.vllm_stand_in import SHAPES
+from tests.engines.vllm.stand_in import SHAPES
 
 # -- the engine's flags: vllm serve's, as recorded from vLLM's add_cli_args ---------------------
 

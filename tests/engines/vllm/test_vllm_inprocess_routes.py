@@ -31,7 +31,7 @@ from engines.types import SamplingParams
 from engines.vllm.control import PROBE_METHODS, VLLM_URL
 from engines.vllm.inprocess import VLLMInProcessEngine
 from engines.weight_transfer import ipc_update_info, pickle_ipc_handles
-from tests.engines.vllm_stand_in import (
+from tests.engines.vllm.stand_in import (
     SHAPES,
     StandInAsyncLLM,
     final_output,

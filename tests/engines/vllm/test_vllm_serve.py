@@ -39,10 +39,10 @@ from trainer.errors import ConfigError
 from trainer.run import train
 from trainer.run._engines import refuse_sleep_on_the_cpu, vllm_servers
 
-REFERENCE = Path(__file__).parent / "reference"
+REFERENCE = Path(__file__).parents[1] / "reference"
 DUMP = json.loads((REFERENCE / "vllm_serve_flags.json").read_text())
 FLAGS: dict[str, dict[str, object]] = DUMP["flags"]
-PROJECT = Path(__file__).resolve().parents[2]
+PROJECT = Path(__file__).resolve().parents[3]
 
 
 def serve_args(argv: tuple[str, ...]) -> list[str]:

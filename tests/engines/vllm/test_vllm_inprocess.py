@@ -29,7 +29,7 @@ from engines.vllm.async_llm import (
     open_async_llm,
 )
 from engines.vllm.control import VLLM_URL, load_vllm_classes
-from tests.engines.vllm_stand_in import (
+from tests.engines.vllm.stand_in import (
     SHAPES,
     OutputClasses,
     StandInAsyncLLM,
@@ -42,7 +42,7 @@ from trainer.errors import (
     EngineStartError,
 )
 
-REFERENCE = Path(__file__).parent / "reference"
+REFERENCE = Path(__file__).parents[1] / "reference"
 SAMPLING_FIELDS: dict[str, dict[str, Any]] = SHAPES["SamplingParams"]["fields"]
 
 needs_vllm = pytest.mark.skipif(not vllm_inprocess.VLLM_AVAILABLE, reason="vLLM is not installed")
