@@ -12,14 +12,15 @@ run *ARGS: setup
     {{py}} -m trainer "$@"
 
 # The whole test suite (what CI runs): test files on two worker processes, each file on one
-# (`just test -n 0` runs in this process; `-n 4` on four workers).
+# (`just test -n 0` runs in this process; `-n 4` on four workers). The 25 slowest tests are
+# listed at the end, so every CI log says where the suite's time goes.
 test *ARGS: setup
-    {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" "$@"
+    {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" --durations=25 "$@"
 
 # The real-vLLM tier (marker `vllm`): vLLM's CPU build in .venv-vllm, one server per module.
 test-vllm *ARGS: setup
     bash setup.sh --vllm
-    {{py}} -m pytest -q -m vllm tests/engines/vllm "$@"
+    {{py}} -m pytest -q -m vllm --durations=10 tests/engines/vllm "$@"
 
 # Format check, lint, the import contracts (.importlinter) and type check.
 lint: setup
