@@ -65,7 +65,7 @@ class ControlRoutes(abc.ABC):
         await self.control("POST", "/sleep", params=params)
 
     async def wake_up(self, tags: Iterable[str] | None = None) -> None:
-        """``POST /wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None or empty wakes both)."""
+        """``POST /wake_up`` (``tags``: ``weights`` and/or ``kv_cache``; None or empty: both)."""
         tag_list = list(tags) if tags is not None else []
         await self.control("POST", "/wake_up", params={"tags": tag_list} if tag_list else None)
 

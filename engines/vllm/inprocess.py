@@ -12,9 +12,10 @@
 
 :class:`VLLMInProcessEngine` offers what the trainer uses of
 :class:`engines.client.InferenceClient`: ``generate``/``generate_n``, and the control plane
-with :class:`engines.client.ControlPlane`'s signatures (both are :class:`engines.client.ControlRoutes`) (``control``, ``control_one``,
+with :class:`engines.client.ControlPlane`'s signatures (``control``, ``control_one``,
 ``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
-``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``), so the weight transports
+``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``; the route methods are
+both classes' base, :class:`engines.client.ControlRoutes`), so the weight transports
 (``sync.transports``) and the weight-sync bracket (``sync.weights``) drive it unchanged. Each
 control route becomes the ``AsyncLLM`` call ``vllm serve``'s route makes, with the same
 argument conversion (:mod:`engines.vllm.control`), and answers that route's JSON body.
@@ -296,7 +297,8 @@ class VLLMInProcessEngine(ControlRoutes):
         started with sleep mode / a weight-transfer backend when those routes are required.
 
         ``InferenceServerError`` (status 404) naming the missing methods or setting;
-        ``ValueError`` for a route ``engines.client.ROUTE_FLAGS`` does not know (as ``ControlPlane.probe``).
+        ``ValueError`` for a route ``engines.client.ROUTE_FLAGS`` does not know (as
+        ``ControlPlane.probe``).
         """
         await trio.lowlevel.checkpoint()
         probe_asyncllm(self.llm, required)
