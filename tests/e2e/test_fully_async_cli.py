@@ -1,9 +1,12 @@
 """``trainer.strategy=fully_async`` for real: ``python -m trainer`` runs, their ends and resumes.
 
 - SkyRL #2524 scaled to this machine: 32 rollouts call a real HTTP environment service
-  (0.2 s per step, the client's timeout 1 s) while a weight transfer takes 5 s. The transfer
+  (1 s per step, the client's timeout 2 s) while a weight transfer takes 5 s. The transfer
   runs off the event loop, so no environment call times out; the same run with the transfer
-  forced onto the trio thread (the test-only switch) has timeouts.
+  forced onto the trio thread (a test fixture) has timeouts. The pause before the transfer
+  freezes each rollout at its next ``generate``, so only calls already in flight are caught
+  by the transfer: a call lasts 1 s so that they still are after a slow pause (0.4 s seen on
+  an idle machine; with 0.2 s calls that run had none left, and no timeout).
 - A failing rollout, a hung one past the step's deadline, a hung one past its own bound
   (``generator.rollout_timeout_s``: cut off and rolled out again; every rollout hanging ends
   the run with ``RolloutTimeoutError``) and the end at ``max_steps``: each its own outcome,
@@ -52,7 +55,7 @@ STEP_LINE = re.compile(r"INFO trainer\.run: step (\d+) reward")
 
 @pytest.fixture(scope="module")
 def env_service() -> Iterator[str]:
-    """``examples.http_env``'s service in its own process: 0.2 s per step, 3 turns."""
+    """``examples.http_env``'s service in its own process: 1 s per step, 2 turns."""
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -61,9 +64,9 @@ def env_service() -> Iterator[str]:
             "--port",
             "0",
             "--delay-s",
-            "0.2",
+            "1.0",
             "--turns",
-            "3",
+            "2",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -91,8 +94,8 @@ def _run_beside_a_slow_transfer(run_dir: Path, env_url: str, *, on_event_loop: b
             *ASYNC,
             "generator.cls=examples.http_env:HttpEnvGenerator",
             f"generator.kwargs.env_url={env_url}",
-            "generator.kwargs.env_timeout_s=1.0",
-            "generator.max_turns=3",
+            "generator.kwargs.env_timeout_s=2.0",
+            "generator.max_turns=2",
             "generator.num_parallel_workers=8",
             "generator.n_samples_per_prompt=4",  # 8 groups x 4 = 32 rollouts in flight
             "trainer.train_batch_size=4",
@@ -118,7 +121,7 @@ def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(tmp_
     proc = _run_beside_a_slow_transfer(tmp_path / "thread", env_service, on_event_loop=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = httpx.get(stats_url).json()
-    assert stats["requests"] - before >= 4 * 4 * 3  # at least 4 steps of 3-turn rollouts
+    assert stats["requests"] - before >= 4 * 4 * 2  # at least 4 steps of 2-turn rollouts
     assert stats["peak_in_flight"] >= 16, stats  # many rollouts in their environment at once
     # the transfer really took its 5 s, and not one environment call timed out meanwhile
     rows = read_metrics(tmp_path / "thread")
