@@ -60,10 +60,13 @@ class LocalWorkerGroup:
             self._in_fault += 1
         try:
             fire_fault_sync(op)  # where the operation really runs: this worker thread
-        finally:
-            with self._count_lock:
+        except BaseException:
+            with self._count_lock:  # an ``error`` fault: the call ends here, computing nothing
                 self._in_fault -= 1
-                self._computing += 1
+            raise
+        with self._count_lock:
+            self._in_fault -= 1
+            self._computing += 1
         try:
             return fn(*args)
         finally:

@@ -127,3 +127,15 @@ async def test_shutdown_leaves_a_thread_held_by_a_hang_fault_at_once(model_dir, 
         nursery.cancel_scope.cancel()
     with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
         await group.shutdown()
+
+
+async def test_shutdown_does_not_wait_for_a_call_an_error_fault_ended(model_dir):
+    """A call that an ``error`` fault ended never computed: shutdown returns at once (before,
+    the call was counted as computing forever and every such failed run waited
+    SHUTDOWN_WAIT_S to exit)."""
+    group = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
+    install_faults("offload_to_cpu:error=boom")
+    with pytest.raises(Exception, match="boom"):
+        await group.offload_to_cpu()
+    with trio.fail_after(10):  # well under SHUTDOWN_WAIT_S
+        await group.shutdown()
