@@ -17,6 +17,7 @@ Hierarchy::
         ├── InferenceServerError               (RuntimeError) an engine answered non-2xx or a malformed body
         │   └── InferenceServerTimeoutError    a control-plane request outlived its timeout
         ├── EngineStartError                   (RuntimeError) an engine server died or never became healthy
+        ├── ForkServerError                    (RuntimeError) engine.fork_server could not be reached or refused
         ├── EngineFailedError                  (RuntimeError) an engine failed again past engine.max_restarts
         ├── EngineUnusableError                (RuntimeError) a weight transfer broke off and no complete one followed
         ├── WeightSyncMismatchError            (RuntimeError) after a sync an engine scores a probe unlike the policy
@@ -44,6 +45,7 @@ __all__ = [
     "EngineStartError",
     "EngineUnusableError",
     "FaultInjected",
+    "ForkServerError",
     "InferenceServerError",
     "InferenceServerTimeoutError",
     "RayClusterStartError",
@@ -184,6 +186,18 @@ class EngineStartError(TrainerError, RuntimeError):
     def __str__(self) -> str:
         tail = f"\n--- server log (tail) ---\n{self.log_tail}" if self.log_tail else ""
         return f"engine server {self.url}: {self.reason}{tail}"
+
+
+class ForkServerError(TrainerError, RuntimeError):
+    """A fork server (``engine.fork_server``) could not be reached or refused to start a server."""
+
+    def __init__(self, socket_path: str, reason: str) -> None:
+        super().__init__(socket_path, reason)
+        self.socket_path = socket_path
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"fork server {self.socket_path}: {self.reason}"
 
 
 class EngineFailedError(TrainerError, RuntimeError):

@@ -26,6 +26,7 @@ Servers never outlive the trainer:
 from __future__ import annotations
 
 import math
+import os
 import signal
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -47,6 +48,7 @@ from engines.launch._spec import (
     server_env,
 )
 from engines.launch._stop import signal_group, stop_group
+from engines.launch.fork_server import ForkedProcess, fork_process, forkable
 
 __all__ = ["EngineProcess", "EngineProcesses", "launch_local_engines", "open_engine_processes"]
 
@@ -59,8 +61,9 @@ class EngineProcess:
 
     #: Position in the group (``engine-I.log``).
     index: int
-    #: The trio process (its own process group: ``pgid == pid``).
-    process: trio.Process
+    #: The process (its own process group: ``pgid == pid``): a child of this one, or of the
+    #: fork server that started it.
+    process: trio.Process | ForkedProcess
     #: Where its stdout and stderr go.
     log_path: Path
     #: The address it listens on.
@@ -100,14 +103,30 @@ class EngineProcess:
 
 
 async def _spawn(
-    index: int, spec: ServerSpec, host: str, log_path: Path, env: dict[str, str]
+    index: int,
+    spec: ServerSpec,
+    host: str,
+    log_path: Path,
+    env: dict[str, str],
+    fork_server: str | None = None,
 ) -> EngineProcess:
     log_file = await trio.to_thread.run_sync(lambda: open(log_path, "ab"))  # noqa: SIM115
     offset = log_file.seek(0, 2)
+    process: trio.Process | ForkedProcess
     try:
-        process = await trio.lowlevel.open_process(
-            list(spec.argv), **popen_kwargs(spec, log_file, env)
-        )
+        if fork_server is not None and forkable(spec.argv):
+            process = await fork_process(
+                fork_server,
+                spec.argv,
+                env={**env, **spec.env},
+                cwd=os.getcwd(),
+                stdout=log_file.fileno(),
+                stderr=log_file.fileno(),
+            )
+        else:
+            process = await trio.lowlevel.open_process(
+                list(spec.argv), **popen_kwargs(spec, log_file, env)
+            )
     finally:
         log_file.close()  # the child holds its own descriptor
     url = f"engine-{index} (pid {process.pid})" if spec.port is None else base_url(host, spec.port)
@@ -149,6 +168,7 @@ class EngineProcesses(list[EngineProcess]):
         api_key: str | None,
         startup_timeout_s: float,
         shutdown_timeout_s: float,
+        fork_server: str | None = None,
     ) -> None:
         super().__init__()
         self.servers = servers
@@ -158,12 +178,13 @@ class EngineProcesses(list[EngineProcess]):
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.fork_server = fork_server
 
     async def spawn(self, index: int) -> EngineProcess:
         """Start server ``index`` (not waited for), appending to ``engine-I.log``."""
         spec = self.servers(index, self.host)
         log_path = self.log_dir / f"engine-{index}.log"
-        return await _spawn(index, spec, self.host, log_path, self.env)
+        return await _spawn(index, spec, self.host, log_path, self.env, self.fork_server)
 
     async def wait_ready(self, engines: Sequence[EngineProcess], reason: str) -> None:
         """Wait until ``engines`` are healthy within ``startup_timeout_s``; ``EngineStartError``
@@ -200,6 +221,7 @@ async def open_engine_processes(
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
+    fork_server: str | None = None,
 ) -> AsyncIterator[EngineProcesses]:
     """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
 
@@ -208,7 +230,9 @@ async def open_engine_processes(
     project on ``PYTHONPATH``, ``VLLM_API_KEY`` when ``api_key`` is set, and its spec's own
     variables. Raises ``EngineStartError`` (with the log tail) when a server exits during
     start-up or is not healthy within ``startup_timeout_s``; several failures raise the
-    first, the others as notes. ``ValueError`` for ``num_engines < 1``. Stopping is shielded
+    first, the others as notes. ``ValueError`` for ``num_engines < 1``. With ``fork_server``
+    (the socket of :mod:`engines.launch.fork_server`), a server that is this Python running a
+    module is forked from it instead of started afresh (no import cost; the same contract). Stopping is shielded
     and bounded by about ``shutdown_timeout_s + 5`` seconds whatever the cancellation state.
     """
     if num_engines < 1:
@@ -217,7 +241,14 @@ async def open_engine_processes(
     await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
     child_env = server_env(env, api_key)
     engines = EngineProcesses(
-        servers, log_dir, host, child_env, api_key, startup_timeout_s, shutdown_timeout_s
+        servers,
+        log_dir,
+        host,
+        child_env,
+        api_key,
+        startup_timeout_s,
+        shutdown_timeout_s,
+        fork_server,
     )
     try:
         for i in range(num_engines):

@@ -1,23 +1,41 @@
-"""Running ``python -m trainer`` for real, and checking that nothing of it survives."""
+"""Running ``python -m trainer`` for real, and checking that nothing of it survives.
+
+:func:`run_trainer` forks each run from this test process's fork server
+(:mod:`engines.launch.fork_server`, started on first use with the trainer and the reference
+engine imported), and the run's reference servers from it too (``TRAINER_FORK_SERVER``): a
+run is a real process of its own, as from a shell, without paying about 5 s of imports for
+itself and each of its servers. :func:`popen_trainer` starts a fresh ``python`` (the tests
+that signal or stream a run).
+"""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from engines.launch.fork_server import FORK_SERVER_READY, ForkedPopen, fork_popen, list_children
 
 REPO = Path(__file__).resolve().parents[2]
+MARKER_ENV = "TRAINER_TEST_MARKER"
+#: What the fork server imports before it forks anything.
+PRELOAD = ("trainer.run", "trainer.__main__", "engines.local.__main__")
+_fork_server: tuple[subprocess.Popen[str], str] | None = None
 
 
 def trainer_env(marker: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRAINER_FAULTS"}
-    env["TRAINER_TEST_MARKER"] = marker  # inherited by every process the run starts
+    env[MARKER_ENV] = marker  # inherited by every process the run starts
     env["PYTHONPATH"] = str(REPO)
     return env
 
@@ -26,28 +44,121 @@ def new_marker() -> str:
     return uuid.uuid4().hex
 
 
+def fork_server() -> str:
+    """The socket of this test process's fork server, started on first use and stopped at exit
+    (it also exits when this process dies: its stdin is a pipe from here)."""
+    global _fork_server
+    if _fork_server is not None and _fork_server[0].poll() is None:
+        return _fork_server[1]
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="trainer-fs-"), "fork.sock")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINER_")}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "engines.launch.fork_server", "--socket", socket_path]
+    proc = subprocess.Popen(
+        [*cmd, "--preload", ",".join(PRELOAD)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith(FORK_SERVER_READY), f"the fork server did not start: {line!r}"
+    _fork_server = (proc, socket_path)
+    atexit.register(_stop_fork_server, proc)
+    return socket_path
+
+
+def _stop_fork_server(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.close()  # it exits once its children have
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
 def run_trainer(
     *args: str, marker: str | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "trainer", "trainer.progress=false", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=trainer_env(marker or new_marker()),
-        cwd=REPO,
-    )
+    """``python -m trainer trainer.progress=false ARGS`` to its end: a fork of the fork server,
+    its reference servers too; stdout and stderr captured."""
+    argv = [sys.executable, "-m", "trainer", "trainer.progress=false", *args]
+    env = trainer_env(marker or new_marker())
+    env["TRAINER_FORK_SERVER"] = socket_path = fork_server()
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        open(os.devnull, "rb") as null,
+    ):
+        proc = fork_popen(
+            socket_path,
+            argv,
+            env=env,
+            cwd=REPO,
+            stdin=null.fileno(),
+            stdout=out.fileno(),
+            stderr=err.fileno(),
+        )
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            raise
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    return subprocess.CompletedProcess(argv, code, stdout, stderr)
 
 
-def popen_trainer(*args: str, marker: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trainer", "trainer.progress=false", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=trainer_env(marker),
-        cwd=REPO,
-    )
+class ForkedRun(ForkedPopen):
+    """A run started by :func:`popen_trainer`: a ``subprocess.Popen`` as far as the tests use
+    one, with its stdout and stderr (one text stream) in ``stdout``."""
+
+    stdout: IO[str]
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """The rest of its output once it has exited (``TimeoutExpired`` past ``timeout``)."""
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(self.stdout.read()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if reader.is_alive():
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0)
+        self.stdout.close()
+        self.wait(timeout)
+        return rest[0], None
+
+
+def popen_trainer(*args: str, marker: str) -> ForkedRun:
+    """``python -m trainer trainer.progress=false ARGS``, started (forked as in
+    :func:`run_trainer`) and left running: its output in ``stdout``."""
+    argv = [sys.executable, "-m", "trainer", "trainer.progress=false", *args]
+    env = trainer_env(marker)
+    env["TRAINER_FORK_SERVER"] = socket_path = fork_server()
+    read, write = os.pipe()
+    try:
+        with open(os.devnull, "rb") as null:
+            run = fork_popen(
+                socket_path,
+                argv,
+                env=env,
+                cwd=REPO,
+                stdin=null.fileno(),
+                stdout=write,
+                stderr=write,
+                cls=ForkedRun,
+            )
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    run.stdout = open(read, encoding="utf-8", errors="replace")  # noqa: SIM115
+    return run
 
 
 def processes_with_marker(marker: str) -> list[int]:
@@ -61,9 +172,13 @@ def processes_with_marker(marker: str) -> list[int]:
             state = (proc / "stat").read_text().split()[2]
         except OSError:
             continue
-        if f"TRAINER_TEST_MARKER={marker}".encode() in environ and state != "Z":
+        if f"{MARKER_ENV}={marker}".encode() in environ and state != "Z":
             found.append(int(proc.name))
-    return found
+    # a fork server's children show its environment in /proc: it says whose they are
+    if _fork_server is not None and _fork_server[0].poll() is None:
+        forked = list_children(_fork_server[1], MARKER_ENV)
+        found += [pid for pid, value in forked if value == marker and pid_alive(pid)]
+    return sorted(set(found))
 
 
 def wait_until_gone(

@@ -4,6 +4,8 @@ what no single field's check can see, each a ``ConfigError`` naming the keys inv
 
 from __future__ import annotations
 
+import os
+import stat
 import warnings
 
 from engines.vllm.flags import flag_clashes
@@ -153,6 +155,20 @@ def _check_vllm(cfg: Config) -> None:
         )
 
 
+def _check_fork_server(cfg: Config) -> None:
+    """``engine.fork_server`` names a listening socket where the run starts reference servers
+    as child processes (elsewhere it is not used, so not checked)."""
+    e = cfg.engine
+    if e.fork_server is None or e.backend != "local" or e.placement != "process":
+        return
+    if not stat.S_ISSOCK(os.stat(e.fork_server).st_mode if os.path.exists(e.fork_server) else 0):
+        raise ConfigError(
+            f"config: engine.fork_server={e.fork_server!r} (env TRAINER_FORK_SERVER) is not a "
+            "socket: start one with `python -m engines.launch.fork_server --socket "
+            f"{e.fork_server} --preload engines.local.__main__`, or unset it"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -184,6 +200,7 @@ def validate_cfg(cfg: Config) -> None:
             f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local or vllm"
         )
     _check_vllm(cfg)
+    _check_fork_server(cfg)
     if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
         raise ConfigError(
             f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "

@@ -212,7 +212,9 @@ async def _start_servers(
     started = {"api_key": e.api_key, "startup_timeout_s": startup_timeout_s(cfg)}
     if e.placement == "process":
         engines = await stack.enter_async_context(
-            open_engine_processes(e.num_engines, servers, log_dir, **started)
+            open_engine_processes(
+                e.num_engines, servers, log_dir, fork_server=e.fork_server, **started
+            )
         )
         return engines
     from engines.launch import open_ray_engines
