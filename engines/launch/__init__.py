@@ -25,11 +25,24 @@ wherever it runs.
   (even SIGKILLed); the reference server exits on its end-of-file, ``vllm serve`` runs under
   :mod:`engines.launch.stdin_guard`, which does it for it.
 
-The private modules: ``_spec`` (the specs), ``_ready`` (the ready line, the one start-up
+- what starts it: a new process, or a fork of a fork server that imported everything once
+  (:mod:`engines.launch.fork_server`, ``fork_server=``; its clients :func:`fork_process` and
+  :func:`fork_popen`).
+
+The private modules: ``_spec`` (the specs), ``_fork_client`` (a fork server's clients), ``_ready`` (the ready line, the one start-up
 wait), ``_stop`` (the SIGTERM/SIGKILL escalation), ``_processes`` (child processes),
 ``_ray`` and ``_ray_actor`` (Ray placement: the trainer's side, the actor's side).
 """
 
+from engines.launch._fork_client import (
+    FORK_SERVER_READY,
+    ForkedPopen,
+    ForkedProcess,
+    fork_popen,
+    fork_process,
+    forkable,
+    list_children,
+)
 from engines.launch._processes import (
     EngineProcess,
     EngineProcesses,
@@ -55,6 +68,7 @@ from engines.launch._stop import KILL_WAIT_S
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_STARTUP_TIMEOUT_S",
+    "FORK_SERVER_READY",
     "KILL_WAIT_S",
     "LOG_TAIL_CHARS",
     "READY_PREFIX",
@@ -62,12 +76,18 @@ __all__ = [
     "EngineProcess",
     "EngineProcesses",
     "EngineServerActor",
+    "ForkedPopen",
+    "ForkedProcess",
     "RayEngine",
     "ReferenceServers",
     "ServerSpec",
     "ServersSpec",
     "base_url",
+    "fork_popen",
+    "fork_process",
+    "forkable",
     "launch_local_engines",
+    "list_children",
     "open_engine_processes",
     "open_ray_engines",
     "ready_line",

@@ -35,6 +35,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from engines.launch._fork_client import ForkedProcess, fork_process, forkable
 from engines.launch._ready import READY_SEARCH_CHARS, exit_text, ready_port, wait_all_ready
 from engines.launch._spec import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
@@ -48,7 +49,6 @@ from engines.launch._spec import (
     server_env,
 )
 from engines.launch._stop import signal_group, stop_group
-from engines.launch.fork_server import ForkedProcess, fork_process, forkable
 
 __all__ = ["EngineProcess", "EngineProcesses", "launch_local_engines", "open_engine_processes"]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from engines.launch.fork_server import FORK_SERVER_READY, ForkedPopen, fork_popen, list_children
+from engines.launch import FORK_SERVER_READY, ForkedPopen, fork_popen, list_children
 
 REPO = Path(__file__).resolve().parents[2]
 MARKER_ENV = "TRAINER_TEST_MARKER"

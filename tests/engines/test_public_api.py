@@ -68,6 +68,13 @@ PUBLIC_API: dict[str, list[str]] = {
         "ready_line",
         "server_device",
         "server_env",
+        "FORK_SERVER_READY",
+        "ForkedPopen",
+        "ForkedProcess",
+        "fork_popen",
+        "fork_process",
+        "forkable",
+        "list_children",
     ],
     "engines.launch.stdin_guard": ["main"],
     "engines.vllm.serve": [

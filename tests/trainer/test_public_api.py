@@ -104,6 +104,7 @@ PUBLIC = {
         "EngineStartError",
         "EngineUnusableError",
         "FaultInjected",
+        "ForkServerError",
         "InferenceServerError",
         "InferenceServerTimeoutError",
         "RayClusterStartError",

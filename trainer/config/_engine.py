@@ -37,11 +37,11 @@ class EngineConfig:
     )
     fork_server: str | None = _field(
         None,
-        "Unix socket of a fork server (`python -m engines.launch.fork_server --socket PATH "
-        "--preload engines.local.__main__`, run with the trainer's Python): the reference "
-        "servers the trainer starts as child processes (backend=local, placement=process) are "
-        "forked from it, already imported, instead of started afresh (about 5 s of CPU less "
-        "per start and restart). None: each is a new `python -m engines.local serve`.",
+        "Unix socket of a fork server (engines.launch.fork_server, run with the trainer's "
+        "Python; see docs/engines.md): the reference servers the trainer starts as child "
+        "processes (backend=local, placement=process) are forked from it, already imported, "
+        "instead of started afresh (about 5 s of CPU less per start and restart). None: each "
+        "is a new engines.local server process.",
         env="TRAINER_FORK_SERVER",
     )
     tensor_parallel_size: int = _field(
