@@ -12,8 +12,9 @@ run *ARGS: setup
     {{py}} -m trainer "$@"
 
 # The whole test suite (what CI runs): test files on two worker processes, each file on one
-# (`just test -n 0` runs in this process; `-n 4` on four workers). The 25 slowest tests are
-# listed at the end, so every CI log says where the suite's time goes.
+# (`just test -n 0` runs in this process; `-n 4` on four workers). The end lists the 25 slowest
+# tests, the 15 slowest test files and every test over the 60 s per-test budget (tests/conftest.py),
+# so every CI log says where the suite's time goes.
 test *ARGS: setup
     {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" --durations=25 "$@"
 

@@ -60,3 +60,36 @@ def ray_cluster() -> str:
     address = ray.get_runtime_context().gcs_address
     yield address
     stop_cluster()
+
+
+#: A test whose setup, call and teardown together take longer is named at the end of the run
+#: (reported, never failed: wall time on a shared machine is not an assertion).
+TEST_BUDGET_S = 60.0
+#: How many of the slowest test files the end of the run lists.
+SLOWEST_FILES = 15
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Where the run's time went: the slowest test files (setup, call and teardown of all
+    their tests), and every test over :data:`TEST_BUDGET_S`."""
+    per_test: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) in ("setup", "call", "teardown"):
+                per_test[report.nodeid] = per_test.get(report.nodeid, 0.0) + report.duration
+    if not per_test:
+        return
+    per_file: dict[str, float] = {}
+    for nodeid, seconds in per_test.items():
+        path = nodeid.split("::", 1)[0]
+        per_file[path] = per_file.get(path, 0.0) + seconds
+    write = terminalreporter.write_line
+    terminalreporter.section(f"slowest {SLOWEST_FILES} test files (sum of their tests)")
+    for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:SLOWEST_FILES]:
+        write(f"{seconds:8.1f}s {path}")
+    write(f"{sum(per_file.values()):8.1f}s in all, {len(per_file)} files")
+    over = sorted(((s, n) for n, s in per_test.items() if s > TEST_BUDGET_S), reverse=True)
+    if over:
+        terminalreporter.section(f"tests over the {TEST_BUDGET_S:g}s per-test budget")
+        for seconds, nodeid in over:
+            write(f"{seconds:8.1f}s {nodeid}")
