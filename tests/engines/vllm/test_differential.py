@@ -36,7 +36,7 @@ from engines.local.requests import ENGINE_DEAD_MESSAGE
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from tests.engines.helpers import BackgroundEngines
-from tests.engines.vllm.conftest import PROJECT, RealServer, serve
+from tests.engines.vllm.conftest import PROJECT, RealServer
 from tests.sync.exactness import PROMPT, policy_logprobs
 
 pytestmark = pytest.mark.vllm
@@ -48,9 +48,12 @@ FRAME = re.compile(r"^Call to collective_rpc method failed: Worker failed with e
 TOLERANCE = 1e-4
 
 
-@pytest.fixture(scope="module")
-def vllm_disk(tmp_path_factory) -> Iterator[RealServer]:
-    yield from serve(tmp_path_factory, "disk")
+@pytest.fixture
+def vllm_disk(fresh_vllm_disk_server: RealServer) -> RealServer:
+    """A server of this test's own, not the tier's shared ``disk`` one: the script compares
+    vLLM as started (the served weights, which the tier's other tests move, and no transfer
+    engine yet) with the reference as started, and ends it (it exits)."""
+    return fresh_vllm_disk_server
 
 
 @pytest.fixture(scope="module")

@@ -107,7 +107,7 @@ async def test_a_gloo_sync_makes_the_engine_score_as_the_policy(vllm_server, pac
 
 
 def test_engine_backend_remote_trains_3_steps_with_exact_weights(vllm_server, tmp_path):
-    """The trainer against a vLLM server someone else started (the module's)."""
+    """The trainer against a vLLM server someone else started (the tier's)."""
     assert_remote_run_is_exact(vllm_server, tmp_path)
 
 
@@ -115,6 +115,9 @@ def test_engine_backend_remote_trains_3_steps_with_exact_weights(vllm_server, tm
 #: the run ends: (fault, exit code, the typed error on stderr or None, steps recorded). In
 #: this order: each run starts with a complete sync into the same server, so its first step,
 #: exact, shows that what the cell before left behind was made whole by one complete sync.
+#: These tests, and those that mend what they leave, take the tier's gloo server as the test
+#: before left it (``vllm_server_as_left``); a test after them that needs it in a good state
+#: gets a fresh one if they left it paused (``-k`` without the mends).
 BROKEN_TRANSFERS = {
     "before-start-error": ("broadcast_to_inference_engines:error=boom@2", 1, "FaultInjected", 1),
     "before-start-hang": ("broadcast_to_inference_engines:hang@2", 1, "WeightSyncTimeoutError", 1),
@@ -146,28 +149,34 @@ def _broken_run(server, tmp_path, cell: tuple[str, int, str | None, int]) -> Non
 
 
 @pytest.mark.parametrize("cell", list(BROKEN_TRANSFERS))
-def test_a_broken_transfer_into_real_vllm_ends_typed_or_is_completed(vllm_server, tmp_path, cell):
+def test_a_broken_transfer_into_real_vllm_ends_typed_or_is_completed(
+    vllm_server_as_left, tmp_path, cell
+):
     """Broken off before its finish, the transfer is finished and the run goes on; with
     buckets missing, the run ends typed and vLLM stays paused (its open update closed, so
     the next run's complete sync is accepted)."""
-    _broken_run(vllm_server, tmp_path, BROKEN_TRANSFERS[cell])
+    _broken_run(vllm_server_as_left, tmp_path, BROKEN_TRANSFERS[cell])
 
 
-def test_after_the_broken_transfers_one_complete_sync_serves_one_version(vllm_server, tmp_path):
-    assert_remote_run_is_exact(vllm_server, tmp_path)
+def test_after_the_broken_transfers_one_complete_sync_serves_one_version(
+    vllm_server_as_left, tmp_path
+):
+    assert_remote_run_is_exact(vllm_server_as_left, tmp_path)
 
 
 @pytest.mark.parametrize("cell", list(HUNG_MID_TRANSFER))
-def test_a_transfer_hung_mid_update_ends_with_the_deadlines_error(vllm_server, tmp_path, cell):
-    _broken_run(vllm_server, tmp_path, HUNG_MID_TRANSFER[cell])
+def test_a_transfer_hung_mid_update_ends_with_the_deadlines_error(
+    vllm_server_as_left, tmp_path, cell
+):
+    _broken_run(vllm_server_as_left, tmp_path, HUNG_MID_TRANSFER[cell])
 
 
-def test_after_the_hung_transfers_the_next_run_mends_the_engine(vllm_server, tmp_path):
+def test_after_the_hung_transfers_the_next_run_mends_the_engine(vllm_server_as_left, tmp_path):
     """The update the last hang left open is closed, the weights sent whole: 3 exact steps."""
-    assert_remote_run_is_exact(vllm_server, tmp_path)
+    assert_remote_run_is_exact(vllm_server_as_left, tmp_path)
 
 
-def test_a_trainer_killed_mid_transfer_and_resumed_mends_the_engine(vllm_server, tmp_path):
+def test_a_trainer_killed_mid_transfer_and_resumed_mends_the_engine(vllm_server_as_left, tmp_path):
     """SIGKILL of the trainer while its transfer hangs after a first bucket (vLLM paused, its
     update open, half its layers reloaded); the run resumed from its step-1 checkpoint: its
     first sync is refused its start, closes the open update and sends the whole transfer
@@ -175,7 +184,7 @@ def test_a_trainer_killed_mid_transfer_and_resumed_mends_the_engine(vllm_server,
     run_dir = tmp_path / "run"
     fired = run_dir / "faults_fired.log"
     cmd = remote_command(
-        vllm_server,
+        vllm_server_as_left,
         run_dir,
         3,
         "faults=transfer_after_first_bucket:hang@2",
@@ -194,7 +203,7 @@ def test_a_trainer_killed_mid_transfer_and_resumed_mends_the_engine(vllm_server,
         proc.kill()
         proc.wait(30)
     assert proc.returncode == -signal.SIGKILL
-    resumed = run_remote(vllm_server, run_dir, 3, "trainer.resume_mode=latest")
+    resumed = run_remote(vllm_server_as_left, run_dir, 3, "trainer.resume_mode=latest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "already active" in resumed.stderr  # the killed run's open update, closed
     assert [r["step"] for r in assert_exact_steps(run_dir, 3)] == [1, 2, 3]

@@ -4,12 +4,9 @@ the policy's weights."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from sync.transports.disk import DiskTransport
-from tests.engines.vllm.conftest import RealServer, serve
 from tests.engines.vllm.helpers import (
     assert_remote_run_is_exact,
     assert_syncs_make_the_engine_score_as_the_policy,
@@ -18,16 +15,13 @@ from tests.engines.vllm.helpers import (
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def disk_server(tmp_path_factory) -> Iterator[RealServer]:
-    yield from serve(tmp_path_factory, "disk")
-
-
-async def test_a_disk_sync_makes_the_engine_score_as_the_policy(disk_server, tmp_path):
+async def test_a_disk_sync_makes_the_engine_score_as_the_policy(vllm_disk_server, tmp_path):
     """16 KiB buckets: one file, and one ``/update_weights``, per few tensors."""
     transport = DiskTransport(tmp_path / "weight_sync", 16 * 1024)
-    await assert_syncs_make_the_engine_score_as_the_policy(disk_server, transport)
+    await assert_syncs_make_the_engine_score_as_the_policy(vllm_disk_server, transport)
 
 
-def test_engine_backend_remote_trains_3_steps_with_exact_weights_over_disk(disk_server, tmp_path):
-    assert_remote_run_is_exact(disk_server, tmp_path)
+def test_engine_backend_remote_trains_3_steps_with_exact_weights_over_disk(
+    vllm_disk_server, tmp_path
+):
+    assert_remote_run_is_exact(vllm_disk_server, tmp_path)

