@@ -18,7 +18,7 @@ run *ARGS: setup
 test *ARGS: setup
     {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" --durations=25 "$@"
 
-# The real-vLLM tier (marker `vllm`): vLLM's CPU build in .venv-vllm, one server per module.
+# The real-vLLM tier (marker `vllm`): vLLM's CPU build in .venv-vllm, its servers shared (conftest.py).
 test-vllm *ARGS: setup
     bash setup.sh --vllm
     {{py}} -m pytest -q -m vllm --durations=10 tests/engines/vllm "$@"
