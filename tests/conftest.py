@@ -21,6 +21,19 @@ from trainer.vocabulary import FAULTS_ENV, FAULTS_FIRED_ENV, install_faults, rel
 from trainer.workers.ray_cluster import start_cluster, stop_cluster
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _fork_server_for_runs():
+    """Every run of the suite, in this process or a ``python -m trainer`` started from it,
+    forks its reference servers from this test process's fork server (docs/engines.md:
+    about 5 s of CPU less per server), as :func:`tests.e2e.helpers.run_trainer` forks whole
+    runs. Tests of the launchers' own process start call them without it."""
+    from tests.e2e.helpers import fork_server
+
+    os.environ["TRAINER_FORK_SERVER"] = fork_server()
+    yield
+    os.environ.pop("TRAINER_FORK_SERVER", None)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_faults():
     """Each test starts with no faults (whatever the shell exports) and leaves none behind.

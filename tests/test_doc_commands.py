@@ -44,6 +44,7 @@ from tests.docs_extract import (
     shown_files,
     transcripts,
 )
+from tests.e2e.helpers import fork_server
 from trainer import vocabulary
 from trainer.__main__ import main
 from trainer.config import ConfigWarning, load_config
@@ -318,6 +319,9 @@ def test_quick_commands_run_for_real_without_failure_or_warning(tmp_path):
     env["PYTHONPATH"] = str(ROOT)
     if "TRAINER_CACHE_DIR" in os.environ:
         env["TRAINER_CACHE_DIR"] = os.environ["TRAINER_CACHE_DIR"]
+    # the runs' reference servers are forked, already imported (docs/engines.md); the
+    # commands themselves run as a user types them
+    env["TRAINER_FORK_SERVER"] = fork_server()
     ran = 0
     for f in [*doc_files(), *example_files()]:
         work = tmp_path / f.stem

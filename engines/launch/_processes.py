@@ -275,9 +275,11 @@ async def launch_local_engines(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     extra_args: Sequence[str] = (),
     devices: Sequence[str] = (),
+    fork_server: str | None = None,
 ) -> AsyncIterator[list[str]]:
     """:func:`open_engine_processes` of :class:`ReferenceServers`, yielding the servers' base
-    URLs (``http://HOST:PORT``). A server on ``cuda:N`` sees that GPU alone
+    URLs (``http://HOST:PORT``), forked from ``fork_server`` where one is given. A server on
+    ``cuda:N`` sees that GPU alone
     (``CUDA_VISIBLE_DEVICES``, as vLLM's servers are started), so everything it puts on CUDA,
     weight-transfer groups and buffers included, lands on that GPU."""
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
@@ -292,5 +294,6 @@ async def launch_local_engines(
         api_key=api_key,
         startup_timeout_s=startup_timeout_s,
         shutdown_timeout_s=shutdown_timeout_s,
+        fork_server=fork_server,
     ) as engines:
         yield [e.url for e in engines]

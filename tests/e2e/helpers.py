@@ -78,6 +78,8 @@ def _stop_fork_server(proc: subprocess.Popen[str]) -> None:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def run_trainer(

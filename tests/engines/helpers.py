@@ -6,6 +6,7 @@ and :class:`StepGate`, which holds an in-process engine's decode steps where a t
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -125,7 +126,11 @@ class BackgroundEngines:
         self._stop = trio.Event()
         try:
             async with launch_local_engines(
-                *self._args, startup_timeout_s=STARTUP_TIMEOUT_S, extra_args=self._extra_args
+                *self._args,
+                startup_timeout_s=STARTUP_TIMEOUT_S,
+                extra_args=self._extra_args,
+                # the suite's fork server (tests/conftest.py), where there is one
+                fork_server=os.environ.get("TRAINER_FORK_SERVER"),
             ) as urls:
                 self.urls = urls
                 self._ready.set()
