@@ -29,11 +29,12 @@ def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]
 
 
 async def syncs_make_the_engine_score_as_the_policy(
-    url: str, model_dir: Path, transport: Any
+    url: str, model_dir: Path, transport: Any, tolerance: float = 1e-4
 ) -> None:
     """Twice: move the policy away from what the engine serves (checked: its logprobs differ
     by more than 1e-3), sync through ``transport``, and the engine's logprobs of what it
-    samples are the policy's within 1e-4."""
+    samples are the policy's within ``tolerance`` (float32 rounding of another implementation
+    of the same model: 1e-4 on the tiny model)."""
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     model = workers.policy.model
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
@@ -56,6 +57,7 @@ async def syncs_make_the_engine_score_as_the_policy(
                 policy = await trio.to_thread.run_sync(
                     policy_logprobs, model, PROMPT, fresh.token_ids
                 )
-                assert max(abs(a - b) for a, b in zip(policy, fresh.logprobs)) < 1e-4
+                gap = max(abs(a - b) for a, b in zip(policy, fresh.logprobs))
+                assert gap < tolerance, (gap, policy, fresh.logprobs)
         finally:
             await transport.close(workers)

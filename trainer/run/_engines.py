@@ -210,10 +210,12 @@ async def _start_servers(
             num_threads=None if torch.cuda.is_available() else cpu_threads(cfg).server,
         )
     started = {"api_key": e.api_key, "startup_timeout_s": startup_timeout_s(cfg)}
+    # the fork server forks reference servers; `vllm serve` always starts afresh
+    fork_server = e.fork_server if e.backend == "local" else None
     if e.placement == "process":
         engines = await stack.enter_async_context(
             open_engine_processes(
-                e.num_engines, servers, log_dir, fork_server=e.fork_server, **started
+                e.num_engines, servers, log_dir, fork_server=fork_server, **started
             )
         )
         return engines

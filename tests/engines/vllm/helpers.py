@@ -15,10 +15,12 @@ from tests.sync.exactness import syncs_make_the_engine_score_as_the_policy
 
 
 async def assert_syncs_make_the_engine_score_as_the_policy(
-    server: RealServer, transport: Any
+    server: RealServer, transport: Any, tolerance: float = 1e-4
 ) -> None:
     """:func:`~tests.sync.exactness.syncs_make_the_engine_score_as_the_policy` on ``server``."""
-    await syncs_make_the_engine_score_as_the_policy(server.url, server.model_dir, transport)
+    await syncs_make_the_engine_score_as_the_policy(
+        server.url, server.model_dir, transport, tolerance
+    )
 
 
 def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:

@@ -36,4 +36,8 @@ async def test_a_sync_of_smollm2_makes_vllm_score_as_the_policy(smollm2_server, 
         transport = BroadcastTransport(64 * 1024 * 1024, group_init_timeout_s=120, packed=True)
     else:  # 64 MiB buckets: about 9 files of the 540 MB
         transport = DiskTransport(tmp_path / "weight_sync", 64 * 1024 * 1024)
-    await assert_syncs_make_the_engine_score_as_the_policy(smollm2_server, transport)
+    # 30 layers of float32 in two implementations (vLLM's, transformers'): measured
+    # 2026-12-03, the largest gap after a sync was 1.08e-4 (policy on transformers 5.25.0, vLLM
+    # 0.32.0 with its 5.19.0), where the tiny model's stays under 1e-4; the weights before the
+    # sync are still told apart by more than 1e-3
+    await assert_syncs_make_the_engine_score_as_the_policy(smollm2_server, transport, 5e-4)
