@@ -33,12 +33,19 @@ __all__ = [
     "fork_process",
     "forkable",
     "list_children",
+    "python_prefix",
 ]
 
 #: The line the server prints to stdout once it listens.
 FORK_SERVER_READY = "FORK_SERVER_READY"
 #: The longest message either side sends.
 MAX_MESSAGE = 1 << 20
+
+
+def python_prefix() -> str:
+    """This Python's installation or virtual environment (the real path of ``sys.prefix``):
+    what a fork server and its client must share."""
+    return os.path.realpath(sys.prefix)
 
 
 def forkable(argv: Sequence[str]) -> bool:
@@ -63,7 +70,7 @@ def _spawn_message(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path)
         raise ValueError(f"only `{sys.executable} -m MODULE ...` can be forked, got {argv[:3]}")
     return {
         "kind": "spawn",
-        "executable": argv[0],
+        "python": python_prefix(),
         "argv": list(argv[1:]),
         "env": dict(env),
         "cwd": str(cwd),

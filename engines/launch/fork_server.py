@@ -17,7 +17,7 @@ The protocol: a Unix ``SOCK_SEQPACKET`` socket; one connection per child. The cl
 one JSON message, with the child's stdin, stdout and stderr as three file descriptors
 (``SCM_RIGHTS``)::
 
-    {"kind": "spawn", "executable": sys.executable, "argv": ["-m", MODULE, *ARGS],
+    {"kind": "spawn", "python": PREFIX, "argv": ["-m", MODULE, *ARGS],
      "env": {...}, "cwd": DIR}
 
 and gets ``{"pid": N}`` once forked (or ``{"error": TEXT}``), then ``{"returncode": R}`` when
@@ -29,7 +29,8 @@ environment there).
 How it differs from a fresh ``python``: modules already imported here are not imported again
 (their import-time state, such as a variable read at import, is the fork server's), and the
 child's ``sys.path`` is the fork server's plus the child's ``PYTHONPATH``. Only this Python
-(``executable``) is forked; anything else is refused. It ends when its stdin reaches
+(``python``: the real path of the client's ``sys.prefix``, its installation or virtual
+environment, whatever the path it was started by) is forked; anything else is refused. It ends when its stdin reaches
 end-of-file (its owner died or closed it) or on SIGTERM, once its children have exited; the
 children are in sessions of their own and end as their own owners decide.
 
@@ -55,7 +56,7 @@ from typing import Any
 
 import attrs
 
-from engines.launch._fork_client import FORK_SERVER_READY, MAX_MESSAGE
+from engines.launch._fork_client import FORK_SERVER_READY, MAX_MESSAGE, python_prefix
 
 __all__ = ["main"]
 
@@ -160,8 +161,8 @@ class _Server:
             _send(conn, {"error": "the fork server is stopping"})
             conn.close()
             return None
-        if message.get("executable") != sys.executable or len(fds) != 3:
-            reason = f"it forks only {sys.executable} with stdin, stdout and stderr"
+        if message.get("python") != python_prefix() or len(fds) != 3:
+            reason = f"it forks only the Python of {python_prefix()}, with stdin, stdout and stderr"
             _send(conn, {"error": reason})
             conn.close()
             return None
@@ -246,6 +247,10 @@ def _run_child(child: _Child) -> int:
     sys.path[:] = [child.cwd, *dict.fromkeys([*extra, *sys.path[1:]])]
     _, module, *args = child.argv
     sys.argv = ["-m", *args]
+    # the module runs afresh as ``__main__`` (what it imports stays imported): a preloaded copy
+    # would make runpy warn that it was imported before it ran
+    for name in (module, f"{module}.__main__"):
+        sys.modules.pop(name, None)
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as exc:

@@ -65,8 +65,8 @@ class EngineRecovery:
     """Watches the engines of one client and brings failed ones back (module docstring).
 
     The run hands it its ``resync`` once its loop can sync (:meth:`set_resync`): one
-    complete, verified weight sync to every member engine, run under :attr:`weights_lock`
-    after :meth:`refresh_transport`.
+    complete, verified weight sync to every member engine (:meth:`sync_members`, which builds
+    the transport for them first), run under :attr:`weights_lock`.
     """
 
     def __init__(
@@ -152,8 +152,8 @@ class EngineRecovery:
             if not self.client.urls:
                 log.warning("weight sync skipped: no engine is up (each gets one when back)")
                 return {}
-            await self.refresh_transport()
             try:
+                await self.refresh_transport()  # an engine may fail here too
                 return await sync()
             except Exception as exc:
                 if not self.took_out(exc):
@@ -249,8 +249,7 @@ class EngineRecovery:
         assert self._resync is not None
         async with self.weights_lock:
             self.rotation.join(index, url)
-            await self.refresh_transport()
-            await self._resync()
+            await self._resync()  # its sync_members builds the transport for the new members
             if self.rotation.states[index] != "joining":
                 return  # it failed again during its own sync: that failure is queued next
             self.rotation.put_back(index)

@@ -210,3 +210,39 @@ def test_engine_fork_server_must_name_a_socket_where_servers_are_started(tmp_pat
     # where no server is started, it is not used, so not checked
     load_config(None, [f"engine.fork_server={tmp_path / 'none.sock'}", "engine.backend=inprocess"])
     assert load_config(None, [f"engine.fork_server={fork_server()}"]).engine.fork_server
+
+
+def test_a_preloaded_main_module_runs_afresh_without_runpys_warning(tmp_path):
+    """``--preload engines.local.__main__`` (as docs/engines.md says) and then ``-m
+    engines.local``: the module runs as ``__main__`` once more, quietly, as a new python."""
+    path = os.path.join(tempfile.mkdtemp(prefix="fs-test-"), "fork.sock")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engines.launch.fork_server",
+            "--socket",
+            path,
+            "--preload",
+            "trainer.__main__",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(FORK_SERVER_READY)
+        argv = [sys.executable, "-m", "trainer", "ckpt", "list", str(tmp_path)]
+        child = _fork(path, argv, REPO, dict(os.environ), tmp_path / "o", tmp_path / "e")
+        code = child.wait(120)
+    finally:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        proc.wait(30)
+        proc.stdout.close()
+    err = (tmp_path / "e").read_text()
+    assert "RuntimeWarning" not in err and "found in sys.modules" not in err, err
+    assert code == 0 and (tmp_path / "o").read_text() == f"no checkpoints under {tmp_path}\n"

@@ -4,13 +4,13 @@ score exactly as the policy, and a run against the server trains with exact weig
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests.engines.vllm.conftest import PROJECT, RealServer
+from tests.e2e.helpers import run_trainer
+from tests.engines.vllm.conftest import RealServer
 from tests.sync.exactness import syncs_make_the_engine_score_as_the_policy
 
 
@@ -42,18 +42,13 @@ def remote_command(server: RealServer, run_dir: Path, steps: int, *overrides: st
     return [*cmd, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *overrides]
 
 
-#: The environment :func:`remote_command` runs in.
-REMOTE_ENV = {**os.environ, "PYTHONPATH": str(PROJECT)}
-
-
 def run_remote(
     server: RealServer, run_dir: Path, steps: int, *overrides: str
 ) -> subprocess.CompletedProcess[str]:
-    """:func:`remote_command`, run to its end."""
-    cmd = remote_command(server, run_dir, steps, *overrides)
-    return subprocess.run(
-        cmd, env=REMOTE_ENV, cwd=PROJECT, capture_output=True, text=True, timeout=600
-    )
+    """:func:`remote_command`'s run, to its end: forked from the test process's fork server
+    (:func:`tests.e2e.helpers.run_trainer`), not a new Python."""
+    args = remote_command(server, run_dir, steps, *overrides)[3:]  # after `python -m trainer`
+    return run_trainer(*args, timeout=600)
 
 
 def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:

@@ -213,3 +213,35 @@ def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path)
     assert rows[-1]["engine/restarts"] == 1
     _exact(rows)
     assert wait_until_gone(marker) == []
+
+
+async def test_an_engine_that_dies_while_the_transport_is_built_is_left_out_not_the_run(
+    tmp_path, caplog
+):
+    """A member engine that no longer answers while the weight transport is built again for
+    the members (an engine back from a restart joined just as another died: seen in the killed
+    engine run above once restarts got fast) is taken out like one that dies during the sync;
+    with none left the sync is skipped. Before, its ConnectError ended the run."""
+    from engines.client import InferenceClient, RetryPolicy
+    from sync.transports import DiskTransport
+    from trainer.loop._engine_recovery import EngineRecovery
+
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
+    cfg = load_config(None, []).engine
+    async with InferenceClient(dead, retry=RetryPolicy(max_retries=1, backoff_s=0.01)) as client:
+        recovery = EngineRecovery(cfg, client, None, DiskTransport(tmp_path, 1 << 20), None)
+        client.rotation.on_failure = recovery.failed
+        client.rotation.changes += 1  # a member joined: the transport must be built again
+        synced = []
+
+        async def sync() -> dict[str, float]:
+            synced.append(True)
+            return {"sync/ok": 1.0}
+
+        assert await recovery.sync_members(sync) == {}  # both left out, nothing to sync
+    assert synced == [] and client.rotation.states == ["down", "down"]
+    # each is reported (and queued for its restart) as failed during the transport's set-up
+    failed = [
+        r.getMessage() for r in caplog.records if "/init_weight_transfer_engine" in r.getMessage()
+    ]
+    assert [m.split()[1] for m in failed] == ["0", "1"], failed
