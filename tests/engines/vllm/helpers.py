@@ -4,6 +4,7 @@ score exactly as the policy, and a run against the server trains with exact weig
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,10 @@ def remote_command(server: RealServer, run_dir: Path, steps: int, *overrides: st
     cmd = [sys.executable, "-m", "trainer", "engine.backend=remote"]
     cmd += [f"sync.transport={server.backend}", f"engine.urls=[{server.url}]"]
     return [*cmd, f"trainer.max_steps={steps}", f"trainer.run_dir={run_dir}", *overrides]
+
+
+#: The environment :func:`remote_command` runs in when started as a new process.
+REMOTE_ENV = {**os.environ, "PYTHONPATH": str(PROJECT)}
 
 
 def run_remote(
