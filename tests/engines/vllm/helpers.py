@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.e2e.helpers import run_trainer
-from tests.engines.vllm.conftest import RealServer
+from tests.engines.vllm.conftest import PROJECT, RealServer
 from tests.sync.exactness import syncs_make_the_engine_score_as_the_policy
 
 
