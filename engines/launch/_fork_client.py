@@ -40,6 +40,8 @@ __all__ = [
 FORK_SERVER_READY = "FORK_SERVER_READY"
 #: The longest message either side sends.
 MAX_MESSAGE = 1 << 20
+#: Seconds a request may take to be answered (a fork answers in milliseconds).
+REQUEST_TIMEOUT_S = 30.0
 
 
 def python_prefix() -> str:
@@ -56,6 +58,7 @@ def forkable(argv: Sequence[str]) -> bool:
 
 def _request(socket_path: str, message: dict[str, Any], fds: Sequence[int]) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.settimeout(REQUEST_TIMEOUT_S)  # until its answer; a hung server is an error
     try:
         sock.connect(socket_path)
         socket.send_fds(sock, [json.dumps(message).encode()], list(fds))
@@ -77,18 +80,29 @@ def _spawn_message(argv: Sequence[str], env: Mapping[str, str], cwd: str | Path)
     }
 
 
+def _reply(socket_path: str, sock: socket.socket) -> dict[str, Any]:
+    """The server's answer to a request, within :data:`REQUEST_TIMEOUT_S`."""
+    try:
+        data = sock.recv(MAX_MESSAGE)
+    except OSError as exc:
+        sock.close()
+        raise ForkServerError(socket_path, f"did not answer ({exc})") from exc
+    return json.loads(data or b'{"error": "it closed the connection"}')
+
+
 def _pid_of(socket_path: str, sock: socket.socket) -> int:
-    reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"error": "it closed the connection"}')
+    reply = _reply(socket_path, sock)
     if "pid" not in reply:
         sock.close()
         raise ForkServerError(socket_path, reply.get("error", f"unexpected reply {reply}"))
+    sock.settimeout(None)  # from now on it waits for the child's exit, as long as that takes
     return int(reply["pid"])
 
 
 def list_children(socket_path: str, env_name: str) -> list[tuple[int, str | None]]:
     """The fork server's live children: each pid with the value of ``env_name`` it was given."""
     with _request(socket_path, {"kind": "list", "env": env_name}, []) as sock:
-        reply = json.loads(sock.recv(MAX_MESSAGE))
+        reply = _reply(socket_path, sock)
     return [(int(pid), value) for pid, value in reply["children"]]
 
 

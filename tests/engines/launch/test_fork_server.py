@@ -246,3 +246,21 @@ def test_a_preloaded_main_module_runs_afresh_without_runpys_warning(tmp_path):
     err = (tmp_path / "e").read_text()
     assert "RuntimeWarning" not in err and "found in sys.modules" not in err, err
     assert code == 0 and (tmp_path / "o").read_text() == f"no checkpoints under {tmp_path}\n"
+
+
+def test_a_fork_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    """A request is bounded (REQUEST_TIMEOUT_S): a server that takes it and never answers (a
+    real listening socket nobody serves) is a ForkServerError saying so."""
+    import socket
+
+    from engines.launch import _fork_client
+
+    monkeypatch.setattr(_fork_client, "REQUEST_TIMEOUT_S", 0.5)
+    path = str(tmp_path / "mute.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as mute:
+        mute.bind(path)
+        mute.listen(1)  # connections are queued and never read
+        with pytest.raises(ForkServerError, match="did not answer"):
+            list_children(path, "PYTHONPATH")
+        with pytest.raises(ForkServerError, match="did not answer"):
+            _fork(path, [sys.executable, "-m", "x"], tmp_path, {}, tmp_path / "o", tmp_path / "e")
