@@ -6,7 +6,8 @@ tier, and trainer runs that start their own vLLM.
   the last selected test that uses it. They start in the background, in the order the tests
   first need them, one at a time, at most :data:`PRESTART` ahead: a start costs 30-90 s of
   CPU, and the tests leave one of two cores idle most of the time. ``fresh_vllm_disk_server`` is one
-  test's own (``test_differential.py``: it compares vLLM as started, and ends it).
+  test's own (``test_differential.py``: it compares vLLM as started, and ends it); that
+  test runs last (:data:`LAST`), its server started in the background meanwhile.
 - **Trainer runs** (marker ``trainer_run``, ``test_vllm_backend.py``): the ``python -m
   trainer`` run a test checks, started in the background at the tier's start, one after
   another in the tests' order; the test waits for its run and asserts on it.
@@ -57,6 +58,9 @@ SHARED: dict[str, tuple[str, Callable[[], Path]]] = {
     "smollm2-gloo": ("gloo", lambda: resolve_model_path("smollm2-135m-instruct")),
     "smollm2-disk": ("disk", lambda: resolve_model_path("smollm2-135m-instruct")),
 }
+#: Test files run last in the tier: ``test_differential.py`` has a server of its own
+#: (``tiny-disk-fresh``), which it ends; first in the tier, every test waited for its start.
+LAST = frozenset({"test_differential.py"})
 #: The fixtures that hand out a server: fixture -> its key (``{param}``: the fixture's
 #: parameter), so that collection knows the order the servers are needed in and each one's
 #: last test.
@@ -333,8 +337,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Without ``.venv-vllm`` every test of the tier (marker ``vllm``) is skipped, saying how
-    to get it."""
+    """The tests of :data:`LAST` run after the rest of the tier, so that their own server
+    starts in the background while the others run instead of before the first test. Without
+    ``.venv-vllm`` every test of the tier (marker ``vllm``) is skipped, saying how to get it."""
+    items.sort(key=lambda item: item.path.name in LAST)  # stable: the order otherwise kept
     if VLLM_PYTHON.exists():
         return
     skip = pytest.mark.skip(reason="needs real vLLM: run `bash setup.sh --vllm`")
