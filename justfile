@@ -14,9 +14,10 @@ run *ARGS: setup
 # The whole test suite (what CI runs): test files on two worker processes, each file on one
 # (`just test -n 0` runs in this process; `-n 4` on four workers). The end lists the 25 slowest
 # tests, the 15 slowest test files and every test over the 60 s per-test budget (tests/conftest.py),
-# so every CI log says where the suite's time goes.
+# so every CI log says where the suite's time goes. The slowest files start first
+# (tests/conftest.py HEAVY_FIRST; xdist's own reorder, by test count, is off).
 test *ARGS: setup
-    {{py}} -m pytest -q -n 2 --dist loadfile -m "not vllm" --durations=25 "$@"
+    {{py}} -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm" --durations=25 "$@"
 
 # The real-vLLM tier (marker `vllm`): vLLM's CPU build in .venv-vllm, its servers shared (conftest.py).
 test-vllm *ARGS: setup
