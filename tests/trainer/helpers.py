@@ -121,3 +121,9 @@ def assert_same_adam_step(
         close += int(torch.isclose(got[name], w, rtol=1e-4, atol=1e-5).sum())
         total += w.numel()
     assert total - close <= total // 1000, f"{total - close} of {total} elements differ"
+
+
+def half_informative_reward(response: str, answer: str) -> float:
+    """0 for every response to a prompt whose answer is even (a group that teaches nothing),
+    :func:`varied_reward` for the others: dynamic sampling must filter the first kind."""
+    return 0.0 if int(answer) % 2 == 0 else varied_reward(response, answer)

@@ -1,4 +1,6 @@
-"""Advantages, PPO-clip loss and KL estimators against hand-computed values."""
+"""GRPO and RLOO advantages, the PPO-clip loss, masked reductions, KL estimators and token
+log-probs against hand-computed values (the other estimators, losses and aggregation modes:
+test_advantages.py, test_policy_losses.py, test_loss_aggregation.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from trainer.algorithms import (
     POLICY_LOSS_METRICS,
+    BatchCounts,
     compute_advantages,
     kl_penalty,
     masked_mean,
@@ -107,7 +110,10 @@ def test_advantages_keep_float_dtype_and_promote_integers():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(rewards=t([1.0]), group_ids=[0], estimator="ppo"), "allowed: grpo, rloo"),
+        (
+            dict(rewards=t([1.0]), group_ids=[0], estimator="ppo"),
+            "allowed: grpo, rloo, reinforce_plus_plus, ",
+        ),
         (dict(rewards=t([[1.0]]), group_ids=[0]), "must be 1-D"),
         (dict(rewards=t([1.0, 2.0]), group_ids=[0]), "one id per reward"),
         (dict(rewards=t([1.0, math.nan]), group_ids=[0, 0]), r"trajectories \[1\] have nan"),
@@ -236,7 +242,7 @@ def test_ppo_token_mean_over_a_mixed_batch():
     assert m["ratio_mean"] == pytest.approx(0.94)
     assert m["ratio_max"] == pytest.approx(1.5)
     assert m["ratio_min"] == pytest.approx(0.5)
-    assert set(m) == set(POLICY_LOSS_METRICS)
+    assert set(m) == set(POLICY_LOSS_METRICS["ppo"])
     assert all(type(v) is float for v in m.values())
     loss.backward()
     # grad = -A * ratio / 5 where unclipped, 0 where clipped or padded
@@ -283,10 +289,11 @@ def test_micro_batches_with_the_global_token_count_reproduce_the_full_batch():
     full.backward()
 
     logp_micro = logp_full.detach().clone().requires_grad_()
-    n = float(mask.sum())  # 13, the whole batch's valid tokens
+    counts = BatchCounts.of(mask)  # 13 valid tokens: the whole batch's
+    assert counts == BatchCounts(tokens=13, sequences=4)
     total = torch.zeros((), dtype=F64)
     for rows in (slice(0, 1), slice(1, 3), slice(3, 4)):
-        part, _ = policy_loss(logp_micro[rows], old[rows], adv[rows], mask[rows], num_tokens=n)
+        part, _ = policy_loss(logp_micro[rows], old[rows], adv[rows], mask[rows], counts=counts)
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, full.detach())
@@ -314,9 +321,12 @@ def test_ppo_with_no_valid_token_is_zero_not_nan():
     [
         (dict(advantages=t([1.0, 2.0, 3.0])), r"advantages must be \[B\] or \[B, T\]"),
         (dict(mask=torch.ones(2, 2)), "one shape"),
-        (dict(clip_low=1.0), r"clip_low must be in \[0, 1\)"),
+        (dict(clip_low=1.5), r"clip_low must be in \[0, 1\]"),
         (dict(clip_high=-0.1), "clip_high must be >= 0"),
-        (dict(num_tokens=0), "num_tokens must be > 0"),
+        (dict(clip_ratio_c=1.0), r"clip_ratio_c \(dual-clip\) must be > 1"),
+        (dict(loss="gspo"), "'gspo' is one term per sequence"),
+        (dict(loss="a2c"), "allowed: ppo, gspo, cispo"),
+        (dict(loss_agg_mode="sum"), "allowed: token-mean, seq-mean-token-sum"),
     ],
 )
 def test_policy_loss_rejects_bad_input(kwargs, match):

@@ -13,6 +13,14 @@ from typing import Any, Literal
 
 import attrs
 
+from trainer.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    AdvantageEstimatorName,
+    LossAggModeName,
+    PolicyLossName,
+)
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
@@ -25,11 +33,13 @@ __all__ = [
     "Config",
     "ConfigWarning",
     "DataConfig",
+    "DynamicSamplingConfig",
     "EngineConfig",
     "FullyAsyncConfig",
     "GeneratorConfig",
     "ModelConfig",
     "OptimConfig",
+    "OverlongBufferConfig",
     "SamplingConfig",
     "SyncConfig",
     "TrainerConfig",
@@ -255,6 +265,15 @@ class GeneratorConfig:
     )
     sampling: SamplingConfig = _section(SamplingConfig, "Sampling parameters.")
 
+    @property
+    def response_budget(self) -> int:
+        """The most response tokens a trajectory can have: ``max_response_tokens``, and with
+        one turn no more than ``sampling.max_tokens`` (what a length-based algorithm measures
+        against)."""
+        if self.max_turns == 1:
+            return min(self.max_response_tokens, self.sampling.max_tokens)
+        return self.max_response_tokens
+
 
 @attrs.define
 class ModelConfig:
@@ -266,9 +285,68 @@ class ModelConfig:
 
 
 @attrs.define
+class OverlongBufferConfig:
+    len: int = _field(
+        0,
+        "DAPO's soft overlong punishment: the last this-many tokens of the response budget "
+        "(generator.max_response_tokens; with one turn at most generator.sampling.max_tokens) are a buffer where a response's reward falls linearly, "
+        "by up to overlong_buffer.penalty at the budget (0: off). docs/algorithms.md.",
+        check=at_least(0),
+    )
+    penalty: float = _field(
+        1.0, "The punishment of a response that fills its whole budget.", check=at_least(0)
+    )
+
+
+@attrs.define
+class DynamicSamplingConfig:
+    type: Literal["none", "filter"] = _field(
+        "none",
+        "'filter' (DAPO's dynamic sampling): a step trains only on groups whose rewards (after "
+        "algorithm.overlong_buffer) are not all equal, generating more prompts until it holds "
+        "trainer.train_batch_size of them. docs/algorithms.md#dynamic-sampling.",
+    )
+    max_rounds: int = _field(
+        10,
+        "type=filter: the most batches of prompts a step generates (fully_async: groups "
+        "taken, in batches); past it the step trains on the informative groups it has (or on "
+        "the last round's, where none were), with a warning and dynamic_sampling/exhausted=1.",
+        check=at_least(1),
+    )
+
+
+@attrs.define
 class AlgorithmConfig:
-    advantage_estimator: Literal["grpo", "rloo"] = _field("grpo", "Advantage estimator.")
-    norm_adv_by_std: bool = _field(True, "GRPO: divide by the group's reward std.")
+    advantage_estimator: AdvantageEstimatorName = _field(
+        ADVANTAGE_ESTIMATORS.names[0],
+        "Advantage estimator (docs/algorithms.md): " + ", ".join(ADVANTAGE_ESTIMATORS.names) + ".",
+    )
+    norm_adv_by_std: bool = _field(
+        True, "grpo, grpo_passk: divide by the group's reward std (false: Dr. GRPO)."
+    )
+    gamma: float = _field(
+        1.0,
+        "reinforce_plus_plus: the discount per trained token of the outcome reward.",
+        check=in_range(0, 1),
+    )
+    policy_loss: PolicyLossName = _field(
+        POLICY_LOSSES.names[0],
+        "Policy loss (docs/algorithms.md): ppo (PPO-clip, clip-higher, dual-clip), gspo "
+        "(sequence-level ratio), cispo (clipped, stop-gradient importance weight).",
+    )
+    loss_agg_mode: LossAggModeName | None = _field(
+        None,
+        "How per-token losses become one (docs/algorithms.md): "
+        + ", ".join(LOSS_AGG_MODES.names)
+        + "; None: the policy loss's own (gspo: seq-mean-token-mean, else token-mean).",
+    )
+    loss_scale_factor: int | None = _field(
+        None,
+        "loss_agg_mode=seq-mean-token-sum-norm: the constant length each sequence's loss is "
+        "divided by (Dr. GRPO); None: the response budget (generator.max_response_tokens; "
+        "with one turn at most generator.sampling.max_tokens).",
+        check=at_least(1),
+    )
     clip_ratio_low: float = _field(
         0.2, "PPO clip: lower bound is 1 - clip_ratio_low.", check=in_range(0, 1)
     )
@@ -277,6 +355,12 @@ class AlgorithmConfig:
         "PPO clip: upper bound is 1 + clip_ratio_high (above clip_ratio_low, as DAPO's clip-higher, "
         "to keep exploring: with 0.2 the tiny default model collapses to one answer per prompt).",
         check=at_least(0),
+    )
+    clip_ratio_c: float | None = _field(
+        3.0,
+        "policy_loss=ppo: dual-clip, the largest ratio a negative-advantage token's loss grows "
+        "with (must be > 1, as verl's default); None: off.",
+        check=lambda v: None if v is None or v > 1 else "must be > 1",
     )
     use_kl_loss: bool = _field(
         False, "Add a KL penalty to a frozen reference model (loads a ref worker)."
@@ -297,6 +381,12 @@ class AlgorithmConfig:
         "off_policy_correction=tis: the largest importance weight (policy/is_truncated_frac is "
         "the share of tokens it caps); None: no cap, the decoupled PPO objective.",
         check=at_least(1),
+    )
+    overlong_buffer: OverlongBufferConfig = _section(
+        OverlongBufferConfig, "DAPO's soft overlong punishment of the reward."
+    )
+    dynamic_sampling: DynamicSamplingConfig = _section(
+        DynamicSamplingConfig, "DAPO's dynamic sampling: train only on informative groups."
     )
 
 

@@ -9,6 +9,7 @@ import stat
 import warnings
 
 from engines.vllm.flags import flag_clashes
+from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._schema import (
     Config,
     ConfigWarning,
@@ -169,6 +170,26 @@ def _check_fork_server(cfg: Config) -> None:
         )
 
 
+def _check_algorithm(cfg: Config) -> None:
+    a, g = cfg.algorithm, cfg.generator
+    try:
+        resolve_loss_agg_mode(a.policy_loss, a.loss_agg_mode)
+    except ValueError as e:
+        raise ConfigError(f"config: {e}") from None
+    if a.advantage_estimator == "grpo_passk" and g.n_samples_per_prompt < 2:
+        raise ConfigError(
+            "config: algorithm.advantage_estimator='grpo_passk' rewards the best of a group "
+            f"over the second best, but generator.n_samples_per_prompt={g.n_samples_per_prompt}: "
+            "set it to 2 or more"
+        )
+    if a.overlong_buffer.len > g.response_budget:
+        raise ConfigError(
+            f"config: algorithm.overlong_buffer.len={a.overlong_buffer.len} is out of range: "
+            f"must be <= the response budget, {g.response_budget} tokens "
+            "(generator.max_response_tokens; with one turn at most generator.sampling.max_tokens)"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -201,6 +222,7 @@ def validate_cfg(cfg: Config) -> None:
         )
     _check_vllm(cfg)
     _check_fork_server(cfg)
+    _check_algorithm(cfg)
     if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
         raise ConfigError(
             f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "

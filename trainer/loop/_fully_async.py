@@ -40,6 +40,7 @@ from trainer.errors import RolloutTimeoutError
 from trainer.generators import GeneratorInput, GeneratorOutput
 from trainer.loop import _stages as stages
 from trainer.loop._context import RunContext, StepFn
+from trainer.loop._dynamic_sampling import FilterCount, is_informative
 from trainer.loop._prompt_stream import PromptKey, PromptStream
 from trainer.loop._staleness import Admission, staleness
 from trainer.loop._sync import sync_weights, train_on
@@ -266,9 +267,14 @@ class RolloutFeed:
         """
         groups: list[Group] = []
         dropped = 0
+        sampling = self.ctx.cfg.algorithm.dynamic_sampling
+        count = FilterCount(self.batch_size) if sampling.type == "filter" else None
+        filtered: list[Group] = []  # consumed, their places given back
         with operation("wait_for_batch"):
             await fire_fault("wait_for_batch")
             while len(groups) < self.batch_size:
+                if count is not None and count.seen >= sampling.max_rounds * self.batch_size:
+                    break  # dynamic sampling's bound: train on what there is
                 group = await self._receive.receive()
                 if staleness(step, group.policy_step) > self.max_staleness:
                     dropped += 1
@@ -276,7 +282,31 @@ class RolloutFeed:
                     self.admission.release()
                     continue
                 self.prompts.trained(group.key)
+                if count is not None:
+                    count.seen += 1
+                    if not is_informative(self.ctx, group.output.trajectories):
+                        filtered.append(group)
+                        self.admission.release()  # another group may start in its place
+                        continue
+                    count.kept += 1
                 groups.append(group)
+        filter_metrics: dict[str, float] = {}
+        if count is not None:
+            exhausted = len(groups) < self.batch_size
+            if exhausted:
+                log.warning(
+                    "step %d: dynamic sampling found %d of %d informative groups in %d taken "
+                    "(algorithm.dynamic_sampling.max_rounds); training on %s",
+                    step,
+                    len(groups),
+                    self.batch_size,
+                    count.seen,
+                    "those" if groups else "the last groups taken, which teach nothing",
+                )
+            if not groups:
+                groups = filtered[-self.batch_size :]
+                self.admission.count_again(len(groups))  # trained after all
+            filter_metrics = count.metrics(exhausted)
         if dropped:
             log.info("step %d dropped %d groups older than the staleness bound", step, dropped)
         groups.sort(
@@ -296,4 +326,4 @@ class RolloutFeed:
             "async/rollouts_timed_out": float(timed_out),
             "async/buffer_size": float(self._receive.statistics().current_buffer_used),
             "async/generator_idle_ratio": idle,
-        }
+        } | filter_metrics

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from sync.verify import verify_sync
-from trainer.algorithms import compute_advantages
+from trainer.algorithms import compute_advantages, overlong_penalty
 from trainer.config import Config
 from trainer.data import Example
 from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
@@ -28,6 +28,7 @@ __all__ = [
     "one_update_per_batch",
     "rollout_metrics",
     "save_checkpoint",
+    "shaped_rewards",
     "train_policy",
     "trajectory_seed",
     "verify_weights",
@@ -71,15 +72,17 @@ def group_inputs(
 
 
 def generator_input(
-    ctx: RunContext, prompts: list[Example], step: int, n: int | None = None
+    ctx: RunContext, prompts: list[Example], step: int, n: int | None = None, first_group: int = 0
 ) -> GeneratorInput:
     """Each prompt ``n`` times (default ``n_samples_per_prompt``): :func:`group_inputs` per
-    prompt, ids ``step-group-sample``, seeds from :func:`trajectory_seed`."""
+    prompt, ids ``step-group-sample``, seeds from :func:`trajectory_seed`; the groups are
+    numbered from ``first_group`` (a step's later dynamic-sampling rounds continue the count,
+    so that no two groups of a step share seeds)."""
     n = n or ctx.cfg.generator.n_samples_per_prompt
     seed = ctx.cfg.trainer.seed
     items = [
         item
-        for g, ex in enumerate(prompts)
+        for g, ex in enumerate(prompts, start=first_group)
         for item in group_inputs(
             ctx, ex, g, n, ids=f"{step}-{g}", first_seed=trajectory_seed(seed, step, g)
         )
@@ -131,11 +134,41 @@ def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, A
     }
 
 
-def advantages_for(ctx: RunContext, out: GeneratorOutput) -> torch.Tensor:
+def shaped_rewards(
+    ctx: RunContext, trajectories: Sequence[Trajectory]
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The rewards the advantages (and the dynamic-sampling filter) read: the trajectories'
+    own, plus ``algorithm.overlong_buffer``'s punishment when it is on (with its metrics:
+    ``overlong_buffer/penalty_mean``, ``/punished_frac``)."""
     a = ctx.cfg.algorithm
-    rewards = torch.tensor([t.reward for t in out.trajectories], dtype=torch.float32)
-    groups = [t.group_id for t in out.trajectories]
-    return compute_advantages(rewards, groups, a.advantage_estimator, norm_by_std=a.norm_adv_by_std)
+    rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    if not a.overlong_buffer.len:
+        return rewards, {}
+    lengths = torch.tensor([len(t.response_ids) for t in trajectories])
+    budget = ctx.cfg.generator.response_budget
+    penalty = overlong_penalty(lengths, budget, a.overlong_buffer.len, a.overlong_buffer.penalty)
+    return rewards.double() + penalty, {
+        "overlong_buffer/penalty_mean": float(penalty.mean()),
+        "overlong_buffer/punished_frac": float((penalty < 0).double().mean()),
+    }
+
+
+def advantages_for(
+    ctx: RunContext, out: GeneratorOutput, batch: TrainBatch
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The batch's advantages by ``algorithm.advantage_estimator`` (``[B]`` or per token, like
+    ``batch.loss_mask``) from the :func:`shaped_rewards`, and the shaping's metrics."""
+    a = ctx.cfg.algorithm
+    rewards, metrics = shaped_rewards(ctx, out.trajectories)
+    advantages = compute_advantages(
+        rewards,
+        [t.group_id for t in out.trajectories],
+        a.advantage_estimator,
+        mask=batch.loss_mask,
+        norm_by_std=a.norm_adv_by_std,
+        gamma=a.gamma,
+    )
+    return advantages.float(), metrics
 
 
 def one_update_per_batch(cfg: Config) -> bool:
@@ -161,7 +194,7 @@ async def train_policy(
             chosen = set(groups[start : start + prompts_per_mini])
             rows = [i for i, g in enumerate(group_ids) if g in chosen]
             mini = batch.select(rows)
-            step_metrics = await ctx.workers.forward_backward(mini, max(1, mini.num_tokens))
+            step_metrics = await ctx.workers.forward_backward(mini, mini.counts)
             step_metrics |= await ctx.workers.optim_step()
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)

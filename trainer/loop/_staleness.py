@@ -68,3 +68,8 @@ class Admission:
         """A dropped group's place is free again."""
         self.admitted -= 1
         self.versions.notify()
+
+    def count_again(self, n: int) -> None:
+        """``n`` released groups are trained after all (dynamic sampling's fallback): counted
+        again, as every trained group is."""
+        self.admitted += n

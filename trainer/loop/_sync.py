@@ -19,6 +19,7 @@ from trainer.errors import WeightSyncTimeoutError
 from trainer.generators import GeneratorOutput
 from trainer.loop import _stages as stages
 from trainer.loop._context import RunContext
+from trainer.loop._dynamic_sampling import generate_filtered
 from trainer.loop._engine_logs import engine_logs_on_unusable
 from trainer.vocabulary import Timer, step_deadline
 
@@ -69,10 +70,13 @@ async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
     if ctx.recovery is not None:
         ctx.recovery.step = step
     with Timer("generate", timings):
-        prompts = ctx.strategy.loader.next_batch()
-        rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
+        if ctx.cfg.algorithm.dynamic_sampling.type == "filter":
+            prompts, rollouts, filtered = await generate_filtered(ctx, step)
+        else:
+            prompts, filtered = ctx.strategy.loader.next_batch(), {}
+            rollouts = await ctx.generator.generate(stages.generator_input(ctx, prompts, step))
     async with ctx.weights_lock:  # a restarted engine's sync waits until the policy is synced
-        metrics = await train_on(ctx, step, prompts, rollouts, timings)
+        metrics = filtered | await train_on(ctx, step, prompts, rollouts, timings)
         with Timer("sync_weights", timings):
             metrics |= await sync_weights(ctx, step)
     return metrics | {f"timing/{k}": v for k, v in timings.items()}
@@ -93,7 +97,8 @@ async def train_on(
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         metrics = stages.rollout_metrics(prompts, rollouts)
     with Timer("compute_advantages", timings):
-        batch.advantages = stages.advantages_for(ctx, rollouts)
+        batch.advantages, shaping = stages.advantages_for(ctx, rollouts, batch)
+        metrics |= shaping
     with Timer("train_critic_and_policy", timings):
         metrics |= await stages.train_policy(
             ctx, batch, [t.group_id for t in rollouts.trajectories]

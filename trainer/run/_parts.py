@@ -28,6 +28,7 @@ from sync.transports import (
     IpcTransport,
     WeightTransport,
 )
+from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config import Config
 from trainer.off_policy import resolve_correction
 from trainer.workers.group import WorkerGroup
@@ -129,7 +130,8 @@ async def open_transport(
 
 def policy_kwargs(cfg: Config) -> dict[str, Any]:
     """Every policy worker's keyword arguments, all from ``cfg``, built here only: the
-    optimizer (``optim``), the loss (``algorithm``: clipping, KL, the off-policy correction
+    optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
+    aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the off-policy correction
     for ``trainer.strategy``), the sampling temperature the logprobs are taken at, the micro
     batch, the seed, and the device settings (``workers.*``; offload when ``engine.colocated``).
     """
@@ -141,8 +143,12 @@ def policy_kwargs(cfg: Config) -> dict[str, Any]:
         "warmup_steps": o.warmup_steps,
         "max_grad_norm": o.max_grad_norm,
         "temperature": cfg.generator.sampling.temperature,
+        "policy_loss": a.policy_loss,
         "clip_ratio_low": a.clip_ratio_low,
         "clip_ratio_high": a.clip_ratio_high,
+        "clip_ratio_c": a.clip_ratio_c,
+        "loss_agg_mode": resolve_loss_agg_mode(a.policy_loss, a.loss_agg_mode),
+        "loss_scale_factor": a.loss_scale_factor or cfg.generator.response_budget,
         "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
         "kl_loss_type": a.kl_loss_type,
         "micro_batch_size": cfg.trainer.micro_batch_size,

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from trainer.algorithms import BatchCounts
+
 __all__ = ["TrainBatch"]
 
 
@@ -23,7 +25,8 @@ class TrainBatch:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-    #: Per-trajectory advantages ``[B]`` (set after compute_advantages).
+    #: Advantages, per trajectory ``[B]`` or per token ``[B, L - 1]`` like ``loss_mask``
+    #: (set after compute_advantages).
     advantages: torch.Tensor | None = None
     #: The trained policy's logprobs before the update ``[B, L - 1]`` (recomputed by the worker).
     old_logprobs: torch.Tensor | None = None
@@ -39,6 +42,12 @@ class TrainBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.loss_mask.sum())
+
+    @property
+    def counts(self) -> BatchCounts:
+        """This batch's trained tokens and sequences: what a loss over it is normalized by
+        (pass a mini-batch's to every micro-batch and rank that trains a part of it)."""
+        return BatchCounts.of(self.loss_mask)
 
     def to(self, device: torch.device) -> TrainBatch:
         """This batch with every tensor that is set on ``device`` (itself when already there)."""

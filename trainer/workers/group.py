@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.workers.batch import TrainBatch
 
@@ -32,8 +33,9 @@ class WorkerGroup(Protocol):
         """Reference logprobs (operation ``forward``); None without a reference model."""
         ...
 
-    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
-        """Accumulate gradients over ``batch`` (operation ``forward_backward``)."""
+    async def forward_backward(self, batch: TrainBatch, counts: BatchCounts) -> dict[str, float]:
+        """Accumulate gradients over ``batch`` (operation ``forward_backward``), normalized by
+        ``counts``: those of the whole mini-batch ``batch`` is (part of)."""
         ...
 
     async def optim_step(self) -> dict[str, float]:

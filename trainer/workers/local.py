@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
+from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.vocabulary import fire_fault_sync, operation
 from trainer.workers.batch import TrainBatch
@@ -118,13 +119,13 @@ class LocalWorkerGroup:
             return None
         return await self._call("forward", self._ref_limiter, self.ref.compute_logprobs, batch)
 
-    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
+    async def forward_backward(self, batch: TrainBatch, counts: BatchCounts) -> dict[str, float]:
         return await self._call(
             "forward_backward",
             self._policy_limiter,
             self.policy.forward_backward,
             batch,
-            num_tokens,
+            counts,
         )
 
     async def optim_step(self) -> dict[str, float]:

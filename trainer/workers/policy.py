@@ -20,6 +20,7 @@ import torch
 
 from engines.devices import resolve_device, resolve_dtype
 from trainer import algorithms
+from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import (
     load_model,
     load_state,
@@ -138,8 +139,12 @@ class PolicyWorker:
         warmup_steps: int = 0,
         max_grad_norm: float = 1.0,
         temperature: float = 1.0,
+        policy_loss: str = "ppo",
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
+        clip_ratio_c: float | None = None,
+        loss_agg_mode: str = "token-mean",
+        loss_scale_factor: float | None = None,
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "k3",
         micro_batch_size: int | None = None,
@@ -166,8 +171,12 @@ class PolicyWorker:
         self._restored_unreported = 0
         self.max_grad_norm = max_grad_norm
         self.temperature = temperature
+        self.policy_loss = policy_loss
         self.clip_ratio_low = clip_ratio_low
         self.clip_ratio_high = clip_ratio_high
+        self.clip_ratio_c = clip_ratio_c
+        self.loss_agg_mode = loss_agg_mode
+        self.loss_scale_factor = loss_scale_factor
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
         self.micro_batch_size = micro_batch_size
@@ -210,12 +219,14 @@ class PolicyWorker:
         return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
 
     def forward_backward(
-        self, batch: TrainBatch, num_tokens: int | None = None
+        self, batch: TrainBatch, counts: BatchCounts | None = None
     ) -> dict[str, float]:
-        """Accumulate gradients of the PPO-clip loss (+ KL) over ``batch`` in micro-batches.
+        """Accumulate gradients of the policy loss (+ KL) over ``batch`` in micro-batches.
 
-        The loss is a token mean over ``num_tokens`` (default: the batch's own count), so
-        micro-batching and gradient accumulation give the same gradient as one pass.
+        The loss (``policy_loss``, aggregated by ``loss_agg_mode``; the KL term alike) is
+        normalized by ``counts``, those of the whole mini-batch (default: the batch's own), so
+        micro-batching, gradient accumulation and data parallel give the same gradient as one
+        pass over the mini-batch.
 
         With ``off_policy_correction="tis"`` each token's term is weighted by
         ``min(exp(old - rollout), tis_cap)`` (:mod:`trainer.off_policy`); the batch must then
@@ -234,7 +245,8 @@ class PolicyWorker:
                 "rollout_logprobs (the sampler's logprobs); this batch has none"
             )
         self._resident()
-        num_tokens = num_tokens or max(1, batch.num_tokens)
+        counts = counts or batch.counts
+        num_tokens = max(1, counts.tokens)
         totals: dict[str, float] = {}
         for s in _micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s).to(self.device)
@@ -256,16 +268,26 @@ class PolicyWorker:
                 old,
                 mb.advantages,
                 mb.loss_mask,
+                loss=self.policy_loss,
                 clip_low=self.clip_ratio_low,
                 clip_high=self.clip_ratio_high,
-                num_tokens=num_tokens,
+                clip_ratio_c=self.clip_ratio_c,
+                loss_agg_mode=self.loss_agg_mode,
+                counts=counts,
+                scale_factor=self.loss_scale_factor,
                 token_weights=weights,
             )
             metrics |= is_metrics
             weight = float(mb.loss_mask.sum()) / num_tokens
             if self.kl_loss_coef and mb.ref_logprobs is not None:
                 kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
-                kl_loss = algorithms.masked_sum(kl, mb.loss_mask) / num_tokens
+                kl_loss = algorithms.aggregate(
+                    kl,
+                    mb.loss_mask,
+                    self.loss_agg_mode,
+                    counts,
+                    scale_factor=self.loss_scale_factor,
+                )
                 loss = loss + self.kl_loss_coef * kl_loss
                 totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss.detach())
             loss.backward()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engines.process_group import free_port
+from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
 from trainer.vocabulary import at_step, fire_fault_sync
@@ -130,13 +131,13 @@ class PolicyActor(_Actor):
         return self.worker.compute_logprobs(batch)
 
     def forward_backward(
-        self, op: str, step: int | None, batch: TrainBatch | None, num_tokens: int
+        self, op: str, step: int | None, batch: TrainBatch | None, counts: BatchCounts
     ) -> dict[str, float]:
         """Accumulate this shard's gradients (``batch`` None: this rank has no rows)."""
         self.fire(op, step)
         if batch is None or len(batch) == 0:
             return {}
-        return self.worker.forward_backward(batch, num_tokens)
+        return self.worker.forward_backward(batch, counts)
 
     def reduce_gradients(self) -> torch.Tensor:
         """Sum the ranks' gradients in place (once per optimizer step; a collective).

@@ -40,6 +40,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
 from trainer.vocabulary import (
@@ -288,12 +289,13 @@ class RayWorkerGroup:
             )
             return (await self._wait(refs, [("ref", 0)]))[0]
 
-    async def forward_backward(self, batch: TrainBatch, num_tokens: int) -> dict[str, float]:
-        """Each rank accumulates its shard's share of the global token mean; metrics merged."""
+    async def forward_backward(self, batch: TrainBatch, counts: BatchCounts) -> dict[str, float]:
+        """Each rank accumulates its shard's share of the mini-batch's loss (normalized by the
+        whole mini-batch's ``counts``); metrics merged."""
         parts = await trio.to_thread.run_sync(self._rank_batches, batch)
 
         def args(rank: int) -> tuple[Any, ...]:
-            return (parts[rank], num_tokens)
+            return (parts[rank], counts)
 
         per_rank = await self._call_policy("forward_backward", "forward_backward", args)
         merged: dict[str, float] = {}

@@ -65,7 +65,8 @@ from trainer.errors import ConfigError
         ),
         (
             ["algorithm.advantage_estimator=ppo"],
-            "config: algorithm.advantage_estimator='ppo' is not allowed: choose one of 'grpo', 'rloo'",
+            "config: algorithm.advantage_estimator='ppo' is not allowed: choose one of 'grpo', 'rloo', "
+            "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'grpo_passk'",
         ),
         (
             ["generator.cls=nocolon"],

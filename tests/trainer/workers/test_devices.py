@@ -99,9 +99,9 @@ def test_a_policy_worker_asked_for_cuda_refuses_before_loading(model_dir):
 def _trained(model_dir: Path) -> PolicyWorker:
     worker = PolicyWorker(model_dir, lr=1e-2, seed=0)
     batch = make_batch(model_dir)
-    worker.forward_backward(batch, batch.num_tokens)
+    worker.forward_backward(batch, batch.counts)
     worker.optim_step()
-    worker.forward_backward(batch, batch.num_tokens)  # gradients present, as after training
+    worker.forward_backward(batch, batch.counts)  # gradients present, as after training
     return worker
 
 
@@ -172,7 +172,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(model_dir):
         assert [getattr(m, "gradient_checkpointing", False) for m in layers.children()] == [
             checkpointing
         ] * 2
-        worker.forward_backward(batch, batch.num_tokens)
+        worker.forward_backward(batch, batch.counts)
         grads.append([p.grad for p in worker.model.parameters()])
     for a, b in zip(*grads):
         assert a is not None and b is not None

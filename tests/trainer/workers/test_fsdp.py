@@ -46,7 +46,7 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         parts = shards(len(batch), WORLD)
         size = max(s.stop - s.start for s in parts)
         logprobs = worker.compute_logprobs(padded_shard(batch, parts[rank], size))
-        worker.forward_backward(padded_shard(batch, parts[rank], size), batch.num_tokens)
+        worker.forward_backward(padded_shard(batch, parts[rank], size), batch.counts)
         metrics = worker.optim_step()
         model = worker.readable_model(keep=rank == 0)
         if rank == 0:
@@ -68,7 +68,7 @@ def test_fsdp2_sharded_step_over_gloo_equals_one_unsharded_worker(tmp_path):
     batch = make_batch(model_dir)
     single = PolicyWorker(model_dir, **KWARGS)  # type: ignore[arg-type]
     expected_logprobs = single.compute_logprobs(batch)
-    single.forward_backward(batch, batch.num_tokens)
+    single.forward_backward(batch, batch.counts)
     expected_norm = single.optim_step()["policy/grad_norm"]
     expected = {n: p.detach() for n, p in single.model.named_parameters()}
 

@@ -102,7 +102,7 @@ async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
     )
     try:
         batch = make_batch(model_dir)
-        await group.forward_backward(batch, batch.num_tokens)
+        await group.forward_backward(batch, batch.counts)
         await group.optim_step()
         saved, _ = await group.rank_weights()
         path = await group.save_checkpoint(ckpt.save, 1, {"data": 7})
@@ -110,7 +110,7 @@ async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
         state = ckpt.read_trainer_state(path)
         assert (state["step"], state["data"]) == (1, 7)
         later = make_batch(model_dir, seed=1)
-        await group.forward_backward(later, later.num_tokens)
+        await group.forward_backward(later, later.counts)
         await group.optim_step()
         assert not all(torch.equal(w, saved[n]) for n, w in (await group.rank_weights())[0].items())
         await group.load_checkpoint(path)
@@ -125,14 +125,14 @@ async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
 async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_cluster, model_dir):
     batch = make_batch(model_dir)
     single = PolicyWorker(model_dir, **POLICY_KWARGS)
-    single.forward_backward(batch, batch.num_tokens)
+    single.forward_backward(batch, batch.counts)
     expected = torch.cat([p.grad.reshape(-1) for p in single.model.parameters()])  # type: ignore[union-attr]
 
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
     )
     try:
-        await group.forward_backward(batch, batch.num_tokens)
+        await group.forward_backward(batch, batch.counts)
         reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
         for flat in reduced:  # every rank holds the whole batch's gradient
             torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
@@ -143,7 +143,7 @@ async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_clu
             for name, w in rank0.items():
                 assert torch.equal(w, rank1[name]), (step, name)
             b = make_batch(model_dir, seed=step)
-            await group.forward_backward(b, b.num_tokens)
+            await group.forward_backward(b, b.counts)
             await group.optim_step()
     finally:
         await group.shutdown()
@@ -154,22 +154,29 @@ async def test_dp_ranks_get_rollout_logprobs_and_tis_matches_a_single_worker(
     ray_cluster, model_dir
 ):
     """The batch travels pickled to the actors, one shard per rank: the rollout logprobs
-    must arrive with it, or ``tis`` raises there (and ``none`` loses its ratio metrics)."""
-    kwargs = POLICY_KWARGS | {"off_policy_correction": "tis", "tis_cap": 2.0}
+    must arrive with it, or ``tis`` raises there (and ``none`` loses its ratio metrics). With a
+    loss and an aggregation other than the defaults (CISPO, one mean per sequence): the
+    ranks' gradients, each normalized by the whole batch's counts, add up to one worker's."""
+    kwargs = POLICY_KWARGS | {
+        "off_policy_correction": "tis",
+        "tis_cap": 2.0,
+        "policy_loss": "cispo",
+        "loss_agg_mode": "seq-mean-token-mean",
+    }
     batch = make_batch(model_dir)
     assert batch.old_logprobs is not None
     # rows 0-2 (rank 0's shard) sampled by a lagging policy: ratio 3, capped to 2
     lag = torch.tensor([1.0986123] * 3 + [0.0] * 2)[:, None]  # ln 3
     batch.rollout_logprobs = (batch.old_logprobs - lag) * batch.loss_mask
     single = PolicyWorker(model_dir, **kwargs)
-    expected_metrics = single.forward_backward(batch, batch.num_tokens)
+    expected_metrics = single.forward_backward(batch, batch.counts)
     expected = torch.cat([p.grad.reshape(-1) for p in single.model.parameters()])  # type: ignore[union-attr]
 
     group = await RayWorkerGroup.create(
         model_dir, policy_kwargs=kwargs, with_ref=False, num_workers=2
     )
     try:
-        metrics = await group.forward_backward(batch, batch.num_tokens)
+        metrics = await group.forward_backward(batch, batch.counts)
         reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
         for flat in reduced:
             torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
@@ -209,7 +216,7 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
                 ]
                 for seed, transport in enumerate(transports):
                     b = make_batch(model_dir, seed=seed)
-                    await group.forward_backward(b, b.num_tokens)
+                    await group.forward_backward(b, b.counts)
                     await group.optim_step()  # the policy moves away from what is served
                     policy_sum = state_checksum(await group.run_on_rank0(copy_weights))
                     assert await served() != policy_sum
@@ -293,7 +300,7 @@ async def test_killed_worker_is_a_worker_error_naming_it_within_the_budget(
 
                     nursery.start_soon(kill_rank_1)
                     try:
-                        await group.forward_backward(batch, batch.num_tokens)
+                        await group.forward_backward(batch, batch.counts)
                     except WorkerError as exc:
                         caught.append(exc)
         assert len(caught) == 1
@@ -401,7 +408,7 @@ async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights
     single = PolicyWorker(model_dir, **POLICY_KWARGS)
     expected_logprobs = single.compute_logprobs(batch)
     batch.old_logprobs = expected_logprobs
-    single.forward_backward(batch, batch.num_tokens)
+    single.forward_backward(batch, batch.counts)
     single.optim_step()
     expected = {n: p.detach() for n, p in single.model.named_parameters()}
 
@@ -417,7 +424,7 @@ async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights
         logprobs = await group.compute_logprobs(batch)
         torch.testing.assert_close(logprobs, expected_logprobs, rtol=1e-5, atol=1e-5)
         assert await group.backload_to_gpu() == {"workers/backload_bytes": 0.0}
-        await group.forward_backward(batch, batch.num_tokens)
+        await group.forward_backward(batch, batch.counts)
         await group.optim_step()
         assert await group.offload_to_cpu() == {"workers/offload_bytes": 0.0}
         full = await group.run_on_rank0(copy_weights)
@@ -447,7 +454,7 @@ async def test_the_batch_is_serialised_for_the_actors_off_the_trio_thread(
         batch = make_batch(model_dir)
         await group.compute_logprobs(batch)
         await group.compute_ref_logprobs(batch)
-        await group.forward_backward(batch, batch.num_tokens)
+        await group.forward_backward(batch, batch.counts)
     finally:
         await group.shutdown()
     # two ranks' shards for the forward and the update, the whole batch for the reference

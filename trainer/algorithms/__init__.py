@@ -1,0 +1,106 @@
+"""The algorithms: advantage estimators, policy losses, loss aggregation, reward shaping and the
+tensor operations they share. Pure torch, no trio, no I/O.
+
+Three registries name what a run picks by config (:data:`ADVANTAGE_ESTIMATORS`,
+:data:`POLICY_LOSSES`, :data:`LOSS_AGG_MODES`): each maps a value of its config key to one
+documented function, and the config's allowed values are its names. Importing this package
+does not import torch (the config reads the names); the functions below are imported on first
+use.
+
+Shapes: ``B`` trajectories, ``T`` response tokens per trajectory (padded), ``V`` vocabulary
+size; ``mask`` ``[B, T]`` marks the trained tokens (see :mod:`trainer.algorithms._ops`).
+
+Usage in a step::
+
+    adv = compute_advantages(rewards, group_ids, "grpo", mask=mask)       # [B] or [B, T]
+    logp = token_logprobs(logits, response_ids, temperature)              # [B, T]
+    counts = BatchCounts.of(mini_batch_mask)                              # once per mini-batch
+    loss, metrics = policy_loss(logp, old_logp, adv, mask, loss="ppo", counts=counts)
+    if kl_coef:
+        loss = loss + kl_coef * aggregate(kl_penalty(logp, ref_logp), mask, counts=counts)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
+from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
+from trainer.algorithms._registry import AdvantageEstimatorName as AdvantageEstimatorName
+from trainer.algorithms._registry import LossAggModeName as LossAggModeName
+from trainer.algorithms._registry import PolicyLossName as PolicyLossName
+from trainer.algorithms._registry import Registry as Registry
+from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_agg_mode
+
+if TYPE_CHECKING:
+    from trainer.algorithms._advantages import compute_advantages
+    from trainer.algorithms._aggregation import BatchCounts, aggregate
+    from trainer.algorithms._losses import (
+        DEFAULT_CLIP_HIGH,
+        DEFAULT_CLIP_LOW,
+        POLICY_LOSS_METRICS,
+        policy_loss,
+    )
+    from trainer.algorithms._ops import (
+        KL_ESTIMATORS,
+        LOG_RATIO_CLAMP,
+        kl_penalty,
+        masked_mean,
+        masked_sum,
+        token_logprobs,
+    )
+    from trainer.algorithms._shaping import overlong_penalty
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "DEFAULT_CLIP_HIGH",
+    "DEFAULT_CLIP_LOW",
+    "KL_ESTIMATORS",
+    "LOG_RATIO_CLAMP",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "POLICY_LOSS_METRICS",
+    "AdvantageEstimatorName",
+    "BatchCounts",
+    "LossAggModeName",
+    "PolicyLossName",
+    "Registry",
+    "aggregate",
+    "compute_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "masked_sum",
+    "overlong_penalty",
+    "policy_loss",
+    "resolve_loss_agg_mode",
+    "token_logprobs",
+]
+
+#: The torch-backed names: each one's module, imported on first access.
+_LAZY = {
+    "compute_advantages": "_advantages",
+    "BatchCounts": "_aggregation",
+    "aggregate": "_aggregation",
+    "DEFAULT_CLIP_HIGH": "_losses",
+    "DEFAULT_CLIP_LOW": "_losses",
+    "POLICY_LOSS_METRICS": "_losses",
+    "policy_loss": "_losses",
+    "KL_ESTIMATORS": "_ops",
+    "LOG_RATIO_CLAMP": "_ops",
+    "kl_penalty": "_ops",
+    "masked_mean": "_ops",
+    "masked_sum": "_ops",
+    "token_logprobs": "_ops",
+    "overlong_penalty": "_shaping",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer.algorithms' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"trainer.algorithms.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,244 @@
+"""Advantage estimators: ``algorithm.advantage_estimator`` (the registry
+:data:`~trainer.algorithms.ADVANTAGE_ESTIMATORS`). Pure torch, no trio, no I/O.
+
+Each estimator reads an :class:`AdvantageInputs` (the rewards, their groups: the samples of
+one prompt, and the response tokens) and returns per-trajectory advantages ``[B]`` or per-token
+ones ``[B, T]`` (zero at masked tokens); :func:`compute_advantages` checks the inputs and calls
+the one named. The outcome reward of a trajectory is one scalar: the reward of its last trained
+token, every earlier token's being 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS
+
+__all__ = [
+    "WHITEN_EPS",
+    "AdvantageInputs",
+    "compute_advantages",
+    "grpo",
+    "grpo_passk",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+    "rloo",
+]
+
+#: Added to the batch's variance before the square root when whitening (as verl's
+#: ``masked_whiten``).
+WHITEN_EPS = 1e-8
+
+
+@attrs.frozen
+class AdvantageInputs:
+    """What an estimator reads: float64 rewards, each trajectory's group and the token mask."""
+
+    #: ``[B]`` float64, finite.
+    rewards: torch.Tensor
+    #: ``[B]`` the group (prompt) of each trajectory, numbered ``0 .. G - 1``.
+    index: torch.Tensor
+    #: ``[B, T]`` bool, the trained (response) tokens; None where the caller gave none.
+    mask: torch.Tensor | None
+    norm_by_std: bool
+    gamma: float
+    eps: float
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.index.max()) + 1
+
+    def group_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``[G]``: the sum of ``values`` (``[B]``) over each group."""
+        zeros = torch.zeros(self.num_groups, dtype=values.dtype, device=values.device)
+        return zeros.index_add(0, self.index, values)
+
+    def group_count(self) -> torch.Tensor:
+        """``[G]``: the number of trajectories of each group."""
+        return self.group_sum(torch.ones_like(self.rewards))
+
+    def group_mean(self) -> torch.Tensor:
+        """``[B]``: the mean reward of each trajectory's group."""
+        return (self.group_sum(self.rewards) / self.group_count())[self.index]
+
+    def degenerate(self) -> torch.Tensor:
+        """``[B]`` bool: the trajectory's group has all-equal rewards (every group of one)."""
+        zeros = torch.zeros(self.num_groups, dtype=self.rewards.dtype, device=self.rewards.device)
+        gmax = zeros.scatter_reduce(0, self.index, self.rewards, "amax", include_self=False)
+        gmin = zeros.scatter_reduce(0, self.index, self.rewards, "amin", include_self=False)
+        return (gmax == gmin)[self.index]
+
+    def token_mask(self, estimator: str) -> torch.Tensor:
+        """The mask, for an estimator that works per token (``ValueError`` without one)."""
+        if self.mask is None:
+            raise ValueError(
+                f"advantage estimator {estimator!r} works per token: pass mask=batch.loss_mask"
+            )
+        return self.mask
+
+
+def compute_advantages(
+    rewards: torch.Tensor,
+    group_ids: Sequence[int] | torch.Tensor,
+    estimator: str = "grpo",
+    *,
+    mask: torch.Tensor | None = None,
+    norm_by_std: bool = True,
+    gamma: float = 1.0,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Advantages of ``B`` trajectories by the estimator named ``estimator``.
+
+    ``rewards`` is ``[B]``; ``group_ids[i]`` names the group (prompt) of trajectory ``i``:
+    groups are found by id, so their members need not be contiguous or in any order. ``mask``
+    (``[B, T]``, the trained tokens) is needed by the per-token estimators
+    (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``). ``norm_by_std``: GRPO and
+    pass@k divide by the group's std. ``gamma``: REINFORCE++'s discount.
+
+    The result is ``[B]`` or ``[B, T]`` (see each estimator), in ``rewards``' dtype when
+    floating, else the default dtype, on ``rewards``' device, without gradient.
+
+    Raises ``ValueError`` for an unknown estimator (naming the allowed ones), a ``rewards``
+    that is not 1-D, a length mismatch with ``group_ids`` or ``mask``, a non-finite reward,
+    ``eps < 0`` or ``gamma`` outside ``[0, 1]``.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    if rewards.dim() != 1:
+        raise ValueError(
+            f"rewards must be 1-D (one scalar per trajectory), got shape {tuple(rewards.shape)}"
+        )
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    ids = torch.as_tensor(group_ids, device=rewards.device)
+    if ids.dim() != 1 or ids.numel() != rewards.numel():
+        raise ValueError(
+            f"group_ids must give one id per reward: {rewards.numel()} rewards, "
+            f"group_ids of shape {tuple(ids.shape)}"
+        )
+    if mask is not None and (mask.dim() != 2 or mask.shape[0] != rewards.numel()):
+        raise ValueError(
+            f"mask must be [B, T] with B = {rewards.numel()} trajectories, "
+            f"got shape {tuple(mask.shape)}"
+        )
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
+    if rewards.numel() == 0:
+        shape = (0,) if mask is None else tuple(mask.shape)
+        return torch.zeros(shape, dtype=out_dtype, device=rewards.device)
+    # float64 so that group sums of many samples keep every bit the float32 answer needs.
+    r = rewards.detach().to(torch.float64)
+    if not torch.isfinite(r).all():
+        bad = torch.nonzero(~torch.isfinite(r)).flatten().tolist()
+        raise ValueError(
+            f"rewards must be finite; trajectories {bad[:10]} have nan/inf "
+            "(check the reward function)"
+        )
+    _, index = torch.unique(ids, return_inverse=True)
+    valid = None if mask is None else mask.to(device=r.device) != 0
+    inputs = AdvantageInputs(r, index, valid, norm_by_std, gamma, eps)
+    return fn(inputs).to(out_dtype)
+
+
+def grpo(x: AdvantageInputs) -> torch.Tensor:
+    """GRPO (Shao et al. 2024, DeepSeekMath; verl ``grpo``, SkyRL ``grpo``), ``[B]``.
+
+    ``(r - mean_g) / (std_g + eps)`` over each group ``g``, where ``std_g`` is the *unbiased*
+    standard deviation (divides by ``n - 1``), as ``torch.std`` in verl and the DeepSeekMath
+    reference: a group's advantages then have a population std of ``sqrt((n - 1) / n)``, not 1.
+    Without ``norm_by_std``: ``r - mean_g`` (Dr. GRPO, Liu et al. 2025: verl
+    ``norm_adv_by_std_in_grpo=False``, SkyRL ``grpo_norm_by_std=false``).
+
+    A group whose rewards are all equal (every group of one) carries no learning signal and
+    gets exactly ``0.0``, not ``±tiny`` from float rounding.
+    """
+    centered = x.rewards - x.group_mean()
+    adv = centered
+    if x.norm_by_std:
+        var = x.group_sum(centered * centered) / (x.group_count() - 1).clamp(min=1)
+        adv = centered / (var.sqrt()[x.index] + x.eps)
+    return torch.where(x.degenerate(), torch.zeros_like(adv), adv)
+
+
+def rloo(x: AdvantageInputs) -> torch.Tensor:
+    """REINFORCE leave-one-out (Ahmadian et al. 2024; verl ``rloo``, SkyRL ``rloo``), ``[B]``:
+    ``r_i - mean_{j != i} r_j`` over the other samples of ``i``'s group, never divided by a
+    std. A group with all-equal rewards (every group of one) gets exactly ``0.0``."""
+    n = x.group_count()[x.index]
+    others_mean = (x.group_sum(x.rewards)[x.index] - x.rewards) / (n - 1).clamp(min=1)
+    adv = x.rewards - others_mean
+    return torch.where(x.degenerate(), torch.zeros_like(adv), adv)
+
+
+def grpo_passk(x: AdvantageInputs) -> torch.Tensor:
+    """Pass@k training's outcome advantage (verl ``grpo_passk``, after Chen et al. 2025,
+    arXiv:2503.19595), ``[B]``: in each group only the best response learns, with advantage
+    ``r_max - r_second`` (divided by ``std_g + eps``, the unbiased group std, when
+    ``norm_by_std``); every other response gets 0. Of equal best rewards the first (lowest
+    index) is the best and the advantage is 0. Every group needs at least 2 samples
+    (``ValueError`` naming the first that has fewer)."""
+    adv = torch.zeros_like(x.rewards)
+    for g in range(x.num_groups):
+        members = torch.nonzero(x.index == g).flatten()
+        if members.numel() < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per group; group {g} has "
+                f"{members.numel()} (set generator.n_samples_per_prompt >= 2)"
+            )
+        r = x.rewards[members]
+        best = int(torch.argmax(r))  # the first of the maxima
+        second = torch.cat([r[:best], r[best + 1 :]]).max()
+        value = r[best] - second
+        if x.norm_by_std and value > 0:  # a tie is 0, not 0 / 0 when eps is 0
+            value = value / (r.std() + x.eps)
+        adv[members[best]] = value
+    return adv
+
+
+def _discounted_returns(x: AdvantageInputs, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: ``gamma ** k * r`` at each trained token, ``k`` the number of trained tokens
+    after it in its trajectory (the outcome reward sits on the last one); 0 elsewhere."""
+    m = mask.to(torch.float64)
+    after = m.flip(-1).cumsum(-1).flip(-1) - m
+    returns = x.rewards[:, None] * torch.pow(torch.full_like(after, x.gamma), after)
+    return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+def _whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(v - mean) / sqrt(var + WHITEN_EPS)`` over the batch's trained tokens (mean and the
+    unbiased variance taken over tokens, as verl's ``masked_whiten``); 0 at masked tokens, and
+    everywhere when the trained tokens' values are all equal (no signal)."""
+    picked = values[mask]
+    if picked.numel() < 2 or bool(picked.max() == picked.min()):
+        return torch.zeros_like(values)
+    mean = picked.mean()
+    var = ((picked - mean) ** 2).sum() / (picked.numel() - 1)
+    out = (values - mean) / torch.sqrt(var + WHITEN_EPS)
+    return torch.where(mask, out, torch.zeros_like(out))
+
+
+def reinforce_plus_plus(x: AdvantageInputs) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262; verl ``reinforce_plus_plus``, SkyRL
+    ``reinforce_plus_plus``), ``[B, T]``: each trained token's discounted return
+    ``gamma ** k * r`` (``k`` trained tokens after it: an environment's tokens in a multi-turn
+    trajectory are not steps of the policy and are skipped, where verl's loop resets the return
+    at them), whitened over all trained tokens of the batch (global, not per group: the
+    paper's point). The paper also folds a per-token KL penalty into the reward; here the KL
+    term is the loss's (``algorithm.use_kl_loss``)."""
+    mask = x.token_mask("reinforce_plus_plus")
+    return _whiten(_discounted_returns(x, mask), mask)
+
+
+def reinforce_plus_plus_baseline(x: AdvantageInputs) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (Hu 2025, arXiv:2501.03262; verl
+    ``reinforce_plus_plus_baseline``), ``[B, T]``: ``r - mean_g`` (a group of one keeps its
+    reward, as in verl), on every trained token, whitened over all trained tokens of the batch.
+    Unlike GRPO a group with all-equal rewards is not zero after the global whitening."""
+    mask = x.token_mask("reinforce_plus_plus_baseline")
+    n = x.group_count()[x.index]
+    centered = torch.where(n > 1, x.rewards - x.group_mean(), x.rewards)
+    tiled = centered[:, None].expand(mask.shape)
+    return _whiten(torch.where(mask, tiled, torch.zeros_like(tiled)), mask)
