@@ -2,7 +2,8 @@
 
 ::
 
-    python benchmarks/algorithms.py [--steps 200] [--only NAME ...] [-- key=value ...]
+    python benchmarks/algorithms.py [--steps 200] [--only NAME ...] [--mini-batches N]
+                                    [-- key=value ...]
 
 Runs ``python -m trainer`` (the default task and model, the local reference engines) once per
 recipe below, back to back in one sitting, each in its own run directory, and prints one table
@@ -12,6 +13,11 @@ and the time of the stages an algorithm changes (``timing/compute_advantages`` a
 ``timing/train_critic_and_policy``, medians over the steps after the first 20%), each as a
 ratio to GRPO's in the same sitting: wall-clock times on a shared machine swing, ratios
 within one sitting much less.
+
+With one optimizer step per batch (the default) every token ratio is exactly 1, so PPO and
+CISPO take the same gradient (GSPO differs by its aggregation only); ``--mini-batches 4``
+gives each batch four optimizer steps (``trainer.policy_mini_batch_size``), so that from the
+second on the ratios move and the losses differ.
 
 A benchmark, never a test: it asserts nothing and takes minutes (about 40 s a recipe on two
 idle cores).
@@ -85,8 +91,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--only", nargs="*", default=None, help="recipe names (default: all)")
+    parser.add_argument(
+        "--mini-batches", type=int, default=1, help="optimizer steps per batch (default 1)"
+    )
     parser.add_argument("extra", nargs="*", help="key=value overrides for every run")
     args = parser.parse_args()
+    if args.mini_batches > 1:
+        batch = 16  # trainer.train_batch_size's default
+        args.extra.append(f"trainer.policy_mini_batch_size={batch // args.mini_batches}")
     names = args.only or list(RECIPES)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
