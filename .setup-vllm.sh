@@ -15,6 +15,7 @@ want="$(cat pyproject.toml setup.sh .setup-vllm.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
+echo "setup.sh --vllm: setting up $VENV with real vLLM (the first time 2-4 minutes and 2.8 GB, most of it downloading; later runs return at once)" >&2
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip >/dev/null

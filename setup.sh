@@ -24,6 +24,8 @@ want="$(cat pyproject.toml setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/just" ]; then
     exit 0
 fi
+say() { echo "setup.sh: $*" >&2; }
+say "setting up $VENV (the first time: 2-4 minutes, most of it downloading torch, transformers and ray; later runs return at once)"
 has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; }
 cuda_torch() { "$1" -c "import sys, torch; sys.exit(torch.version.cuda is None)" >/dev/null 2>&1; }
 if [ ! -x "$VENV/bin/python" ]; then
@@ -38,6 +40,7 @@ fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip >/dev/null
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
+    say "installing torch 2.13.0 ..."
     if has_gpu; then
         pip install "torch==2.13.0"  # the CUDA build; the version the suite is run with
     else
@@ -49,5 +52,9 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
         pip install "torch==2.13.0"  # torch's deps; torch itself too after a fallback
     fi
 fi
+say "installing the project, editable, with its dev extras ..."
 pip install -e ".[dev,plot,tensorboard,wandb,mlflow,gguf]"
 echo "$want" > "$stamp"
+# setuptools ends every editable install with "Please be careful with folders in your working
+# directory with the same name as your package": that is this checkout's own packages, by design
+say "$VENV ready (setuptools' note about folders with the package's name, if shown above, is about this checkout itself: nothing to do)"

@@ -16,17 +16,21 @@ used. Converting logs what it does, with its time (SmolLM2-135M: about 30 s here
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
 import logging
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from engines.model_cache import build_directory_atomically
 from trainer.errors import ConfigError
 
-__all__ = ["PACKAGED", "converted_gguf", "gguf_source"]
+__all__ = ["PACKAGED", "converted_gguf", "gguf_progress_only_on_a_terminal", "gguf_source"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +101,21 @@ def converted_gguf(source: Path, cache_dir: Path) -> Path:
     return target
 
 
+@contextmanager
+def gguf_progress_only_on_a_terminal() -> Iterator[None]:
+    """transformers' GGUF reader draws a tqdm bar of its own (``\\r`` lines), which
+    ``disable_progress_bar`` does not reach: off where stderr is not a terminal (a log, CI)."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    if not sys.stderr.isatty():
+        reader.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        reader.tqdm = bar
+
+
 def _convert(source: Path, out: Path) -> None:
     import torch  # heavy: only when converting
     from safetensors.torch import save_file
@@ -104,8 +123,9 @@ def _convert(source: Path, out: Path) -> None:
 
     directory, name = str(source.parent), source.name
     log.info("reading and dequantising %s", name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with gguf_progress_only_on_a_terminal():
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     log.info("writing %s parameters", f"{sum(p.numel() for p in model.parameters()):,}")
     # save_pretrained refuses a model still marked quantised; the state dict and a config
     # without the mark make the same directory. A tied head is stored once, as the embedding

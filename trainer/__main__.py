@@ -119,6 +119,24 @@ def _print_summary(summary: dict) -> None:
             f"last 20% {summary['reward/last_20pct']:.3f}; "
             f"mean step time {summary['step_time_mean_s'] or 0.0:.2f}s"
         )
+    if "eval/last_step" in summary:
+        first, last = _eval_at(summary, "first"), _eval_at(summary, "last")
+        line = f"eval: {first}" + ("" if first == last else f" -> {last}")
+        console.print(line, soft_wrap=True)
+    for event in summary.get("engine_restart_events", []):
+        if event.get("seconds") is None:  # the run ended before the engine served again
+            console.print(
+                f"engine {event['engine']}: its restart (it failed at step {event['step']}) "
+                "was still running when the run ended and was abandoned",
+                soft_wrap=True,
+            )
+
+
+def _eval_at(summary: dict, which: str) -> str:
+    line = f"greedy {summary[f'eval/{which}_reward_mean']:.3f}"
+    if f"eval/{which}_sampled_reward_mean" in summary:
+        line += f", sampled {summary[f'eval/{which}_sampled_reward_mean']:.3f}"
+    return f"{line} at step {int(summary[f'eval/{which}_step'])}"
 
 
 def main(argv: list[str] | None = None) -> int:

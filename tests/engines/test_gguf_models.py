@@ -105,3 +105,19 @@ def test_model_path_errors_say_what_to_do(tmp_path, monkeypatch):
         resolve_model_path("not-installed")
     with pytest.raises(ConfigError, match=r"a \.gguf file or a packaged model \(smollm2"):
         resolve_model_path(str(tmp_path))
+
+
+def test_the_gguf_readers_progress_bar_stays_off_a_stderr_that_is_not_a_terminal(capfd):
+    """transformers' GGUF reader draws its own tqdm bar: ``\\r`` lines in a log or CI output."""
+    from transformers import modeling_gguf_pytorch_utils as reader
+
+    bar = reader.tqdm
+    with gguf_models.gguf_progress_only_on_a_terminal():
+        for _ in reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+    assert reader.tqdm is bar
+    assert "\r" not in capfd.readouterr().err
+    # the reader's own bar, as it is outside the conversion, does write them: the check can fail
+    for _ in reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+        pass
+    assert "\r" in capfd.readouterr().err

@@ -174,6 +174,8 @@ PUBLIC = {
         "MetricsLogger",
         "StepProgress",
         "TrackerSink",
+        "eval_line",
+        "eval_summary",
         "jsonable_row",
         "open_trackers",
         "restore_metrics",

@@ -156,6 +156,17 @@ def _build(values: dict[str, Any]) -> Config:
     mappings = frozenset(key for key, (_a, tp) in known.items() if _is_mapping(tp))
     leaves: dict[str, Any] = {}
     for key, value in _flatten(values, mappings=mappings):
+        if key.startswith(("+", "~")):  # Hydra's (verl's) syntax to add or delete a key
+            bare = key.lstrip("+~")
+            what = (
+                f"write {bare}=VALUE without it"
+                if bare in known
+                else f"and {bare!r} is not a key (see `python -m trainer --help`)"
+            )
+            raise ConfigError(
+                f"config: {key!r}: '{key[0]}' adds or removes a key in Hydra; here every key "
+                f"exists already and none can be added, {what}"
+            )
         if key not in known:
             if key in sections:
                 raise ConfigError(

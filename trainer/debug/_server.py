@@ -62,8 +62,10 @@ def debug_paths(pid: int) -> tuple[Path, Path]:
 def stack_signal(stacks: Path) -> Iterator[None]:
     """While inside, ``SIGUSR1`` writes every thread's stack to ``stacks`` (``faulthandler``).
 
-    A no-op where there is no ``SIGUSR1``. The file is truncated on entry and kept on exit
-    (the last stacks asked for stay readable).
+    A no-op where there is no ``SIGUSR1``. The file is truncated on entry; it is removed when
+    the body ends normally (the process it describes is ending: nothing is left in
+    ``$TMPDIR`` per run) and kept when the body raises (the last stacks asked for stay
+    readable beside the error).
     """
     if not hasattr(signal, "SIGUSR1"):
         yield
@@ -75,6 +77,7 @@ def stack_signal(stacks: Path) -> Iterator[None]:
             yield
         finally:
             faulthandler.unregister(signal.SIGUSR1)
+    stacks.unlink(missing_ok=True)  # reached on a normal end only
 
 
 async def _answer(dumper: Dumper, stream: trio.SocketStream) -> None:

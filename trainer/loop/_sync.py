@@ -161,7 +161,9 @@ async def resync_engines(ctx: RunContext) -> None:
 async def eval_if_due(ctx: RunContext, step: int) -> None:
     """After ``step`` (``first_step - 1``: before the first), when eval is due: run, record."""
     if ctx.eval_due(step):
-        ctx.record_eval(step, await run_eval(ctx, step))
+        with ctx.progress.evaluating(step) as shown:
+            shown |= await run_eval(ctx, step)
+        ctx.record_eval(step, shown)
 
 
 async def run_eval(ctx: RunContext, step: int) -> dict[str, float]:

@@ -4,6 +4,8 @@ Plots are :mod:`trainer.metrics.plots` (matplotlib, imported only there)."""
 
 from trainer.metrics._logger import MetricsLogger as MetricsLogger
 from trainer.metrics._logger import StepProgress as StepProgress
+from trainer.metrics._logger import eval_line as eval_line
+from trainer.metrics._logger import eval_summary as eval_summary
 from trainer.metrics._logger import jsonable_row as jsonable_row
 from trainer.metrics._logger import restore_metrics as restore_metrics
 from trainer.metrics._logger import reward_summary as reward_summary
@@ -16,6 +18,8 @@ __all__ = [
     "MetricsLogger",
     "StepProgress",
     "TrackerSink",
+    "eval_line",
+    "eval_summary",
     "jsonable_row",
     "open_trackers",
     "restore_metrics",

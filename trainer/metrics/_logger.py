@@ -33,6 +33,8 @@ __all__ = [
     "ONE_UPDATE_METRICS",
     "MetricsLogger",
     "StepProgress",
+    "eval_line",
+    "eval_summary",
     "jsonable_row",
     "restore_metrics",
     "reward_summary",
@@ -215,8 +217,14 @@ class StepProgress:
             TimeElapsedColumn(),
             console=self.console,
         )
+        self._evals = Progress(
+            SpinnerColumn(finished_text="[green]✓"),
+            TextColumn("{task.description}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
         self._live = Live(
-            Group(self._phases, self._steps),
+            Group(self._phases, self._evals, self._steps),
             console=self.console,
             refresh_per_second=4,
             transient=False,
@@ -254,6 +262,25 @@ class StepProgress:
         log.info("startup: %s ready in %.2fs", name, elapsed)
         if self.plain:
             print(f"startup: {name} ready in {elapsed:.1f}s", file=self.console.file, flush=True)
+
+    @contextmanager
+    def evaluating(self, step: int) -> Iterator[dict[str, float]]:
+        """An eval after ``step`` runs inside; the caller puts its metrics into the dict this
+        yields. Shown while it runs (``eval at step N ...``) and, when it ends, its result
+        (:func:`eval_line`) stays on the console: a terminal line with its time, elsewhere
+        a plain line. On an error nothing more is shown (the error says it)."""
+        result: dict[str, float] = {}
+        name = f"eval at step {step}"
+        task = self._evals.add_task(f"{name} ...", total=1)
+        if self.plain:
+            print(f"{name} ...", file=self.console.file, flush=True)
+        yield result
+        line = f"{name}: {eval_line(result)}"
+        self._evals.update(task, description=line, completed=1)
+        if self.plain:
+            seconds = result.get("timing/eval")
+            took = "" if seconds is None else f" in {seconds:.1f}s"
+            print(f"{line}{took}", file=self.console.file, flush=True)
 
     def start_steps(self, total: int, *, start: int = 0) -> None:
         """Show the step bar: steps ``start + 1 .. total`` are to come."""
@@ -303,6 +330,31 @@ class StepProgress:
     ) -> None:
         if self.enabled:
             self._live.__exit__(et, e, tb)
+
+
+def eval_line(metrics: dict[str, float]) -> str:
+    """An eval's result in words: the greedy reward over the eval prompts and, where the eval
+    sampled too, the sampled one (``eval/*`` metrics)."""
+    line = f"greedy reward {_num(metrics.get('eval/reward_mean'), '.3f')}"
+    if "eval/sampled_reward_mean" in metrics:
+        line += f", sampled {metrics['eval/sampled_reward_mean']:.3f}"
+    prompts = metrics.get("eval/num_prompts")
+    return line if prompts is None else f"{line} ({int(prompts)} prompts)"
+
+
+def eval_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The first and last eval of a run (``metrics.jsonl`` rows with ``eval/reward_mean``):
+    their steps and rewards, for ``summary.json`` and the closing lines."""
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    if not evals:
+        return {}
+    out: dict[str, float] = {}
+    for which, row in (("first", evals[0]), ("last", evals[-1])):
+        out[f"eval/{which}_step"] = float(row["step"])
+        for key in ("reward_mean", "sampled_reward_mean"):
+            if f"eval/{key}" in row:
+                out[f"eval/{which}_{key}"] = row[f"eval/{key}"]
+    return out
 
 
 def reward_summary(rewards: list[float]) -> dict[str, float]:

@@ -46,6 +46,7 @@ from trainer.metrics import (
     MetricsLogger,
     StepProgress,
     TrackerSink,
+    eval_summary,
     open_trackers,
     restore_metrics,
     reward_summary,
@@ -184,6 +185,9 @@ async def _train(
 ) -> dict[str, Any]:
     """Start-up (each phase shown by ``progress``), resume, the steps, then the summary."""
     t = cfg.trainer
+    # a generator that does not import, or kwargs it cannot take, fail before any model loads
+    generator_cls = _load_generator_cls(cfg.generator.cls)
+    check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     with progress.phase("model"):
         model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
@@ -207,8 +211,6 @@ async def _train(
     resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
     if resume_from is None:
         await trio.to_thread.run_sync(_record_config, cfg, run_dir)
-    generator_cls = _load_generator_cls(cfg.generator.cls)
-    check_generator_kwargs(generator_cls, cfg.generator.kwargs)
     s = cfg.generator.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
     async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
@@ -348,6 +350,7 @@ def _summarize(
     summary: dict[str, Any] = {
         "run_dir": str(run_dir),
         **reward_summary([r["reward/mean"] for r in steps]),
+        **eval_summary(rows),
     }
     if steps:
         # a row restored from a checkpoint (see restore_metrics) has no timings

@@ -23,6 +23,17 @@ from trainer.errors import ConfigError
         ),
         (["nonsense.key=1"], "config: unknown key 'nonsense.key'; see `python -m trainer --help`"),
         (
+            ["+trainer.max_steps=3"],  # verl's (Hydra's) way of adding a key
+            "config: '+trainer.max_steps': '+' adds or removes a key in Hydra; here every key "
+            "exists already and none can be added, write trainer.max_steps=VALUE without it",
+        ),
+        (
+            ["+trainer.foo=1"],
+            "config: '+trainer.foo': '+' adds or removes a key in Hydra; here every key exists "
+            "already and none can be added, and 'trainer.foo' is not a key (see `python -m "
+            "trainer --help`)",
+        ),
+        (
             ["trainer=3"],
             "config: trainer is a section, not a value; set its keys (trainer.KEY=...)",
         ),

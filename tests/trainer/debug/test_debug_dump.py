@@ -161,9 +161,17 @@ def test_sigusr1_writes_every_threads_stack_without_the_event_loop(tmp_path):
         deadline = time.monotonic() + 30
         while "test_sigusr1" not in stacks.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
-    text = stacks.read_text()
+        text = stacks.read_text()
     assert "Current thread" in text or "Thread 0x" in text
     assert "test_sigusr1_writes_every_threads_stack" in text
+    assert not stacks.exists()  # a normal end leaves nothing behind in $TMPDIR
+    # a failed one keeps the stacks asked for beside its error
+    with pytest.raises(RuntimeError), stack_signal(stacks):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        while "test_sigusr1" not in stacks.read_text() and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        raise RuntimeError("the run failed")
+    assert "test_sigusr1_writes_every_threads_stack" in stacks.read_text()
 
 
 class _SlowDumper(Dumper):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import types
 
@@ -16,6 +17,7 @@ from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
 from trainer.config import load_config
 from trainer.data._examples import task_examples
+from trainer.debug._server import debug_paths
 from trainer.errors import ConfigError, StepTimeoutError
 from trainer.generators import Generator, GeneratorInput, GeneratorOutput
 from trainer.loop import WeightVersions
@@ -95,7 +97,7 @@ async def test_a_run_syncs_first_checkpoints_its_last_step_and_evaluates_after_a
     assert "fault 'env_step:error=never@1' never fired" in (tmp_path / "train.log").read_text()
 
 
-async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tmp_path):
+async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tmp_path, capsys):
     cfg = load_config(
         None,
         [
@@ -110,11 +112,21 @@ async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tm
             "generator.n_samples_per_prompt=2",
             "generator.sampling.max_tokens=2",
             f"trainer.run_dir={tmp_path}",
-            "trainer.progress=false",
+            "trainer.progress=true",  # stderr is not a terminal here: plain lines
         ],
     )
-    await trainer.run.train(cfg)
+    summary = await trainer.run.train(cfg)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # each eval is on the console (a line when it starts, one with its result) and the first
+    # and last in the summary
+    err = capsys.readouterr().err
+    assert "eval at step 0 ...\n" in err and "eval at step 2 ...\n" in err
+    result = r"greedy reward \d\.\d{3}, sampled \d\.\d{3} \(3 prompts\) in \d+\.\ds"
+    assert re.search(rf"eval at step 2: {result}\n", err), err
+    assert (summary["eval/first_step"], summary["eval/last_step"]) == (0.0, 2.0)
+    # a run that ended normally leaves no stacks file in $TMPDIR (one per run piled up)
+    assert not debug_paths(os.getpid())[1].exists()
+    assert summary["eval/last_sampled_reward_mean"] == rows[-1]["eval/sampled_reward_mean"]
     # the eval before step 1 is logged as step 0, ahead of every step's row
     assert [(r["step"], "eval/reward_mean" in r) for r in rows] == [
         (0, True),
@@ -136,10 +148,23 @@ async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tm
             "generator.cls='nosuch.mod:G' cannot be imported: No module named 'nosuch'",
         ),
         ("trainer.data:Example", "is not a subclass of trainer.generators.Generator"),
+        (
+            "trainer.generators.agent_loop:AgentLoopGenerator",  # with a misspelled kwarg
+            "generator.kwargs.penality",
+        ),
     ],
 )
-async def test_a_bad_generator_cls_stops_the_run_before_any_engine_starts(tmp_path, spec, message):
-    cfg = load_config(None, [f"generator.cls={spec}", f"trainer.run_dir={tmp_path}"])
+async def test_a_bad_generator_stops_the_run_before_any_model_loads(tmp_path, spec, message):
+    # a model path that does not exist: had the model been loaded first, that would be the error
+    cfg = load_config(
+        None,
+        [
+            f"generator.cls={spec}",
+            "generator.kwargs.penality=1.0",
+            f"model.path={tmp_path / 'no-model'}",
+            f"trainer.run_dir={tmp_path}",
+        ],
+    )
     with pytest.raises(ConfigError, match=re.escape(message)):
         await trainer.run.train(cfg)
     assert not (tmp_path / "engines").exists()  # no server was started

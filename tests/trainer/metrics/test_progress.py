@@ -96,3 +96,59 @@ def test_one_update_per_batch_is_the_default_and_what_changes_it(overrides, one)
     from trainer.loop import one_update_per_batch
 
     assert one_update_per_batch(load_config(None, overrides)) is one
+
+
+EVAL = {
+    "eval/reward_mean": 0.8,
+    "eval/sampled_reward_mean": 0.53125,
+    "eval/num_prompts": 20.0,
+    "timing/eval": 23.4,
+}
+
+
+@pytest.mark.parametrize("terminal", [False, True])
+def test_an_eval_is_shown_while_it_runs_and_its_result_stays_on_the_console(terminal):
+    console = _console(terminal=terminal)
+    with StepProgress(console=console) as progress:
+        progress.start_steps(10)
+        with progress.evaluating(5) as shown:
+            shown |= EVAL
+        progress.update(6, ROW)
+    text = _text(console)
+    result = "eval at step 5: greedy reward 0.800, sampled 0.531 (20 prompts)"
+    if terminal:
+        assert re.search(rf"✓ {re.escape(result)}\s+0:00:00", text)
+    else:  # a line when it starts (an eval can take a minute) and one with its result
+        assert "eval at step 5 ...\n" in text
+        assert f"{result} in 23.4s\n" in text
+
+
+def test_the_closing_lines_name_the_evals_and_a_restart_the_end_abandoned(capsys):
+    from trainer.__main__ import _print_summary
+
+    _print_summary(
+        {
+            "run_dir": "runs/x",
+            "steps": 10.0,
+            "reward/first_20pct": 0.1,
+            "reward/last_20pct": 0.5,
+            "step_time_mean_s": 1.5,
+            "eval/first_step": 0.0,
+            "eval/first_reward_mean": 0.65,
+            "eval/first_sampled_reward_mean": 0.1125,
+            "eval/last_step": 10.0,
+            "eval/last_reward_mean": 1.0,
+            "eval/last_sampled_reward_mean": 0.95,
+            "engine_restart_events": [
+                {"engine": 0, "step": 2, "cause": "ConnectError", "seconds": 4.2},
+                {"engine": 1, "step": 3, "cause": "ConnectError", "seconds": None},
+            ],
+        }
+    )
+    err = capsys.readouterr().err
+    assert (
+        "eval: greedy 0.650, sampled 0.113 at step 0 -> greedy 1.000, sampled 0.950 at step 10"
+        in err
+    )
+    assert "engine 1: its restart (it failed at step 3) was still running when the run ended" in err
+    assert "engine 0" not in err  # it served again
