@@ -13,7 +13,11 @@ Reads each run's ``metrics.jsonl`` (the source of truth) and writes, into ``--ou
 - ``overview.png``: all of the above on one figure.
 
 A metric a run did not record is left out of that run's lines (a panel with no data says
-so). Needs matplotlib, an optional extra: ``pip install 'trainer[plot]'``.
+so; ``eval.png`` is not written for runs without an eval). A line that is 0 at every step
+says so in its legend (the KL panel of a run with one optimizer step per batch and no KL
+loss is 0 by construction), and a run's line identical to another's, hidden under it, says
+which. Each stage has one colour in every run's ``step_time`` panel. Needs matplotlib, an
+optional extra: ``pip install 'trainer[plot]'``.
 """
 
 from __future__ import annotations
@@ -89,10 +93,17 @@ def _label(run_dir: Path, runs: Sequence[Path]) -> str:
     return run_dir.name if names.count(run_dir.name) == 1 else str(run_dir)
 
 
+#: The legend's note for a line that is 0 at every step.
+ALL_ZERO = "0 at every step"
+#: Where a KL line is 0 by construction: why.
+KL_ZERO_WHY = "one optimizer step per batch, no KL loss"
+
+
 def _line_panel(ax: Axes, key: str, runs: dict[str, list[dict[str, Any]]]) -> int:
     """Draw one line per run; the number of lines drawn."""
     title, ylabel, metrics = LINE_PLOTS[key]
     drawn = 0
+    seen: dict[tuple[tuple[float, float], ...], str] = {}  # a drawn line -> its run
     for label, rows in runs.items():
         metric = next((m for m in metrics if any(r.get(m) is not None for r in rows)), None)
         if metric is None:
@@ -100,7 +111,16 @@ def _line_panel(ax: Axes, key: str, runs: dict[str, list[dict[str, Any]]]) -> in
         points = [(r["step"], r[metric]) for r in rows if r.get(metric) is not None]
         # where a panel falls back between metrics, say which one each line is
         name = f"{label} ({metric})" if len(metrics) > 1 else label
-        ax.plot(*zip(*points), marker="." if len(points) < 30 else None, label=name)
+        notes = []
+        if all(v == 0 for _, v in points):
+            notes.append(f"{ALL_ZERO}: {KL_ZERO_WHY}" if key == "kl" else ALL_ZERO)
+        twin = seen.setdefault(tuple(points), label)
+        if twin != label:
+            notes.append(f"identical to {twin}, drawn over it")
+        if notes:
+            name = f"{name}: {'; '.join(notes)}"
+        style = "--" if twin != label else "-"
+        ax.plot(*zip(*points), style, marker="." if len(points) < 30 else None, label=name)
         drawn += 1
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -117,8 +137,9 @@ def _stacked_panel(ax: Axes, label: str, rows: list[dict[str, Any]]) -> int:
     stages = [s for s in STAGES if any(f"timing/{s}" in r for r in rows)]
     steps = [r["step"] for r in rows]
     layers = [[r.get(f"timing/{s}") or 0.0 for r in rows] for s in stages]
-    if stages:
-        ax.stackplot(steps, layers, labels=stages)
+    if stages:  # a stage's colour is its place in STAGES, the same in every run's panel
+        colours = [f"C{STAGES.index(s) % 10}" for s in stages]
+        ax.stackplot(steps, layers, labels=stages, colors=colours)
         ax.legend(fontsize="x-small", loc="upper left")
     ax.set_title(f"Step time by stage: {label}")
     ax.set_xlabel("step")
@@ -147,9 +168,10 @@ def plot_runs(run_dirs: Sequence[Path], out_dir: Path) -> dict[str, int]:
         drawn[f"{key}.png"] = _line_panel(fig.add_subplot(), key, runs)
         _save(fig, out_dir / f"{key}.png")
     evals = {_label(d, run_dirs): read_evals(d) for d in run_dirs}
-    fig = Figure(figsize=(8, 4.5))
-    drawn["eval.png"] = _eval_panel(fig.add_subplot(), evals)
-    _save(fig, out_dir / "eval.png")
+    if any(evals.values()):  # no eval.png for runs without an eval
+        fig = Figure(figsize=(8, 4.5))
+        drawn["eval.png"] = _eval_panel(fig.add_subplot(), evals)
+        _save(fig, out_dir / "eval.png")
     fig = Figure(figsize=(8, 3.5 * len(runs)))
     drawn["step_time.png"] = sum(
         _stacked_panel(fig.add_subplot(len(runs), 1, i + 1), label, rows)
@@ -181,4 +203,6 @@ def plot_main(argv: list[str]) -> int:
         return 2
     for name in drawn:
         print(out / name)
+    if "eval.png" not in drawn:
+        print("plot: no eval in these runs (trainer.eval_interval=0): no eval.png", file=sys.stderr)
     return 0

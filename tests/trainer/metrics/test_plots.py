@@ -91,3 +91,46 @@ def test_the_cli_writes_into_the_first_runs_plots_folder_and_names_each_file(tmp
         cwd=REPO,
     )
     assert missing.returncode == 2 and "no such file" in missing.stderr
+
+
+def test_a_line_that_hides_or_says_nothing_says_so_and_stage_colours_hold(tmp_path):
+    from matplotlib.figure import Figure
+
+    from trainer.metrics.plots import _line_panel, _stacked_panel
+
+    # the default run's KL panel: approx_kl is 0 at every step by construction
+    flat = [{"step": s, "policy/approx_kl": 0.0, "reward/mean": 0.1 * s} for s in (1, 2, 3)]
+    same = [dict(r) for r in flat]
+    other = [{"step": s, "policy/approx_kl": 0.01 * s, "reward/mean": 0.2} for s in (1, 2, 3)]
+    ax = Figure().add_subplot()
+    _line_panel(ax, "kl", {"a": flat, "b": same, "c": other})
+    labels = ax.get_legend_handles_labels()[1]
+    assert (
+        labels[0]
+        == "a (policy/approx_kl): 0 at every step: one optimizer step per batch, no KL loss"
+    )
+    assert labels[1].endswith("; identical to a, drawn over it")
+    assert labels[2] == "c (policy/approx_kl)"
+    ax = Figure().add_subplot()
+    _line_panel(ax, "reward", {"a": flat, "c": other})
+    assert ax.get_legend_handles_labels()[1] == ["a", "c"]
+    # a stage a run did not have does not shift the others' colours
+    with_all = [{"step": 1, "timing/generate": 1.0, "timing/sync_weights": 0.1}]
+    without = [{"step": 1, "timing/sync_weights": 0.1}]
+    colours = []
+    for rows in (with_all, without):
+        ax = Figure().add_subplot()
+        _stacked_panel(ax, "x", rows)
+        handles, labels = ax.get_legend_handles_labels()
+        colours.append(dict(zip(labels, (tuple(h.get_facecolor()[0]) for h in handles))))
+    assert colours[0]["sync_weights"] == colours[1]["sync_weights"]
+
+
+def test_runs_without_an_eval_get_no_empty_eval_png(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "reward/mean": 0.1 * s, "timing/generate": 1.0} for s in (1, 2)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn = plot_runs([run], tmp_path / "plots")
+    assert "eval.png" not in drawn and not (tmp_path / "plots" / "eval.png").exists()
+    assert "reward.png" in drawn
