@@ -33,6 +33,7 @@ corrupted, or holds something this module refuses to load; ``ValueError`` for ba
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -95,6 +96,40 @@ logger = logging.getLogger("trainer.checkpoint")
 RESUME_MODES: tuple[str, ...] = ("none", "latest", "path")
 
 
+#: The checkpoint's subdirectory that holds the trained policy (the workers write it).
+POLICY_DIR = "policy"
+#: A model directory's files that make up its tokenizer and chat template (``fnmatch``
+#: patterns), copied beside a checkpoint's policy weights.
+TOKENIZER_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template.*",
+    "*.model",
+)
+
+
+def copy_tokenizer_files(model_dir: Path, dest: Path) -> list[str]:
+    """Copy ``model_dir``'s tokenizer files (:data:`TOKENIZER_FILES`) into ``dest``; their names.
+    A name the writer already put there is left as it is."""
+    copied = []
+    for source in sorted(Path(model_dir).iterdir()):
+        target = dest / source.name
+        wanted = any(fnmatch.fnmatch(source.name, p) for p in TOKENIZER_FILES)
+        if not wanted or not source.is_file() or target.exists():
+            continue
+        shutil.copyfile(source, target)
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # durable before the manifest and the rename, as the rest
+        finally:
+            os.close(fd)
+        copied.append(source.name)
+    return copied
+
+
 def _check_max_to_keep(_inst: object, _attr: object, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or value < 1):
         raise ValueError(f"max_to_keep must be None (keep every checkpoint) or >= 1, got {value!r}")
@@ -119,6 +154,10 @@ class CheckpointManager:
     """``RUN_DIR/checkpoints``; created by the first save."""
     max_to_keep: int | None = attrs.field(default=None, validator=_check_max_to_keep)
     """How many checkpoints a save keeps (newest steps, plus whatever ``latest`` names); None keeps all."""
+    tokenizer_from: Path | None = attrs.field(default=None)
+    """The model directory whose tokenizer files (its chat template included) each save copies
+    into the checkpoint's ``policy/``, so that it is a model directory transformers and
+    ``vllm serve`` take as it is (:data:`TOKENIZER_FILES`); None: the weights alone."""
 
     def step_dir(self, step: int) -> Path:
         """Where the checkpoint of ``step`` lives (whether or not it exists)."""
@@ -170,6 +209,8 @@ class CheckpointManager:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root))
         try:
             write(tmp)
+            if self.tokenizer_from is not None and (tmp / POLICY_DIR).is_dir():
+                copy_tokenizer_files(self.tokenizer_from, tmp / POLICY_DIR)
             for owned in (TRAINER_STATE_FILE, MANIFEST_FILE):
                 if (tmp / owned).exists():
                     raise CheckpointError(

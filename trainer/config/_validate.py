@@ -182,6 +182,11 @@ def _check_algorithm(cfg: Config) -> None:
             f"over the second best, but generator.n_samples_per_prompt={g.n_samples_per_prompt}: "
             "set it to 2 or more"
         )
+    if a.dynamic_sampling.type == "filter" and g.n_samples_per_prompt < 2:
+        raise ConfigError(
+            "config: algorithm.dynamic_sampling.type='filter' keeps groups whose rewards differ, "
+            "but with generator.n_samples_per_prompt=1 no group can: set it to 2 or more"
+        )
     if a.overlong_buffer.len > g.response_budget:
         raise ConfigError(
             f"config: algorithm.overlong_buffer.len={a.overlong_buffer.len} is out of range: "

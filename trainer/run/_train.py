@@ -206,7 +206,8 @@ async def _train(
     last_step = strategy.loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
         last_step = min(last_step, t.max_steps)
-    ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep)
+    # each checkpoint's policy/ gets the tokenizer too: a model directory to serve as it is
+    ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep, tokenizer_from=model_dir)
     # a resume that changes the data order is refused here, before anything starts
     resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
     if resume_from is None:

@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -49,14 +50,16 @@ PRESTART = 3
 #: How long one background trainer run may take (the 200-step run: 2-3 minutes).
 RUN_TIMEOUT_S = 900.0
 
-#: The tier's servers: key -> (weight-transfer backend, model directory's maker).
-SHARED: dict[str, tuple[str, Callable[[], Path]]] = {
-    "tiny-gloo": ("gloo", lambda: build_tiny_model()),
-    "tiny-disk": ("disk", lambda: build_tiny_model()),
-    "tiny-disk-fresh": ("disk", lambda: build_tiny_model()),
-    "tiny-tied-gloo": ("gloo", lambda: build_tiny_model(tied=True)),
-    "smollm2-gloo": ("gloo", lambda: resolve_model_path("smollm2-135m-instruct")),
-    "smollm2-disk": ("disk", lambda: resolve_model_path("smollm2-135m-instruct")),
+#: The tier's servers: key -> (weight-transfer backend, model directory's maker, which gets a
+#: directory of its own to write in).
+SHARED: dict[str, tuple[str, Callable[[Path], Path]]] = {
+    "tiny-gloo": ("gloo", lambda _: build_tiny_model()),
+    "tiny-disk": ("disk", lambda _: build_tiny_model()),
+    "tiny-disk-fresh": ("disk", lambda _: build_tiny_model()),
+    "tiny-tied-gloo": ("gloo", lambda _: build_tiny_model(tied=True)),
+    "smollm2-gloo": ("gloo", lambda _: resolve_model_path("smollm2-135m-instruct")),
+    "smollm2-disk": ("disk", lambda _: resolve_model_path("smollm2-135m-instruct")),
+    "trained-policy": ("disk", lambda base: trained_policy(base)),
 }
 #: Test files run last in the tier: ``test_differential.py`` has a server of its own
 #: (``tiny-disk-fresh``), which it ends; first in the tier, every test waited for its start.
@@ -71,6 +74,7 @@ FIXTURE_KEYS = {
     "fresh_vllm_disk_server": "tiny-disk-fresh",
     "tied_server": "tiny-tied-gloo",
     "smollm2_server": "smollm2-{param}",
+    "trained_policy_server": "trained-policy",
 }
 
 
@@ -301,7 +305,7 @@ class Tier:
         backend, model = SHARED[key]
         log_dir = self.base / f"{key}-{len(self.every)}"
         log_dir.mkdir(parents=True)
-        self.launched[key] = launch(log_dir, backend, model())
+        self.launched[key] = launch(log_dir, backend, model(log_dir))
         self.every.append(self.launched[key])
 
     def _prestart(self) -> None:
@@ -441,6 +445,12 @@ def fresh_vllm_disk_server(tier) -> RealServer:
     return tier.shared("tiny-disk-fresh")
 
 
+@pytest.fixture
+def trained_policy_server(tier) -> RealServer:
+    """A ``disk`` server of a trained checkpoint's ``policy/`` directory, as it is."""
+    return tier.shared("trained-policy")
+
+
 @pytest.fixture(params=["gloo", "disk"])
 def smollm2_server(tier, request) -> RealServer:
     """The tier's server of SmolLM2-135M-Instruct, one per weight-transfer backend."""
@@ -451,6 +461,31 @@ def smollm2_server(tier, request) -> RealServer:
 def trainer_run(tier, request) -> TrainerRun:
     """The test's trainer run (marker ``trainer_run``), started in the background."""
     return tier.runs[request.node.nodeid]
+
+
+def trained_policy(base: Path) -> Path:
+    """The ``policy/`` of a one-step run's checkpoint (built-in tiny model, in-process
+    engine), trained in ``base``: what a user would serve as the run's result."""
+    run_dir = base / "run"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "engine.backend=inprocess",
+            "trainer.max_steps=1",
+            "trainer.ckpt_interval=1",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=2",
+            "trainer.progress=false",
+            f"trainer.run_dir={run_dir}",
+        ],
+        cwd=PROJECT,
+        check=True,
+        capture_output=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    return run_dir / "checkpoints" / "global_step_1" / "policy"
 
 
 def _skipped(item: pytest.Item) -> bool:

@@ -13,6 +13,7 @@ import pytest
 import trainer.run
 from trainer.config import load_config
 from trainer.data import load_datasets
+from trainer.errors import ConfigError
 
 RUN = [
     "engine.backend=inprocess",
@@ -83,3 +84,8 @@ async def test_resume_continues_the_data_order_exactly(tmp_path, strategy):
     if strategy == "sync":  # the same prompts, samples and so rewards
         assert [r["reward/mean"] for r in first + resumed[-2:]] == [r["reward/mean"] for r in whole]
     assert all(r["dynamic_sampling/exhausted"] == 0.0 for r in whole)
+
+
+def test_a_filter_no_group_can_pass_is_refused_at_load():
+    with pytest.raises(ConfigError, match="n_samples_per_prompt=1 no group can: set it to 2"):
+        load_config(None, [*RUN, "generator.n_samples_per_prompt=1"])
