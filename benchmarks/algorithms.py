@@ -9,8 +9,8 @@ Runs ``python -m trainer`` (the default task and model, the local reference engi
 recipe below, back to back in one sitting, each in its own run directory, and prints one table
 (the one in docs/algorithms.md): the mean reward of the first and last 20% of steps
 (``summary.json``), whether it learned (last >= 2x first, the issue's bar), the mean step time
-and the time of the stages an algorithm changes (``timing/compute_advantages`` and
-``timing/train_critic_and_policy``, medians over the steps after the first 20%), each as a
+and the time of the stages an algorithm changes (``timing/fwd_logprobs_values_reward``: the
+critic's values; ``timing/compute_advantages``; ``timing/train_critic_and_policy``), medians over the steps after the first 20%), each as a
 ratio to GRPO's in the same sitting: wall-clock times on a shared machine swing, ratios
 within one sitting much less.
 
@@ -44,6 +44,7 @@ RECIPES: dict[str, list[str]] = {
         "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
     ],
     "RLOO": ["algorithm.advantage_estimator=rloo"],
+    "PPO + GAE": ["algorithm.advantage_estimator=gae"],
     "REINFORCE++": ["algorithm.advantage_estimator=reinforce_plus_plus"],
     "REINFORCE++ baseline": ["algorithm.advantage_estimator=reinforce_plus_plus_baseline"],
     "GSPO": [
@@ -59,7 +60,7 @@ RECIPES: dict[str, list[str]] = {
         "algorithm.dynamic_sampling.type=filter",
     ],
 }
-STAGES = ("compute_advantages", "train_critic_and_policy")
+STAGES = ("fwd_logprobs_values_reward", "compute_advantages", "train_critic_and_policy")
 
 
 def run(overrides: list[str], steps: int, run_dir: Path) -> dict:
@@ -114,9 +115,9 @@ def main() -> None:
     print()
     print(
         "| algorithm | reward, first 20% | reward, last 20% | learns (>= 2x) | step time | "
-        "vs GRPO | compute_advantages vs GRPO | train_critic_and_policy vs GRPO |"
+        "vs GRPO | " + " | ".join(f"`{s}` vs GRPO" for s in STAGES) + " |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|" + "---|" * len(STAGES))
     for name, r in results.items():
         first, last = r["reward/first_20pct"], r["reward/last_20pct"]
 
@@ -126,7 +127,8 @@ def main() -> None:
         print(
             f"| {name} | {first:.3f} | {last:.3f} | {'yes' if last >= 2 * first else 'no'} | "
             f"{r['step_time_mean_s']:.3f} s | {ratio('step_time_mean_s')} | "
-            f"{ratio(STAGES[0])} | {ratio(STAGES[1])} |"
+            + " | ".join(ratio(s) for s in STAGES)
+            + " |"
         )
 
 

@@ -27,8 +27,12 @@ PUBLIC = {
         "POLICY_LOSS_METRICS",
         "PolicyLossName",
         "Registry",
+        "VALUE_ESTIMATORS",
+        "VALUE_LOSS_METRICS",
         "aggregate",
         "compute_advantages",
+        "explained_variance",
+        "gae_advantages_and_returns",
         "kl_penalty",
         "masked_mean",
         "masked_sum",
@@ -36,6 +40,7 @@ PUBLIC = {
         "policy_loss",
         "resolve_loss_agg_mode",
         "token_logprobs",
+        "value_loss",
     ],
     "trainer.checkpoint": [
         "CheckpointError",
@@ -244,6 +249,7 @@ PUBLIC = {
     ],
     "trainer.workers": [],
     "trainer.workers.batch": ["TrainBatch"],
+    "trainer.workers.critic": ["CRITIC_FILES", "CriticWorker"],
     "trainer.workers.device": ["collective_backend"],
     "trainer.workers.fsdp": ["GatheredModel", "gathered_model", "is_sharded", "shard_model"],
     "trainer.workers.group": ["WorkerGroup"],
@@ -272,6 +278,12 @@ PUBLIC = {
     ],
     "trainer.workers.ray_group": ["RayWorkerGroup"],
     "trainer.workers.ray_placement": ["bundles", "gpus_for", "padded_shard", "shards"],
+    "trainer.workers.training": [
+        "Optimizer",
+        "add_metrics",
+        "enable_activation_checkpointing",
+        "micro_batches",
+    ],
 }
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
 from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
+from trainer.algorithms._registry import VALUE_ESTIMATORS as VALUE_ESTIMATORS
 from trainer.algorithms._registry import AdvantageEstimatorName as AdvantageEstimatorName
 from trainer.algorithms._registry import LossAggModeName as LossAggModeName
 from trainer.algorithms._registry import PolicyLossName as PolicyLossName
@@ -35,7 +36,7 @@ from trainer.algorithms._registry import Registry as Registry
 from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_agg_mode
 
 if TYPE_CHECKING:
-    from trainer.algorithms._advantages import compute_advantages
+    from trainer.algorithms._advantages import compute_advantages, gae_advantages_and_returns
     from trainer.algorithms._aggregation import BatchCounts, aggregate
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
         token_logprobs,
     )
     from trainer.algorithms._shaping import overlong_penalty
+    from trainer.algorithms._value import VALUE_LOSS_METRICS, explained_variance, value_loss
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -62,6 +64,8 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "POLICY_LOSS_METRICS",
+    "VALUE_ESTIMATORS",
+    "VALUE_LOSS_METRICS",
     "AdvantageEstimatorName",
     "BatchCounts",
     "LossAggModeName",
@@ -69,6 +73,8 @@ __all__ = [
     "Registry",
     "aggregate",
     "compute_advantages",
+    "explained_variance",
+    "gae_advantages_and_returns",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -76,11 +82,13 @@ __all__ = [
     "policy_loss",
     "resolve_loss_agg_mode",
     "token_logprobs",
+    "value_loss",
 ]
 
 #: The torch-backed names: each one's module, imported on first access.
 _LAZY = {
     "compute_advantages": "_advantages",
+    "gae_advantages_and_returns": "_advantages",
     "BatchCounts": "_aggregation",
     "aggregate": "_aggregation",
     "DEFAULT_CLIP_HIGH": "_losses",
@@ -94,6 +102,9 @@ _LAZY = {
     "masked_sum": "_ops",
     "token_logprobs": "_ops",
     "overlong_penalty": "_shaping",
+    "VALUE_LOSS_METRICS": "_value",
+    "explained_variance": "_value",
+    "value_loss": "_value",
 }
 
 

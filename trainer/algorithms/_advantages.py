@@ -21,6 +21,8 @@ __all__ = [
     "WHITEN_EPS",
     "AdvantageInputs",
     "compute_advantages",
+    "gae",
+    "gae_advantages_and_returns",
     "grpo",
     "grpo_passk",
     "reinforce_plus_plus",
@@ -46,6 +48,10 @@ class AdvantageInputs:
     norm_by_std: bool
     gamma: float
     eps: float
+    #: ``[B, T]`` float64, the critic's value of each position (``gae``); None without a critic.
+    values: torch.Tensor | None = None
+    #: GAE's lambda.
+    lam: float = 1.0
 
     @property
     def num_groups(self) -> int:
@@ -79,6 +85,14 @@ class AdvantageInputs:
             )
         return self.mask
 
+    def token_values(self, estimator: str) -> torch.Tensor:
+        """The critic's values, for an estimator that reads them (``ValueError`` without)."""
+        if self.values is None:
+            raise ValueError(
+                f"advantage estimator {estimator!r} reads a critic's values: pass values=batch.values"
+            )
+        return self.values
+
 
 def compute_advantages(
     rewards: torch.Tensor,
@@ -89,21 +103,24 @@ def compute_advantages(
     norm_by_std: bool = True,
     gamma: float = 1.0,
     eps: float = 1e-6,
+    values: torch.Tensor | None = None,
+    lam: float = 1.0,
 ) -> torch.Tensor:
     """Advantages of ``B`` trajectories by the estimator named ``estimator``.
 
     ``rewards`` is ``[B]``; ``group_ids[i]`` names the group (prompt) of trajectory ``i``:
     groups are found by id, so their members need not be contiguous or in any order. ``mask``
     (``[B, T]``, the trained tokens) is needed by the per-token estimators
-    (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``). ``norm_by_std``: GRPO and
-    pass@k divide by the group's std. ``gamma``: REINFORCE++'s discount.
+    (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``gae``). ``norm_by_std``: GRPO
+    and pass@k divide by the group's std. ``gamma``: REINFORCE++'s and GAE's discount.
+    ``values`` (``[B, T]`` like ``mask``) and ``lam``: GAE's critic values and lambda.
 
     The result is ``[B]`` or ``[B, T]`` (see each estimator), in ``rewards``' dtype when
     floating, else the default dtype, on ``rewards``' device, without gradient.
 
     Raises ``ValueError`` for an unknown estimator (naming the allowed ones), a ``rewards``
     that is not 1-D, a length mismatch with ``group_ids`` or ``mask``, a non-finite reward,
-    ``eps < 0`` or ``gamma`` outside ``[0, 1]``.
+    ``eps < 0``, or ``gamma`` or ``lam`` outside ``[0, 1]``.
     """
     fn = ADVANTAGE_ESTIMATORS.get(estimator)
     if rewards.dim() != 1:
@@ -114,6 +131,8 @@ def compute_advantages(
         raise ValueError(f"eps must be >= 0, got {eps}")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    if not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam must be in [0, 1], got {lam}")
     ids = torch.as_tensor(group_ids, device=rewards.device)
     if ids.dim() != 1 or ids.numel() != rewards.numel():
         raise ValueError(
@@ -124,6 +143,11 @@ def compute_advantages(
         raise ValueError(
             f"mask must be [B, T] with B = {rewards.numel()} trajectories, "
             f"got shape {tuple(mask.shape)}"
+        )
+    if values is not None and (mask is None or values.shape != mask.shape):
+        raise ValueError(
+            f"values must be [B, T] like mask, got shape {tuple(values.shape)} "
+            f"(mask: {None if mask is None else tuple(mask.shape)})"
         )
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype()
     if rewards.numel() == 0:
@@ -139,7 +163,8 @@ def compute_advantages(
         )
     _, index = torch.unique(ids, return_inverse=True)
     valid = None if mask is None else mask.to(device=r.device) != 0
-    inputs = AdvantageInputs(r, index, valid, norm_by_std, gamma, eps)
+    v = None if values is None else values.detach().to(device=r.device, dtype=torch.float64)
+    inputs = AdvantageInputs(r, index, valid, norm_by_std, gamma, eps, v, lam)
     return fn(inputs).to(out_dtype)
 
 
@@ -242,3 +267,47 @@ def reinforce_plus_plus_baseline(x: AdvantageInputs) -> torch.Tensor:
     centered = torch.where(n > 1, x.rewards - x.group_mean(), x.rewards)
     tiled = centered[:, None].expand(mask.shape)
     return _whiten(torch.where(mask, tiled, torch.zeros_like(tiled)), mask)
+
+
+def gae_advantages_and_returns(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), before any
+    whitening: ``([B, T] advantages, [B, T] returns)``, 0 at untrained tokens.
+
+    The outcome reward ``rewards[b]`` is the reward of trajectory ``b``'s last trained token;
+    every other token's is 0. Walking back over the trained tokens of each trajectory,
+    ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
+    ``next`` is the next *trained* token (0 past the last): an environment's tokens in a
+    multi-turn trajectory are not steps of the policy and are skipped, as verl's
+    ``compute_gae_advantage_return`` skips observation tokens. The returns, the critic's
+    targets, are ``A_t + V_t``. float64 in, float64 out.
+    """
+    _, width = mask.shape
+    m = mask.to(torch.float64)
+    after = m.flip(-1).cumsum(-1).flip(-1) - m
+    token_rewards = torch.where((after == 0) & mask, rewards[:, None], torch.zeros_like(m))
+    next_value = torch.zeros_like(rewards)
+    next_adv = torch.zeros_like(rewards)
+    advantages = torch.zeros_like(m)
+    for t in reversed(range(width)):
+        trained = mask[:, t]
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        adv_t = delta + gamma * lam * next_adv
+        next_value = torch.where(trained, values[:, t], next_value)
+        next_adv = torch.where(trained, adv_t, next_adv)
+        advantages[:, t] = torch.where(trained, adv_t, torch.zeros_like(adv_t))
+    returns = torch.where(mask, advantages + values, torch.zeros_like(advantages))
+    return advantages, returns
+
+
+def gae(x: AdvantageInputs) -> torch.Tensor:
+    """PPO's advantages (Schulman et al. 2017; verl ``gae``, SkyRL ``gae``), ``[B, T]``: the
+    critic's GAE (:func:`gae_advantages_and_returns`, ``algorithm.gamma``, ``algorithm.lam``)
+    whitened over all trained tokens of the batch, as verl's ``masked_whiten``. The run trains
+    a critic on the returns (``critic.*``)."""
+    mask = x.token_mask("gae")
+    advantages, _ = gae_advantages_and_returns(
+        x.rewards, x.token_values("gae"), mask, x.gamma, x.lam
+    )
+    return _whiten(advantages, mask)

@@ -15,6 +15,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "VALUE_ESTIMATORS",
     "AdvantageEstimatorName",
     "LossAggModeName",
     "PolicyLossName",
@@ -55,8 +56,12 @@ ADVANTAGE_ESTIMATORS = Registry(
         "reinforce_plus_plus": "reinforce_plus_plus",
         "reinforce_plus_plus_baseline": "reinforce_plus_plus_baseline",
         "grpo_passk": "grpo_passk",
+        "gae": "gae",
     },
 )
+#: The estimators that read a critic's values: a run of one of them trains a critic
+#: (``critic.*``), one without trains none.
+VALUE_ESTIMATORS = frozenset({"gae"})
 #: ``algorithm.policy_loss``: the per-token policy-gradient loss.
 POLICY_LOSSES = Registry(
     "algorithm.policy_loss",

@@ -17,6 +17,7 @@ from trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    VALUE_ESTIMATORS,
     AdvantageEstimatorName,
     LossAggModeName,
     PolicyLossName,
@@ -25,6 +26,7 @@ from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
+from trainer.config._models import CriticConfig, ModelConfig, OptimConfig
 from trainer.config._workers import WorkersConfig
 
 __all__ = [
@@ -276,15 +278,6 @@ class GeneratorConfig:
 
 
 @attrs.define
-class ModelConfig:
-    path: str | None = _field(
-        None,
-        "Hugging Face causal-LM directory, a .gguf file, or a packaged GGUF model's short "
-        "name (smollm2-135m-instruct); None: the built-in tiny model.",
-    )
-
-
-@attrs.define
 class OverlongBufferConfig:
     len: int = _field(
         0,
@@ -326,7 +319,13 @@ class AlgorithmConfig:
     )
     gamma: float = _field(
         1.0,
-        "reinforce_plus_plus: the discount per trained token of the outcome reward.",
+        "reinforce_plus_plus, gae: the discount per trained token of the outcome reward.",
+        check=in_range(0, 1),
+    )
+    lam: float = _field(
+        1.0,
+        "gae: GAE's lambda, the bias-variance trade-off of the critic's advantages (1: the "
+        "return less the value; 0: the one-step TD error).",
         check=in_range(0, 1),
     )
     policy_loss: PolicyLossName = _field(
@@ -389,16 +388,10 @@ class AlgorithmConfig:
         DynamicSamplingConfig, "DAPO's dynamic sampling: train only on informative groups."
     )
 
-
-@attrs.define
-class OptimConfig:
-    lr: float = _field(1e-3, "AdamW learning rate.", check=positive)
-    weight_decay: float = _field(0.0, "AdamW weight decay.", check=at_least(0))
-    betas: tuple[float, float] = _field((0.9, 0.99), "AdamW betas.")
-    max_grad_norm: float = _field(1.0, "Gradient clipping norm.", check=positive)
-    warmup_steps: int = _field(
-        0, "Linear learning-rate warm-up, in optimizer steps.", check=at_least(0)
-    )
+    @property
+    def trains_critic(self) -> bool:
+        """Whether the run has a critic: its advantage estimator reads values (``gae``)."""
+        return self.advantage_estimator in VALUE_ESTIMATORS
 
 
 @attrs.define
@@ -455,6 +448,9 @@ class Config:
     model: ModelConfig = _section(ModelConfig, "The policy model.")
     algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
     optim: OptimConfig = _section(OptimConfig, "Optimizer.")
+    critic: CriticConfig = _section(
+        CriticConfig, "The critic (value model) of algorithm.advantage_estimator=gae."
+    )
     data: DataConfig = _section(DataConfig, "Prompts and rewards.")
     faults: str = _field(
         "",

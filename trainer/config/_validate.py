@@ -10,6 +10,7 @@ import warnings
 
 from engines.vllm.flags import flag_clashes
 from trainer.algorithms import resolve_loss_agg_mode
+from trainer.config._models import CriticConfig
 from trainer.config._schema import (
     Config,
     ConfigWarning,
@@ -42,6 +43,11 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             )
         if fault.engine is not None and fault.engine >= e.num_engines:
             return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
+    if op.startswith("critic_") and not cfg.algorithm.trains_critic:
+        return (
+            f"this run trains no critic (algorithm.advantage_estimator="
+            f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
+        )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
     sleeps = e.colocated or e.offload_kv_for_weight_sync
@@ -186,6 +192,19 @@ def _check_algorithm(cfg: Config) -> None:
         raise ConfigError(
             "config: algorithm.dynamic_sampling.type='filter' keeps groups whose rewards differ, "
             "but with generator.n_samples_per_prompt=1 no group can: set it to 2 or more"
+        )
+    if not a.trains_critic and cfg.critic != CriticConfig():
+        raise ConfigError(
+            f"config: critic.* is set, but algorithm.advantage_estimator={a.advantage_estimator!r} "
+            "trains no critic: set algorithm.advantage_estimator=gae (PPO with a critic), or "
+            "leave critic.* at its defaults"
+        )
+    steps = cfg.trainer.max_steps
+    if a.trains_critic and steps is not None and cfg.critic.warmup_steps >= steps:
+        raise ConfigError(
+            f"config: critic.warmup_steps={cfg.critic.warmup_steps} is out of range: the policy "
+            f"waits that many steps and the run has trainer.max_steps={steps}, so it would never "
+            "train; lower critic.warmup_steps"
         )
     if a.overlong_buffer.len > g.response_budget:
         raise ConfigError(

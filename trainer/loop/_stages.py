@@ -10,7 +10,13 @@ from typing import Any
 import torch
 
 from sync.verify import verify_sync
-from trainer.algorithms import compute_advantages, overlong_penalty
+from trainer.algorithms import (
+    compute_advantages,
+    explained_variance,
+    gae_advantages_and_returns,
+    masked_mean,
+    overlong_penalty,
+)
 from trainer.config import Config
 from trainer.data import Example
 from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
@@ -29,7 +35,7 @@ __all__ = [
     "rollout_metrics",
     "save_checkpoint",
     "shaped_rewards",
-    "train_policy",
+    "train_critic_and_policy",
     "trajectory_seed",
     "verify_weights",
 ]
@@ -155,9 +161,12 @@ def shaped_rewards(
 
 def advantages_for(
     ctx: RunContext, out: GeneratorOutput, batch: TrainBatch
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """The batch's advantages by ``algorithm.advantage_estimator`` (``[B]`` or per token, like
-    ``batch.loss_mask``) from the :func:`shaped_rewards`, and the shaping's metrics."""
+    ``batch.loss_mask``) from the :func:`shaped_rewards`, the critic's targets where the run
+    has a critic (``batch.values`` set: GAE's returns, else None), and the metrics: the
+    shaping's, and the critic's ``critic/values_mean``, ``critic/returns_mean`` and
+    ``critic/vf_explained_var`` (of the values the batch was scored with)."""
     a = ctx.cfg.algorithm
     rewards, metrics = shaped_rewards(ctx, out.trajectories)
     advantages = compute_advantages(
@@ -167,8 +176,21 @@ def advantages_for(
         mask=batch.loss_mask,
         norm_by_std=a.norm_adv_by_std,
         gamma=a.gamma,
+        values=batch.values,
+        lam=a.lam,
     )
-    return advantages.float(), metrics
+    returns = None
+    if batch.values is not None:
+        mask = batch.loss_mask != 0
+        values = batch.values.double()
+        _, returns = gae_advantages_and_returns(rewards.double(), values, mask, a.gamma, a.lam)
+        metrics |= {
+            "critic/values_mean": float(masked_mean(values, mask)),
+            "critic/returns_mean": float(masked_mean(returns, mask)),
+            "critic/vf_explained_var": explained_variance(values, returns, mask),
+        }
+        returns = returns.float()
+    return advantages.float(), returns, metrics
 
 
 def one_update_per_batch(cfg: Config) -> bool:
@@ -179,26 +201,37 @@ def one_update_per_batch(cfg: Config) -> bool:
     return t.update_epochs == 1 and one_mini_batch
 
 
-async def train_policy(
-    ctx: RunContext, batch: TrainBatch, group_ids: list[int]
+async def train_critic_and_policy(
+    ctx: RunContext, step: int, batch: TrainBatch, group_ids: list[int]
 ) -> dict[str, float]:
-    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups, between
-    ``backload_to_gpu`` and ``offload_to_cpu`` (their bytes join the metrics)."""
+    """``update_epochs`` passes over the batch in mini-batches of whole prompt groups: each
+    mini-batch trains the critic (a run with one), then the policy, unless ``step`` is within
+    ``critic.warmup_steps`` (the policy waits for the critic's values to mean something). The
+    policy's passes run between ``backload_to_gpu`` and ``offload_to_cpu`` (their bytes join
+    the metrics); the metrics are each mini-batch's, averaged."""
     t = ctx.cfg.trainer
+    critic = batch.values is not None
+    policy = not (critic and step <= ctx.cfg.critic.warmup_steps)
     prompts_per_mini = t.policy_mini_batch_size or t.train_batch_size
     groups = sorted(set(group_ids))
     metrics: dict[str, list[float]] = {}
-    moved = await ctx.workers.backload_to_gpu()
+    moved = await ctx.workers.backload_to_gpu() if policy else {}
     for _epoch in range(t.update_epochs):
         for start in range(0, len(groups), prompts_per_mini):
             chosen = set(groups[start : start + prompts_per_mini])
             rows = [i for i, g in enumerate(group_ids) if g in chosen]
             mini = batch.select(rows)
-            step_metrics = await ctx.workers.forward_backward(mini, mini.counts)
-            step_metrics |= await ctx.workers.optim_step()
+            step_metrics: dict[str, float] = {}
+            if critic:
+                step_metrics |= await ctx.workers.critic_forward_backward(mini, mini.counts)
+                step_metrics |= await ctx.workers.critic_optim_step()
+            if policy:
+                step_metrics |= await ctx.workers.forward_backward(mini, mini.counts)
+                step_metrics |= await ctx.workers.optim_step()
             for k, v in step_metrics.items():
                 metrics.setdefault(k, []).append(v)
-    moved |= await ctx.workers.offload_to_cpu()
+    if policy:
+        moved |= await ctx.workers.offload_to_cpu()
     return {k: statistics.fmean(v) for k, v in metrics.items()} | moved
 
 

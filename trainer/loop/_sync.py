@@ -95,13 +95,14 @@ async def train_on(
         if not stages.one_update_per_batch(ctx.cfg):  # else the update's own forward has them
             batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
+        batch.values = await ctx.workers.compute_values(batch)  # None without a critic
         metrics = stages.rollout_metrics(prompts, rollouts)
     with Timer("compute_advantages", timings):
-        batch.advantages, shaping = stages.advantages_for(ctx, rollouts, batch)
-        metrics |= shaping
+        batch.advantages, batch.returns, more = stages.advantages_for(ctx, rollouts, batch)
+        metrics |= more
     with Timer("train_critic_and_policy", timings):
-        metrics |= await stages.train_policy(
-            ctx, batch, [t.group_id for t in rollouts.trajectories]
+        metrics |= await stages.train_critic_and_policy(
+            ctx, step, batch, [t.group_id for t in rollouts.trajectories]
         )
     if ctx.checkpoint_due(step):
         with Timer("save_checkpoints", timings):

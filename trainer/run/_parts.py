@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 import trio
 
+from engines.models import resolve_model_path
 from sync.transports import (
     BroadcastTransport,
     DiskTransport,
@@ -37,6 +38,7 @@ from trainer.workers.local import LocalWorkerGroup
 __all__ = [
     "CpuThreads",
     "cpu_threads",
+    "critic_kwargs",
     "make_transport",
     "open_ray_cluster",
     "open_transport",
@@ -162,18 +164,51 @@ def policy_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
+def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
+    """The critic worker's keyword arguments, all from ``cfg`` (``critic.*``; the micro batch,
+    the seed and the device settings as the policy's), built here only; None for a run that
+    trains no critic. ``model_dir``: the critic's model, resolved."""
+    if not cfg.algorithm.trains_critic:
+        return None
+    c, o, w = cfg.critic, cfg.critic.optim, cfg.workers
+    return {
+        "model_dir": str(model_dir),
+        "lr": o.lr,
+        "betas": o.betas,
+        "weight_decay": o.weight_decay,
+        "warmup_steps": o.warmup_steps,
+        "max_grad_norm": o.max_grad_norm,
+        "value_clip": c.value_clip,
+        "micro_batch_size": cfg.trainer.micro_batch_size,
+        "seed": cfg.trainer.seed,
+        "device": w.device,
+        "dtype": w.dtype,
+        "gradient_checkpointing": w.gradient_checkpointing,
+    }
+
+
 @asynccontextmanager
 async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGroup]:
     """The worker group of ``workers.backend``, shut down when the block exits, whatever the error.
 
     ``ray`` needs the run's Ray cluster connected (:func:`open_ray_cluster`). Each policy
-    worker gets :func:`policy_kwargs`.
+    worker gets :func:`policy_kwargs`; a critic, :func:`critic_kwargs` (its model
+    ``critic.model.path``, or ``model_dir``, the policy's).
     """
     w = cfg.workers
     with_ref = cfg.algorithm.use_kl_loss
     kwargs = policy_kwargs(cfg)
+    critic_path = cfg.critic.model.path
+    critic_dir = (
+        model_dir
+        if critic_path is None
+        else await trio.to_thread.run_sync(resolve_model_path, critic_path)
+    )
+    critic = critic_kwargs(cfg, critic_dir)
     if w.backend == "local":
-        workers = await LocalWorkerGroup.create(model_dir, policy_kwargs=kwargs, with_ref=with_ref)
+        workers = await LocalWorkerGroup.create(
+            model_dir, policy_kwargs=kwargs, with_ref=with_ref, critic_kwargs=critic
+        )
     else:
         from trainer.workers.ray_group import RayWorkerGroup
 
@@ -185,6 +220,7 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
             collective_timeout_s=w.collective_timeout_s,
             data_parallel=w.data_parallel,
             gpus_per_worker=w.gpus_per_worker,
+            critic_kwargs=critic,
         )
     try:
         yield workers

@@ -30,6 +30,10 @@ Operation = Literal[
     "forward",
     "forward_backward",
     "optim_step",
+    # the critic's (algorithm.advantage_estimator=gae): its values, its update
+    "critic_forward",
+    "critic_forward_backward",
+    "critic_optim_step",
     "offload_to_cpu",
     "backload_to_gpu",
     "broadcast_to_inference_engines",

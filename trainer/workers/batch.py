@@ -35,6 +35,11 @@ class TrainBatch:
     #: like ``old_logprobs``; ``0.0`` where ``loss_mask`` is 0 (the off-policy correction's
     #: behaviour policy).
     rollout_logprobs: torch.Tensor | None = None
+    #: The critic's value of each position when the batch was scored ``[B, L - 1]`` (a run
+    #: with a critic: ``algorithm.advantage_estimator=gae``), aligned like ``loss_mask``.
+    values: torch.Tensor | None = None
+    #: The critic's targets, GAE's returns ``[B, L - 1]`` (0 where ``loss_mask`` is 0).
+    returns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -68,12 +73,5 @@ class TrainBatch:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[idx]
 
-        return TrainBatch(
-            input_ids=self.input_ids[idx],
-            attention_mask=self.attention_mask[idx],
-            loss_mask=self.loss_mask[idx],
-            advantages=take(self.advantages),
-            old_logprobs=take(self.old_logprobs),
-            ref_logprobs=take(self.ref_logprobs),
-            rollout_logprobs=take(self.rollout_logprobs),
-        )
+        rows = {f.name: take(getattr(self, f.name)) for f in attrs.fields(TrainBatch)}
+        return TrainBatch(**rows)  # type: ignore[arg-type]  # the required three are set

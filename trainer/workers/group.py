@@ -42,6 +42,22 @@ class WorkerGroup(Protocol):
         """Apply accumulated gradients (operation ``optim_step``)."""
         ...
 
+    async def compute_values(self, batch: TrainBatch) -> torch.Tensor | None:
+        """The critic's value of each position (operation ``critic_forward``); None without a
+        critic."""
+        ...
+
+    async def critic_forward_backward(
+        self, batch: TrainBatch, counts: BatchCounts
+    ) -> dict[str, float]:
+        """Accumulate the critic's gradients over ``batch`` (operation
+        ``critic_forward_backward``), normalized by the whole mini-batch's ``counts``."""
+        ...
+
+    async def critic_optim_step(self) -> dict[str, float]:
+        """Apply the critic's accumulated gradients (operation ``critic_optim_step``)."""
+        ...
+
     async def offload_to_cpu(self) -> dict[str, float]:
         """Free the policy's device memory for a colocated engine (operation
         ``offload_to_cpu``); ``workers/offload_bytes``, 0 where nothing moves (the CPU)."""
@@ -70,7 +86,8 @@ class WorkerGroup(Protocol):
         self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
     ) -> Path:
         """Write checkpoint ``step`` through ``save`` (``CheckpointManager.save``, which makes
-        it atomic), handing it the policy's writer (operation ``save_checkpoint``)."""
+        it atomic), handing it the writer of the policy's files and the critic's (operation
+        ``save_checkpoint``)."""
         ...
 
     async def load_checkpoint(self, directory: Path) -> None: ...

@@ -1,4 +1,5 @@
-"""``workers.backend=local``: policy and reference workers in this process, run in threads.
+"""``workers.backend=local``: policy, reference and critic workers in this process, run in
+threads.
 
 Each call runs the worker's method through ``trio.to_thread.run_sync`` so the event loop
 keeps serving generation while the model computes; a per-worker ``CapacityLimiter(1)``
@@ -29,6 +30,7 @@ from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.vocabulary import fire_fault_sync, operation
 from trainer.workers.batch import TrainBatch
+from trainer.workers.critic import CriticWorker
 from trainer.workers.policy import PolicyWorker, RefWorker
 
 __all__ = ["SHUTDOWN_WAIT_S", "LocalWorkerGroup"]
@@ -45,11 +47,15 @@ SHUTDOWN_WAIT_S = 30.0
 class LocalWorkerGroup:
     """Implements :class:`trainer.workers.group.WorkerGroup` with in-process workers."""
 
-    def __init__(self, policy: PolicyWorker, ref: RefWorker | None) -> None:
+    def __init__(
+        self, policy: PolicyWorker, ref: RefWorker | None, critic: CriticWorker | None = None
+    ) -> None:
         self.policy = policy
         self.ref = ref
+        self.critic = critic
         self._policy_limiter = trio.CapacityLimiter(1)
         self._ref_limiter = trio.CapacityLimiter(1)
+        self._critic_limiter = trio.CapacityLimiter(1)
         #: Worker threads inside a fault right now (a ``hang`` there is a wait, not a kernel).
         self._in_fault = 0
         #: Training calls computing right now (what shutdown waits for); under ``_count_lock``.
@@ -76,8 +82,15 @@ class LocalWorkerGroup:
 
     @classmethod
     async def create(
-        cls, model_dir: Path, *, policy_kwargs: dict[str, Any], with_ref: bool
+        cls,
+        model_dir: Path,
+        *,
+        policy_kwargs: dict[str, Any],
+        with_ref: bool,
+        critic_kwargs: dict[str, Any] | None = None,
     ) -> LocalWorkerGroup:
+        """The workers, each built in a thread: the policy from ``model_dir``, the reference
+        when ``with_ref``, a critic when ``critic_kwargs`` (its ``model_dir`` among them)."""
         policy = await trio.to_thread.run_sync(
             functools.partial(PolicyWorker, model_dir, **policy_kwargs)
         )
@@ -93,7 +106,10 @@ class LocalWorkerGroup:
                     dtype=policy_kwargs.get("dtype", "auto"),
                 )
             )
-        return cls(policy, ref)
+        critic = None
+        if critic_kwargs is not None:
+            critic = await trio.to_thread.run_sync(functools.partial(CriticWorker, **critic_kwargs))
+        return cls(policy, ref, critic)
 
     async def _call(
         self, op: str, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any
@@ -131,6 +147,29 @@ class LocalWorkerGroup:
     async def optim_step(self) -> dict[str, float]:
         return await self._call("optim_step", self._policy_limiter, self.policy.optim_step)
 
+    async def compute_values(self, batch: TrainBatch) -> torch.Tensor | None:
+        if self.critic is None:
+            return None
+        return await self._call(
+            "critic_forward", self._critic_limiter, self.critic.compute_values, batch
+        )
+
+    async def critic_forward_backward(
+        self, batch: TrainBatch, counts: BatchCounts
+    ) -> dict[str, float]:
+        assert self.critic is not None, "this group has no critic"
+        return await self._call(
+            "critic_forward_backward",
+            self._critic_limiter,
+            self.critic.forward_backward,
+            batch,
+            counts,
+        )
+
+    async def critic_optim_step(self) -> dict[str, float]:
+        assert self.critic is not None, "this group has no critic"
+        return await self._call("critic_optim_step", self._critic_limiter, self.critic.optim_step)
+
     async def offload_to_cpu(self) -> dict[str, float]:
         return await self._call("offload_to_cpu", self._policy_limiter, self.policy.offload_to_cpu)
 
@@ -156,23 +195,28 @@ class LocalWorkerGroup:
     async def save_checkpoint(
         self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
     ) -> Path:
-        """Write ``global_step_N`` through ``save`` (operation ``save_checkpoint``)."""
-        return await self._call(
-            "save_checkpoint",
-            self._policy_limiter,
-            save,
-            step,
-            self.policy.save_checkpoint,
-            trainer_state,
-        )
+        """Write ``global_step_N`` through ``save`` (operation ``save_checkpoint``): the
+        policy's files and the critic's (holding both workers' limiters)."""
+        async with self._critic_limiter:
+            return await self._call(
+                "save_checkpoint", self._policy_limiter, save, step, self._write, trainer_state
+            )
+
+    def _write(self, directory: Path) -> None:
+        self.policy.save_checkpoint(directory)
+        if self.critic is not None:
+            self.critic.save_checkpoint(directory)
+
+    def _read(self, directory: Path) -> None:
+        self.policy.load_checkpoint(directory)
+        if self.critic is not None:
+            self.critic.load_checkpoint(directory)
 
     async def load_checkpoint(self, directory: Path) -> None:
-        await trio.to_thread.run_sync(
-            self.policy.load_checkpoint,
-            directory,
-            abandon_on_cancel=True,
-            limiter=self._policy_limiter,
-        )
+        async with self._critic_limiter:
+            await trio.to_thread.run_sync(
+                self._read, directory, abandon_on_cancel=True, limiter=self._policy_limiter
+            )
 
     async def shutdown(self) -> None:
         """Wait up to ``SHUTDOWN_WAIT_S`` for training calls still computing (see the module

@@ -13,7 +13,6 @@ offloaded policy brings it back first. On the CPU both are no-ops that report 0 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -33,6 +32,12 @@ from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
+from trainer.workers.training import (
+    Optimizer,
+    add_metrics,
+    enable_activation_checkpointing,
+    micro_batches,
+)
 
 __all__ = ["OFFLOAD_METRICS", "PolicyWorker", "RefWorker", "preload_model_code"]
 
@@ -57,16 +62,6 @@ def _load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype)
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     return torch.nn.Module.to(model, device)
-
-
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """transformers >= 5.x names it ``activation_checkpointing_enable`` (the old name warns)."""
-    kwargs = {"use_reentrant": False}
-    enable = getattr(model, "activation_checkpointing_enable", None)
-    if callable(enable):
-        enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
 class RefWorker:
@@ -94,11 +89,6 @@ class RefWorker:
         return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
 
 
-def _micro_batches(n: int, size: int | None) -> list[slice]:
-    size = size or n
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
 def _forward_logprobs(
     model: torch.nn.Module, batch: TrainBatch, temperature: float
 ) -> torch.Tensor:
@@ -116,7 +106,7 @@ def _logprobs(
     """Float32 logprobs on the CPU, computed on ``device`` micro-batch by micro-batch."""
     parts = [
         _forward_logprobs(model, batch.select(s).to(device), temperature).float().cpu()
-        for s in _micro_batches(len(batch), micro)
+        for s in micro_batches(len(batch), micro)
     ]
     return torch.cat(parts, dim=0)
 
@@ -161,15 +151,19 @@ class PolicyWorker:
         self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
         self.model.train()
         if gradient_checkpointing:
-            _enable_activation_checkpointing(self.model)
-        self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
-        self._warmup_steps = warmup_steps
-        self._make_optimizer()
+            enable_activation_checkpointing(self.model)
+        self._optim = Optimizer(
+            self.model,
+            lr=lr,
+            betas=betas,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+        )
         self.offload = offload
         self._offloaded: Offloaded | None = None
         #: Bytes a compute call brought back implicitly, reported by the next backload.
         self._restored_unreported = 0
-        self.max_grad_norm = max_grad_norm
         self.temperature = temperature
         self.policy_loss = policy_loss
         self.clip_ratio_low = clip_ratio_low
@@ -183,19 +177,20 @@ class PolicyWorker:
         self.off_policy_correction: OffPolicyCorrection = off_policy_correction
         self.tis_cap = tis_cap
 
-    def _make_optimizer(self) -> None:
-        warmup = self._warmup_steps
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._adamw)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
-        )
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self._optim.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler:
+        return self._optim.scheduler
 
     def shard(self) -> None:
         """Shard the model with FSDP2 over the default process group (data parallel on
         GPUs; :mod:`trainer.workers.fsdp`), then rebuild optimizer and scheduler over the
         shards. Call it once, before the first step, on every rank."""
         shard_model(self.model)
-        self._make_optimizer()
+        self._optim.rebuild()
 
     def readable_model(self, *, keep: bool = True) -> torch.nn.Module:
         """The model whose ``named_parameters`` are the full weights (what a weight
@@ -248,7 +243,7 @@ class PolicyWorker:
         counts = counts or batch.counts
         num_tokens = max(1, counts.tokens)
         totals: dict[str, float] = {}
-        for s in _micro_batches(len(batch), self.micro_batch_size):
+        for s in micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s).to(self.device)
             padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
             assert mb.advantages is not None
@@ -294,29 +289,19 @@ class PolicyWorker:
             if padding:
                 continue
             totals["policy/loss"] = totals.get("policy/loss", 0.0) + float(loss.detach())
-            for k, v in metrics.items():
-                key = f"policy/{k}"
-                if k.endswith("_max"):
-                    totals[key] = max(totals.get(key, -math.inf), v)
-                elif k.endswith("_min"):
-                    totals[key] = min(totals.get(key, math.inf), v)
-                elif k == "num_tokens":
-                    totals[key] = totals.get(key, 0.0) + v
-                else:  # token-weighted mean over micro-batches
-                    totals[key] = totals.get(key, 0.0) + v * weight
+            add_metrics(
+                totals,
+                {f"policy/{k}": v for k, v in metrics.items()},
+                weight,
+                summed=("policy/num_tokens",),
+            )
         return totals
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step optimizer and scheduler, zero gradients."""
         self._resident()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {
-            "policy/grad_norm": float(grad_norm),
-            "policy/lr": float(self.scheduler.get_last_lr()[0]),
-        }
+        grad_norm, lr = self._optim.step()
+        return {"policy/grad_norm": grad_norm, "policy/lr": lr}
 
     def offload_to_cpu(self) -> dict[str, float]:
         """Move parameters, gradients and optimizer state to (pinned) host memory and free

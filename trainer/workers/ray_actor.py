@@ -1,4 +1,5 @@
-"""What runs inside a Ray actor: a policy (or reference) worker plus its data-parallel rank.
+"""What runs inside a Ray actor: a policy (or reference) worker plus its data-parallel rank,
+and, in a run with a critic, the critic's rank beside the policy's (one process, one group).
 
 The actor process knows nothing of trio. Each call names its operation and carries the
 driver's step explicitly (contextvars do not cross processes) so a fault fires here, where
@@ -38,6 +39,7 @@ from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
 from trainer.vocabulary import at_step, fire_fault_sync
 from trainer.workers.batch import TrainBatch
+from trainer.workers.critic import CriticWorker
 from trainer.workers.device import collective_backend
 from trainer.workers.policy import PolicyWorker, RefWorker
 
@@ -89,15 +91,18 @@ class PolicyActor(_Actor):
         world_size: int,
         policy_kwargs: dict[str, Any],
         data_parallel: str = "replicate",
+        critic_kwargs: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.rank = rank
         self.world_size = world_size
         self.data_parallel = data_parallel
-        #: Whether the model is FSDP2-sharded (decided in ``init_group``).
+        #: Whether the models are FSDP2-sharded (decided in ``init_group``).
         self.sharded = False
-        self._reduced = False
+        #: The models whose gradients this optimizer step has summed over the ranks.
+        self._reduced: set[str] = set()
         self.worker = PolicyWorker(model_dir, **policy_kwargs)
+        self.critic = None if critic_kwargs is None else CriticWorker(**critic_kwargs)
 
     def master_address(self) -> tuple[str, int]:
         """This node's address and a free port for the group's TCP store (rank 0 is asked)."""
@@ -123,6 +128,8 @@ class PolicyActor(_Actor):
         mode = self.data_parallel
         if mode == "fsdp2" or (mode == "auto" and device.type == "cuda"):
             self.worker.shard()
+            if self.critic is not None:
+                self.critic.shard()
             self.sharded = True
         return self.sharded
 
@@ -139,38 +146,66 @@ class PolicyActor(_Actor):
             return {}
         return self.worker.forward_backward(batch, counts)
 
-    def reduce_gradients(self) -> torch.Tensor:
-        """Sum the ranks' gradients in place (once per optimizer step; a collective).
+    def reduce_gradients(self, model: str = "policy") -> torch.Tensor:
+        """Sum the ranks' gradients of ``model`` (``policy`` or ``critic``) in place (once per
+        optimizer step; a collective).
 
         Returns the flat reduced gradient on the CPU (tests compare it with a single
         worker's). Sharded, FSDP2 already summed them: the full gradient is gathered.
         """
-        params = [p for p in self.worker.model.parameters() if p.requires_grad]
+        module = self.worker.model if model == "policy" else self._critic().model
+        params = [p for p in module.parameters() if p.requires_grad]
         if self.sharded:
-            self._reduced = True
+            self._reduced.add(model)
             full = [p.grad.full_tensor() for p in params]  # type: ignore[union-attr]
             return torch.cat([g.reshape(-1) for g in full]).cpu()
         for p in params:
             if p.grad is None:  # a rank with no rows this mini-batch
                 p.grad = torch.zeros_like(p)
         flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        if self.world_size > 1 and not self._reduced:
+        if self.world_size > 1 and model not in self._reduced:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             offset = 0
             for p in params:
                 n = p.numel()
                 p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
                 offset += n
-        self._reduced = True
+        self._reduced.add(model)
         return flat.cpu()
 
     def optim_step(self, op: str, step: int | None) -> dict[str, float]:
         """All-reduce (sum) the gradients unless FSDP2 did, then clip and step."""
         self.fire(op, step)
         if not self.sharded:
-            self.reduce_gradients()
-        self._reduced = False
+            self.reduce_gradients("policy")
+        self._reduced.discard("policy")
         return self.worker.optim_step()
+
+    def _critic(self) -> CriticWorker:
+        if self.critic is None:
+            raise RuntimeError("this policy rank holds no critic (the run trains none)")
+        return self.critic
+
+    def compute_values(self, op: str, step: int | None, batch: TrainBatch) -> torch.Tensor:
+        self.fire(op, step)
+        return self._critic().compute_values(batch)
+
+    def critic_forward_backward(
+        self, op: str, step: int | None, batch: TrainBatch | None, counts: BatchCounts
+    ) -> dict[str, float]:
+        """Accumulate this shard's critic gradients (``batch`` None: this rank has no rows)."""
+        self.fire(op, step)
+        if batch is None or len(batch) == 0:
+            return {}
+        return self._critic().forward_backward(batch, counts)
+
+    def critic_optim_step(self, op: str, step: int | None) -> dict[str, float]:
+        """The critic's step, as :meth:`optim_step` the policy's."""
+        self.fire(op, step)
+        if not self.sharded:
+            self.reduce_gradients("critic")
+        self._reduced.discard("critic")
+        return self._critic().optim_step()
 
     def offload_to_cpu(self, op: str, step: int | None) -> dict[str, float]:
         self.fire(op, step)
@@ -203,11 +238,18 @@ class PolicyActor(_Actor):
     ) -> Path:
         self.fire(op, step)
         self._refuse_sharded_checkpoint()
-        return save(global_step, self.worker.save_checkpoint, trainer_state)
+        return save(global_step, self._write, trainer_state)
+
+    def _write(self, directory: Path) -> None:
+        self.worker.save_checkpoint(directory)
+        if self.critic is not None:
+            self.critic.save_checkpoint(directory)
 
     def load_checkpoint(self, directory: str) -> None:
         self._refuse_sharded_checkpoint()
         self.worker.load_checkpoint(Path(directory))
+        if self.critic is not None:
+            self.critic.load_checkpoint(Path(directory))
 
     def _refuse_sharded_checkpoint(self) -> None:
         if self.sharded:

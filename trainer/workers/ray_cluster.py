@@ -138,16 +138,22 @@ async def open_cluster(
     """:func:`start_cluster` off the trio thread; yields whether this run owns the cluster.
 
     On exit (whatever the error) the driver disconnects, shielded and bounded by
-    :data:`STOP_TIMEOUT_S`; a cluster this run started is stopped with it.
+    :data:`STOP_TIMEOUT_S`; a cluster this run started is stopped with it. A driver that was
+    already connected when the run began (a process that runs several runs, each joining
+    its cluster) stays connected: the run did not make the connection, so it leaves it.
     """
+    import ray
+
+    connected_before = await trio.to_thread.run_sync(ray.is_initialized)
     start = functools.partial(start_cluster, address, retries=retries, num_cpus=num_cpus)
     owned = await trio.to_thread.run_sync(start)
     try:
         yield owned
     finally:
-        with trio.move_on_after(STOP_TIMEOUT_S, shield=True) as scope:
-            await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
-        if scope.cancelled_caught:
-            log.warning("disconnecting from Ray did not finish in %.0fs", STOP_TIMEOUT_S)
-        elif owned:
-            log.info("stopped the local Ray cluster this run started")
+        if not connected_before:
+            with trio.move_on_after(STOP_TIMEOUT_S, shield=True) as scope:
+                await trio.to_thread.run_sync(stop_cluster, abandon_on_cancel=True)
+            if scope.cancelled_caught:
+                log.warning("disconnecting from Ray did not finish in %.0fs", STOP_TIMEOUT_S)
+            elif owned:
+                log.info("stopped the local Ray cluster this run started")

@@ -4,7 +4,8 @@
 as ``num_policy_workers`` actors (ranks) in one placement group (one bundle per rank,
 ``PACK``: a multi-node cluster spreads them only when a node is full), joined by a
 torch.distributed group (gloo for CPU tensors, NCCL for CUDA ones); the reference model, when
-the KL loss is on, is one more actor. Each policy actor (and the reference actor) asks Ray
+the KL loss is on, is one more actor; a critic (``algorithm.advantage_estimator=gae``) runs
+beside the policy in each rank's actor, data parallel over the same group. Each policy actor (and the reference actor) asks Ray
 for ``gpus_per_worker`` GPUs (None: 1 when the workers' device is CUDA, or ``auto`` on a
 cluster with GPUs; else 0). With FSDP2 (:mod:`trainer.workers.fsdp`) every rank must run
 the same passes: each rank's shard is padded to the same rows with masked copies (they add
@@ -125,6 +126,8 @@ class RayWorkerGroup:
         self._closed = False
         #: Whether the policy is FSDP2-sharded (every rank runs every pass).
         self.sharded = False
+        #: Whether each policy rank holds a critic rank.
+        self.with_critic = False
 
     @property
     def world_size(self) -> int:
@@ -141,8 +144,10 @@ class RayWorkerGroup:
         collective_timeout_s: float = 1800.0,
         data_parallel: str = "auto",
         gpus_per_worker: float | None = None,
+        critic_kwargs: dict[str, Any] | None = None,
     ) -> RayWorkerGroup:
-        """Place and start the actors, then form the data-parallel group (bounded).
+        """Place and start the actors, then form the data-parallel group (bounded). With
+        ``critic_kwargs`` every policy rank holds a critic rank too.
 
         ``policy_kwargs["device"]`` (default ``auto``) decides, with ``gpus_per_worker``,
         the GPUs each actor asks for (:func:`gpus_for`).
@@ -151,6 +156,7 @@ class RayWorkerGroup:
         device = str(policy_kwargs.get("device", "auto"))
         wanted: list[dict[str, float]] = []
         group = cls([], None, None, {})
+        group.with_critic = critic_kwargs is not None
 
         def spawn() -> None:  # GCS round-trips: off the trio thread
             gpus = gpus_for(gpus_per_worker, device)
@@ -168,7 +174,14 @@ class RayWorkerGroup:
                         ),
                         runtime_env={"env_vars": env},
                     )
-                    .remote(str(model_dir), rank, num_workers, policy_kwargs, data_parallel)
+                    .remote(
+                        str(model_dir),
+                        rank,
+                        num_workers,
+                        policy_kwargs,
+                        data_parallel,
+                        critic_kwargs,
+                    )
                 )
             if with_ref:
                 # on GPUs, in its own bundle of the group; on the CPU, beside the policy
@@ -262,14 +275,15 @@ class RayWorkerGroup:
             return [padded_shard(batch, s, size) for s in parts]
         return [batch.select(s) if s.stop > s.start else None for s in parts]
 
-    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Each rank computes its shard; the rows come back in order (padding dropped)."""
+    async def _forward(self, op: str, method: str, batch: TrainBatch) -> torch.Tensor:
+        """Each rank computes its shard by ``method``; the rows come back in order (padding
+        dropped)."""
         parts = shards(len(batch), self.world_size)
         step = current_step()
-        with operation("forward"):
+        with operation(op):
             refs = await _submit(
                 lambda: [
-                    self.policy[r].compute_logprobs.remote("forward", step, b)
+                    getattr(self.policy[r], method).remote(op, step, b)
                     for r, b in enumerate(self._rank_batches(batch))
                     if b is not None
                 ]
@@ -278,6 +292,14 @@ class RayWorkerGroup:
         return await trio.to_thread.run_sync(
             lambda: torch.cat([o[: s.stop - s.start] for o, s in zip(out, parts)], dim=0)
         )
+
+    async def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return await self._forward("forward", "compute_logprobs", batch)
+
+    async def compute_values(self, batch: TrainBatch) -> torch.Tensor | None:
+        if not self.with_critic:
+            return None
+        return await self._forward("critic_forward", "compute_values", batch)
 
     async def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
         if self.ref is None:
@@ -289,29 +311,43 @@ class RayWorkerGroup:
             )
             return (await self._wait(refs, [("ref", 0)]))[0]
 
-    async def forward_backward(self, batch: TrainBatch, counts: BatchCounts) -> dict[str, float]:
-        """Each rank accumulates its shard's share of the mini-batch's loss (normalized by the
-        whole mini-batch's ``counts``); metrics merged."""
+    async def _accumulate(
+        self, op: str, batch: TrainBatch, counts: BatchCounts
+    ) -> dict[str, float]:
+        """Each rank accumulates its shard's share of the mini-batch's loss by ``op`` (the
+        actor method of that name), normalized by the whole mini-batch's ``counts``; metrics
+        merged: max of maxima, min of minima, others summed (sums and global-token-weighted
+        means add up across ranks)."""
         parts = await trio.to_thread.run_sync(self._rank_batches, batch)
 
         def args(rank: int) -> tuple[Any, ...]:
             return (parts[rank], counts)
 
-        per_rank = await self._call_policy("forward_backward", "forward_backward", args)
         merged: dict[str, float] = {}
-        for metrics in per_rank:
+        for metrics in await self._call_policy(op, op, args):
             for k, v in metrics.items():
                 if k.endswith("_max"):
                     merged[k] = max(merged.get(k, v), v)
                 elif k.endswith("_min"):
                     merged[k] = min(merged.get(k, v), v)
-                else:  # sums and global-token-weighted means add up across ranks
+                else:
                     merged[k] = merged.get(k, 0.0) + v
         return merged
+
+    async def forward_backward(self, batch: TrainBatch, counts: BatchCounts) -> dict[str, float]:
+        return await self._accumulate("forward_backward", batch, counts)
 
     async def optim_step(self) -> dict[str, float]:
         """All ranks step the same all-reduced gradient; rank 0's metrics."""
         return (await self._call_policy("optim_step", "optim_step"))[0]
+
+    async def critic_forward_backward(
+        self, batch: TrainBatch, counts: BatchCounts
+    ) -> dict[str, float]:
+        return await self._accumulate("critic_forward_backward", batch, counts)
+
+    async def critic_optim_step(self) -> dict[str, float]:
+        return (await self._call_policy("critic_optim_step", "critic_optim_step"))[0]
 
     async def offload_to_cpu(self) -> dict[str, float]:
         """Every rank offloads; the bytes are summed over the ranks."""

@@ -77,7 +77,7 @@ from trainer.errors import ConfigError
         (
             ["algorithm.advantage_estimator=ppo"],
             "config: algorithm.advantage_estimator='ppo' is not allowed: choose one of 'grpo', 'rloo', "
-            "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'grpo_passk'",
+            "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', 'grpo_passk', 'gae'",
         ),
         (
             ["generator.cls=nocolon"],

@@ -36,6 +36,10 @@ def test_operations_are_those_of_design_4_3():
         "forward",
         "forward_backward",
         "optim_step",
+        # issue 44: the critic's calls
+        "critic_forward",
+        "critic_forward_backward",
+        "critic_optim_step",
         "offload_to_cpu",
         "backload_to_gpu",
         "broadcast_to_inference_engines",

@@ -37,6 +37,7 @@ from trainer.errors import (
 )
 from trainer.vocabulary import FAULTS_ENV, Timer, install_faults, step_deadline, wait_refs
 from trainer.workers.batch import TrainBatch
+from trainer.workers.critic import CriticWorker
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_group import RayWorkerGroup
 from trainer.workers.ray_placement import bundles, gpus_for, shards
@@ -122,16 +123,43 @@ async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
     assert await wait_gone(list(group.pids.values())) == []
 
 
-async def test_dp_gradient_equals_single_worker_and_ranks_stay_identical(ray_cluster, model_dir):
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])  # type: ignore[union-attr]
+
+
+async def test_dp_gradients_of_policy_and_critic_equal_a_single_workers(ray_cluster, model_dir):
+    """Both models of a PPO run: each rank's share of the mini-batch's loss, summed over the
+    ranks, is one worker's gradient of the whole batch; the policy's weights stay identical
+    across the ranks step after step."""
     batch = make_batch(model_dir)
+    g = torch.Generator().manual_seed(3)
+    batch.values = torch.randn(batch.loss_mask.shape, generator=g)
+    batch.returns = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
     single = PolicyWorker(model_dir, **POLICY_KWARGS)
     single.forward_backward(batch, batch.counts)
-    expected = torch.cat([p.grad.reshape(-1) for p in single.model.parameters()])  # type: ignore[union-attr]
+    expected = flat_grad(single.model)
+    critic_kwargs = {"model_dir": str(model_dir), "lr": 1e-3, "max_grad_norm": 1e9, "seed": 0}
+    critic = CriticWorker(**critic_kwargs)
+    critic_metrics = critic.forward_backward(batch, batch.counts)
 
     group = await RayWorkerGroup.create(
-        model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
+        model_dir,
+        policy_kwargs=POLICY_KWARGS,
+        with_ref=False,
+        num_workers=2,
+        critic_kwargs=critic_kwargs,
     )
     try:
+        assert (await group.compute_values(batch)).shape == batch.loss_mask.shape
+        merged = await group.critic_forward_backward(batch, batch.counts)
+        for key, value in critic_metrics.items():  # the ranks' shares add up
+            assert merged[key] == pytest.approx(value, rel=1e-4), key
+        reduced = await wait_refs([a.reduce_gradients.remote("critic") for a in group.policy])
+        for flat in reduced:  # the same fresh head on every rank, the whole batch's gradient
+            torch.testing.assert_close(flat, flat_grad(critic.model), rtol=1e-4, atol=1e-6)
+        stepped = await group.critic_optim_step()
+        assert stepped["critic/grad_norm"] == pytest.approx(float(reduced[0].norm()), rel=1e-4)
+
         await group.forward_backward(batch, batch.counts)
         reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
         for flat in reduced:  # every rank holds the whole batch's gradient
