@@ -119,6 +119,7 @@ PUBLIC = {
         "InferenceServerError",
         "InferenceServerTimeoutError",
         "RayClusterStartError",
+        "RewardError",
         "RolloutTimeoutError",
         "StepTimeoutError",
         "TrainerError",
