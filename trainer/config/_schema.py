@@ -25,9 +25,11 @@ from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
+from trainer.config._reasoning_gym import ReasoningGymConfig
 from trainer.config._workers import WorkersConfig
 
 __all__ = [
+    "BUILTIN_REWARDS",
     "RENAMED_VALUES",
     "AlgorithmConfig",
     "Config",
@@ -40,6 +42,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OverlongBufferConfig",
+    "ReasoningGymConfig",
     "SamplingConfig",
     "SyncConfig",
     "TrainerConfig",
@@ -54,6 +57,16 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
         "broadcast",
     ): "gloo (vLLM's nccl messages over a gloo group, on the CPU; nccl on GPUs)",
 }
+
+
+#: Reward functions ``data.reward_fn`` names without a module (:mod:`trainer.data`'s registry).
+BUILTIN_REWARDS = ("math_verify",)
+
+
+def _reward_fn(v: Any) -> str | None:
+    if v in BUILTIN_REWARDS or module_attr(v) is None:
+        return None
+    return f"must be 'package.module:function' or a built-in one: {', '.join(BUILTIN_REWARDS)}"
 
 
 def _loggers(v: Any) -> str | None:
@@ -413,13 +426,44 @@ class DataConfig:
     reward_fn: str | None = _field(
         None,
         "Reward function 'module:function', (response: str, answer: str) -> float or "
-        "(response, answer, *, extra) -> float to get the row's extra fields (None: the task's).",
-        check=module_attr,
+        "(response, answer, *, extra) -> float to get the row's extra fields, sync or async "
+        "def; or a built-in one by name: 'math_verify' (None: the task's).",
+        check=_reward_fn,
     )
-    task: Literal["max_digit", "modular_sum", "addition"] = _field(
+    reward_workers: int = _field(
+        0,
+        "Processes that run a (sync) reward function, each call bounded by "
+        "data.reward_timeout_s (a call past it is killed and its worker replaced); 0: it runs "
+        "in the trainer's event loop, unbounded, and an exception ends the run.",
+        check=at_least(0),
+    )
+    reward_timeout_s: float | None = _field(
+        None,
+        "Seconds one reward call may take in a worker process (data.reward_workers > 0) or as "
+        "an async def on the loop; past it the call scores data.reward_on_failure and counts in "
+        "reward/timeouts (None: no bound of its own, the step's deadline still applies).",
+        check=positive,
+    )
+    reward_on_failure: float = _field(
+        0.0,
+        "The reward of a call that timed out or raised (workers or async rewards; counted in "
+        "reward/timeouts and reward/errors).",
+    )
+    max_reward_failures: int = _field(
+        0,
+        "Failed reward calls (timeouts plus errors) allowed in one batch of rollouts (one "
+        "generate call; one step of the synchronous loop); one more ends the run with "
+        "RewardError naming the function and a failing sample.",
+        check=at_least(0),
+    )
+    task: Literal["max_digit", "modular_sum", "addition", "reasoning_gym"] = _field(
         "max_digit",
         "Built-in task when data.train is None (see docs/concepts.md); 'addition' is a chat "
-        "task for pretrained instruct models (docs/real_model.md).",
+        "task for pretrained instruct models (docs/real_model.md); 'reasoning_gym' takes its "
+        "datasets from data.reasoning_gym (docs/environments.md).",
+    )
+    reasoning_gym: ReasoningGymConfig = _section(
+        ReasoningGymConfig, "data.task=reasoning_gym: reasoning-gym's procedural datasets."
     )
     num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
     digits: int = _field(
@@ -428,7 +472,8 @@ class DataConfig:
     num_eval_examples: int | None = _field(
         None,
         "Eval prompts the built-in task generates (None: 100 for the digit tasks, which train on "
-        "the same pairs; for addition a fifth of its pairs, at most 200, held out of training).",
+        "the same pairs; for addition a fifth of its pairs, at most 200, held out of training; "
+        "for reasoning_gym 100 items of another seed, those asked in training left out).",
         check=at_least(1),
     )
     max_prompt_length: int | None = _field(
