@@ -473,7 +473,7 @@ class DataConfig:
         None,
         "Eval prompts the built-in task generates (None: 100 for the digit tasks, which train on "
         "the same pairs; for addition a fifth of its pairs, at most 200, held out of training; "
-        "for reasoning_gym 100 items of another seed, those asked in training left out).",
+        "for reasoning_gym 100 items drawn past training's seeds, those asked in training left out).",
         check=at_least(1),
     )
     max_prompt_length: int | None = _field(

@@ -57,7 +57,8 @@ __all__ = [
 ]
 
 #: A reward function: ``(response, answer) -> float`` or ``(response, answer, *, extra) -> float``
-#: (see :data:`REWARD_SIGNATURES`); :func:`reward_function` tells which, once.
+#: (see :data:`REWARD_SIGNATURES`), plain or ``async def``; :func:`reward_function` tells which,
+#: once.
 RewardFn = Callable[..., float]
 
 #: The signatures a reward function may have, as error messages and docs name them.
@@ -267,6 +268,11 @@ class RewardFunction:
         return float(self(response, answer, extra))
 
 
+def _is_async(fn: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> RewardFunction:
     """``fn`` with its signature checked; ConfigError naming it and :data:`REWARD_SIGNATURES`.
 
@@ -277,9 +283,7 @@ def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> 
     """
     if isinstance(fn, RewardFunction):
         return fn
-    is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        type(fn).__call__  # an object whose __call__ is async def
-    )
+    is_async = _is_async(fn)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -16,6 +16,7 @@ runaway comparison (``data.reward_timeout_s``).
 from __future__ import annotations
 
 import threading
+from typing import cast
 
 from math_verify import parse, verify
 
@@ -30,11 +31,12 @@ def math_verify_reward(response: str, answer: str) -> float:
     response is parsed as written: a model answers in ``\\boxed{}`` or ``$...$`` (plain
     numbers and fractions parse too). Nothing parsed on either side scores 0.0.
     """
-    main = threading.current_thread() is threading.main_thread()
-    limits = {} if main else {"parsing_timeout": None}
+    # None turns the signal.alarm timeout off (math-verify 0.9.0 documents it, though its
+    # annotation says int); the default, 5 s, is kept where the alarm can fire
+    seconds = 5 if threading.current_thread() is threading.main_thread() else None
     bare = "$" not in answer and "\\boxed" not in answer
-    gold = parse(f"${answer}$" if bare else answer, **limits)
-    pred = parse(response, **limits)
+    gold = parse(f"${answer}$" if bare else answer, parsing_timeout=cast(int, seconds))
+    pred = parse(response, parsing_timeout=cast(int, seconds))
     if not gold or not pred:
         return 0.0
-    return float(verify(gold, pred, **({} if main else {"timeout_seconds": None})))
+    return float(verify(gold, pred, timeout_seconds=seconds))

@@ -37,12 +37,13 @@ DEFAULT_NUM_EVAL = 100
 
 def reasoning_gym_examples(data: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
     """``(train, eval)`` of ``data.reasoning_gym``: ``data.num_examples`` items drawn with
-    ``seed``, ``data.num_eval_examples`` with ``seed + 1``, less those whose question
-    training asks too (ConfigError when none is left)."""
+    ``seed``, ``data.num_eval_examples`` with ``seed + data.num_examples``, less those whose
+    question training asks too (ConfigError when none is left)."""
     rg, num_examples = data.reasoning_gym, data.num_examples
     train = _items(rg, num_examples, seed)
     asked = {ex.extra["question"] for ex in train}
-    drawn = _items(rg, data.num_eval_examples or DEFAULT_NUM_EVAL, seed + 1)
+    # item i of a dataset is drawn by Random(seed + i): the eval seed starts past training's
+    drawn = _items(rg, data.num_eval_examples or DEFAULT_NUM_EVAL, seed + num_examples)
     held_out = [ex for ex in drawn if ex.extra["question"] not in asked]
     if not held_out:
         raise ConfigError(

@@ -168,7 +168,7 @@ async def open_reward_pool(spec: str, size: int) -> AsyncIterator[RewardPool]:
 
     ConfigError when a worker cannot import the reward function.
     """
-    async with trio.open_nursery() as nursery:
+    async with open_owner_nursery() as nursery:
         pool = RewardPool(spec, nursery)
         try:
             async with open_owner_nursery() as starting:
