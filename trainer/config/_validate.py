@@ -11,6 +11,7 @@ import warnings
 from engines.vllm.flags import flag_clashes
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._models import CriticConfig
+from trainer.config._reasoning_gym import check_reasoning_gym
 from trainer.config._schema import (
     Config,
     ConfigWarning,
@@ -273,6 +274,7 @@ def validate_cfg(cfg: Config) -> None:
             "config: data.overlong_prompts='drop' drops the prompts longer than "
             "data.max_prompt_length, which is unset: set data.max_prompt_length=TOKENS"
         )
+    check_reasoning_gym(cfg.data.reasoning_gym, cfg.data.task)
     if cfg.faults:
         for fault in parse_faults(cfg.faults):
             _check_reachable(fault, cfg)

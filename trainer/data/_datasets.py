@@ -2,8 +2,9 @@
 
 One owner for what the run trains and evaluates on: a data file (``data.train``, scored by
 exact match unless ``data.reward_fn`` says otherwise) or a built-in task (``data.task``): the
-digit tasks of :mod:`trainer.data._examples`, or the chat task ``addition`` (:mod:`trainer.data._addition`),
-whose eval prompts are held out of training. ``data.eval`` replaces any task's eval prompts.
+digit tasks of :mod:`trainer.data._examples`, the chat task ``addition`` (:mod:`trainer.data._addition`)
+or reasoning-gym's datasets (:mod:`trainer.data._reasoning_gym`), whose eval prompts are held
+out of training. ``data.eval`` replaces any task's eval prompts.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from trainer.data._examples import (
     resolve_reward_fn,
     task_examples,
 )
+from trainer.data._reasoning_gym import reasoning_gym_examples, reasoning_gym_reward
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -55,6 +57,8 @@ def load_datasets(data: DataConfig, seed: int) -> Datasets:
         train, default = load_jsonl(data.train), exact_match_reward
     elif data.task == "addition":
         train, default = _addition(data, seed)[0], addition_reward
+    elif data.task == "reasoning_gym":
+        train, default = reasoning_gym_examples(data, seed)[0], reasoning_gym_reward
     else:
         train, default = task_examples(data.task, data.num_examples, seed), digit_task_reward
     eval_examples = load_jsonl(data.eval) if data.eval is not None else _task_eval(data, seed)
@@ -69,4 +73,6 @@ def _task_eval(data: DataConfig, seed: int) -> list[Example]:
     """``data.task``'s eval prompts (a data file without ``data.eval`` gets them too)."""
     if data.task == "addition":
         return _addition(data, seed)[1]
+    if data.task == "reasoning_gym":
+        return reasoning_gym_examples(data, seed)[1]
     return task_examples(data.task, data.num_eval_examples or DIGIT_TASK_EVAL, seed + 1)

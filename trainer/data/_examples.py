@@ -37,6 +37,7 @@ import attrs
 from trainer.errors import ConfigError, DataError
 
 __all__ = [
+    "BUILTIN_REWARDS",
     "REWARD_SIGNATURES",
     "TASKS",
     "ChatMessage",
@@ -56,7 +57,8 @@ __all__ = [
 ]
 
 #: A reward function: ``(response, answer) -> float`` or ``(response, answer, *, extra) -> float``
-#: (see :data:`REWARD_SIGNATURES`); :func:`reward_function` tells which, once.
+#: (see :data:`REWARD_SIGNATURES`), plain or ``async def``; :func:`reward_function` tells which,
+#: once.
 RewardFn = Callable[..., float]
 
 #: The signatures a reward function may have, as error messages and docs name them.
@@ -225,17 +227,50 @@ class RewardFunction:
     """A reward function and how it is called, decided once (:func:`reward_function`).
 
     Calling it always takes ``(response, answer, extra=...)``; ``extra`` reaches the function
-    only when it accepts it, so a ``(response, answer)`` function keeps working.
+    only when it accepts it, so a ``(response, answer)`` function keeps working. An ``async
+    def`` function returns an awaitable when called: use :meth:`score`.
     """
 
     fn: RewardFn
     #: Whether ``fn`` takes ``extra=`` (a parameter named ``extra``, or ``**kwargs``).
     takes_extra: bool
+    #: Whether ``fn`` is an ``async def`` (awaited on the loop by :meth:`score`).
+    is_async: bool = False
+    #: How config named it (``data.reward_fn``: ``module:function`` or a built-in name).
+    spec: str | None = None
+    #: The run's :class:`~trainer.data._reward_runner.RewardRunner` (bound by
+    #: :func:`~trainer.data.open_rewards`): where :meth:`score` runs the call, and its bound.
+    runner: Any = attrs.field(default=None, eq=False, repr=False)
 
-    def __call__(self, response: str, answer: str, extra: Mapping[str, Any] | None = None) -> float:
+    @property
+    def name(self) -> str:
+        """``spec``, else ``module:qualname`` (how a worker process imports it)."""
+        fn = self.fn
+        return self.spec or f"{fn.__module__}:{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+    def __call__(self, response: str, answer: str, extra: Mapping[str, Any] | None = None) -> Any:
         if self.takes_extra:
             return self.fn(response, answer, extra=extra if extra is not None else {})
         return self.fn(response, answer)
+
+    async def score(
+        self, response: str, answer: str, extra: Mapping[str, Any] | None = None
+    ) -> float:
+        """The reward, run as the run's ``data.reward_*`` keys say (see
+        :mod:`trainer.data._reward_runner`): in a worker process, awaited under a bound, or
+        called here. Unbound (no run), a plain function is called and an async one awaited.
+        RewardError past ``data.max_reward_failures`` failures in a batch.
+        """
+        if self.runner is not None:
+            return await self.runner.score(self, response, answer, extra)
+        if self.is_async:
+            return float(await self(response, answer, extra))
+        return float(self(response, answer, extra))
+
+
+def _is_async(fn: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> RewardFunction:
@@ -248,10 +283,11 @@ def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> 
     """
     if isinstance(fn, RewardFunction):
         return fn
+    is_async = _is_async(fn)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
-        return RewardFunction(fn, takes_extra=False)
+        return RewardFunction(fn, takes_extra=False, is_async=is_async)
     extra = sig.parameters.get("extra")
     takes_extra = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()) or (
         extra is not None and extra.kind is not extra.POSITIONAL_ONLY
@@ -271,26 +307,37 @@ def reward_function(fn: RewardFn | RewardFunction, where: str | None = None) -> 
             f"config: {where or 'reward function'}: {name}{bare} has the wrong signature; a "
             f"reward function is {' or '.join(REWARD_SIGNATURES)}"
         ) from None
-    return RewardFunction(fn, takes_extra=takes_extra)
+    return RewardFunction(fn, takes_extra=takes_extra, is_async=is_async)
+
+
+#: Reward functions ``data.reward_fn`` names without a module, and where they live.
+BUILTIN_REWARDS = {"math_verify": "trainer.data._math_verify:math_verify_reward"}
 
 
 def resolve_reward_fn(spec: str | None, default: RewardFn) -> RewardFunction:
-    """Import ``module:function`` (its signature checked), or ``default`` for None."""
+    """Import ``module:function`` or a built-in one by name (:data:`BUILTIN_REWARDS`; its
+    signature checked), or ``default`` for None."""
     if spec is None:
         return reward_function(default)
-    module_name, _, attr = spec.partition(":")
+    module_name, _, attr = BUILTIN_REWARDS.get(spec, spec).partition(":")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        extra = (
+            "; built-in rewards need the envs extra: `bash setup.sh --envs`"
+            if spec in BUILTIN_REWARDS
+            else ""
+        )
         raise ConfigError(
-            f"config: data.reward_fn={spec!r}: cannot import {module_name!r} ({exc})"
+            f"config: data.reward_fn={spec!r}: cannot import {module_name!r} ({exc}){extra}"
         ) from None
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise ConfigError(
             f"config: data.reward_fn={spec!r}: {module_name} has no callable {attr!r}"
         )
-    return reward_function(typing.cast(RewardFn, fn), where=f"data.reward_fn={spec!r}")
+    checked = reward_function(typing.cast(RewardFn, fn), where=f"data.reward_fn={spec!r}")
+    return attrs.evolve(checked, spec=spec)
 
 
 def check_same_order(state: dict[str, Any], *fields: tuple[str, str, int]) -> None:

@@ -23,6 +23,7 @@ from contextvars import ContextVar
 import attrs
 
 from engines.types import Completion, SamplingParams
+from trainer.data import count_reward_failures
 from trainer.generators._base import (
     Generator,
     GeneratorInput,
@@ -76,12 +77,13 @@ class AgentLoopGenerator(Generator):
         async def run_one(i: int, first_turn: Completion | None) -> None:
             results[i] = await self.rollout(batch[i], first_turn)
 
-        async with open_owner_nursery() as nursery:
-            for indices in shared_first_turns(batch):
-                if len(indices) > 1:
-                    nursery.start_soon(run_group, indices)
-                else:
-                    nursery.start_soon(run_one, indices[0], None)
+        with count_reward_failures() as reward_failures:
+            async with open_owner_nursery() as nursery:
+                for indices in shared_first_turns(batch):
+                    if len(indices) > 1:
+                        nursery.start_soon(run_group, indices)
+                    else:
+                        nursery.start_soon(run_one, indices[0], None)
         trajectories = [t for t in results if t is not None]
         assert len(trajectories) == len(batch)
         names = sorted({name for t in trajectories for name in t.metrics})
@@ -98,6 +100,7 @@ class AgentLoopGenerator(Generator):
                     )
                     for name in names
                 },
+                **reward_failures.metrics(),
             },
         )
 
@@ -185,10 +188,14 @@ class AgentLoopGenerator(Generator):
         """Single-turn default: score the response with the reward function and stop.
 
         The reward function gets the example's extra fields when it takes them
-        (``extra=item.extra``; see :func:`trainer.data._examples.reward_function`).
+        (``extra=item.extra``; see :func:`trainer.data._examples.reward_function`). It runs
+        where ``data.reward_workers`` says, bounded by ``data.reward_timeout_s``
+        (:meth:`~trainer.data.RewardFunction.score`); its failures are counted per
+        :meth:`generate` call (``reward/timeouts``, ``reward/errors``).
         """
         text = self.tokenizer.decode(response_ids, skip_special_tokens=True)
-        return EnvStep(done=True, reward=float(self.reward_fn(text, item.answer, extra=item.extra)))
+        reward = await self.reward_fn.score(text, item.answer, extra=item.extra)
+        return EnvStep(done=True, reward=reward)
 
     def last_turn_ids(self, response_ids: list[int]) -> list[int]:
         """The tokens of the model's latest turn: what it sampled after the last observation.

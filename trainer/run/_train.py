@@ -29,7 +29,7 @@ from engines.types import SamplingParams
 from engines.vllm.serve import require_vllm
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
-from trainer.data import PromptLoader, load_datasets
+from trainer.data import PromptLoader, load_datasets, open_rewards
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.generators import Generator, check_generator_kwargs
@@ -201,7 +201,6 @@ async def _train(
         )
     ]
     examples, eval_examples = fitted[0].examples, fitted[1].examples
-    reward_fn = data.reward_fn
     strategy = make_strategy(cfg, examples)  # trainer.strategy, decided here once
     last_step = strategy.loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
@@ -219,6 +218,8 @@ async def _train(
         preloading.start_soon(trio.to_thread.run_sync, preload_model_code, model_dir)
         teardown = _TeardownClock()
         stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
+        # the reward's worker processes (data.reward_workers) live as long as the run
+        reward_fn = await stack.enter_async_context(open_rewards(cfg.data, data.reward_fn))
         trackers = TrackerSink()
         if set(t.loggers) - {"jsonl"}:
             with progress.phase("trackers"):

@@ -1,0 +1,115 @@
+"""The task ``reasoning_gym``: reasoning-gym's procedural datasets, scored by their own scorers.
+
+``data.task=reasoning_gym`` makes the training items with
+``reasoning_gym.create_dataset(name, size=data.num_examples, seed=trainer.seed, **config)`` (a
+weighted mix through reasoning-gym's ``composite`` dataset) and the eval items the same way
+with seed ``trainer.seed + 1``, leaving out any eval item whose question is also asked in
+training (a small task space repeats questions across seeds). Each item is a chat prompt: a
+system message from ``SYSTEM_PROMPTS`` (``data.reasoning_gym.system_prompt``) and the
+question; its answer is the item's ``answer``, and :attr:`~trainer.data.Example.extra` holds
+the ``question``, the ``metadata`` and which dataset (and config) made it.
+
+:func:`reasoning_gym_reward` scores a response as reasoning-gym does: ``extract_answer(
+response, tag_name=TAG)`` (``data.reasoning_gym.answer_tag``; None takes the whole response),
+then the dataset's own ``score_answer(answer, entry)``, partial credit kept (most datasets
+pay ``len(answer) / len(found)`` when the answer is inside what was found). It needs only the
+example's extra fields, so it runs in a reward worker process as well as in the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from trainer.data._examples import Example
+from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from trainer.config import DataConfig
+
+__all__ = ["DEFAULT_NUM_EVAL", "reasoning_gym_examples", "reasoning_gym_reward"]
+
+#: Eval items when ``data.num_eval_examples`` is unset (before training questions are left out).
+DEFAULT_NUM_EVAL = 100
+
+
+def reasoning_gym_examples(data: DataConfig, seed: int) -> tuple[list[Example], list[Example]]:
+    """``(train, eval)`` of ``data.reasoning_gym``: ``data.num_examples`` items drawn with
+    ``seed``, ``data.num_eval_examples`` with ``seed + data.num_examples``, less those whose
+    question training asks too (ConfigError when none is left)."""
+    rg, num_examples = data.reasoning_gym, data.num_examples
+    train = _items(rg, num_examples, seed)
+    asked = {ex.extra["question"] for ex in train}
+    # item i of a dataset is drawn by Random(seed + i): the eval seed starts past training's
+    drawn = _items(rg, data.num_eval_examples or DEFAULT_NUM_EVAL, seed + num_examples)
+    held_out = [ex for ex in drawn if ex.extra["question"] not in asked]
+    if not held_out:
+        raise ConfigError(
+            f"config: data.task=reasoning_gym: each of the {len(drawn)} eval items is also asked "
+            f"in training ({num_examples} items): the datasets' configs allow too few questions; "
+            "widen them (data.reasoning_gym.config) or lower data.num_examples"
+        )
+    return train, held_out
+
+
+def _items(rg: Any, size: int, seed: int) -> list[Example]:
+    """``size`` items of the datasets ``rg`` (``data.reasoning_gym``) names, drawn by ``seed``."""
+    import reasoning_gym  # the optional extra: checked at load (trainer.config)
+    from reasoning_gym.composite import DatasetSpec
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    specs = rg.datasets()
+    if len(specs) == 1:
+        name, _weight, config = specs[0]
+        dataset = reasoning_gym.create_dataset(name, size=size, seed=seed, **config)
+    else:
+        mix = [DatasetSpec(name, weight, config) for name, weight, config in specs]
+        dataset = reasoning_gym.create_dataset("composite", size=size, seed=seed, datasets=mix)
+    configs = {name: config for name, _weight, config in specs}
+    system = [] if rg.system_prompt is None else [SYSTEM_PROMPTS[rg.system_prompt]]
+    examples = []
+    for index, entry in enumerate(dataset):
+        metadata = entry.get("metadata") or {}
+        name = metadata.get("source_dataset", specs[0][0])
+        messages = [{"role": "system", "content": s} for s in system]
+        messages.append({"role": "user", "content": entry["question"]})
+        extra = {
+            "question": entry["question"],
+            "metadata": metadata,
+            "reasoning_gym": {
+                "dataset": name,
+                "config": configs[name],
+                "answer_tag": rg.answer_tag,
+            },
+        }
+        examples.append(Example(tuple(messages), str(entry["answer"]), index, extra=extra))
+    return examples
+
+
+@functools.lru_cache(maxsize=64)
+def _scorer(name: str, config_json: str) -> Any:
+    import reasoning_gym
+
+    return reasoning_gym.create_dataset(name, size=1, seed=0, **json.loads(config_json))
+
+
+def reasoning_gym_reward(response: str, answer: str, *, extra: Mapping[str, Any]) -> float:
+    """reasoning-gym's score of ``response`` for the item ``extra`` describes (module doc).
+
+    ValueError when ``extra`` has no ``reasoning_gym`` field (an item the task did not make).
+    """
+    from reasoning_gym.utils import extract_answer
+
+    info = extra.get("reasoning_gym")
+    if not isinstance(info, Mapping):
+        raise ValueError(
+            "reasoning_gym_reward scores the items of data.task=reasoning_gym; this example's "
+            f"extra fields ({sorted(extra)}) have no 'reasoning_gym'"
+        )
+    tag = info["answer_tag"]
+    found = response.strip() if tag is None else extract_answer(response, tag_name=tag)
+    dataset = _scorer(info["dataset"], json.dumps(dict(info["config"]), sort_keys=True))
+    entry = {"question": extra["question"], "answer": answer, "metadata": extra["metadata"]}
+    return float(dataset.score_answer(found, entry))
