@@ -31,7 +31,17 @@ SMALL = [
     "data.reward_fn=tests.trainer.helpers:varied_reward",
 ]
 #: Wall-clock measurements and paths: the only keys allowed to differ between the runs.
-MEASURED = ("timing/", "loop/", "memory/", "checkpoint/path", "checkpoint/max_stall_ms", "sync/")
+MEASURED = (
+    "timing/",
+    "loop/",
+    "memory/",
+    "checkpoint/path",
+    "checkpoint/max_stall_ms",
+    "sync/last_weight_sync_seconds",
+    "sync/max_stall_ms",
+    "async/generator_idle_ratio",
+    "async/trainer_idle_ratio",
+)
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -41,16 +51,23 @@ def rows(run_dir: Path) -> list[dict]:
     ]
 
 
-BACKENDS = {
+#: Each workers backend, and fully-async training (its numbers are reproducible with no
+#: staleness allowed and the off-policy correction off: test_exact_resume.py says why).
+RUNS = {
     "local": [],
     "ray": ["workers.backend=ray", "workers.num_policy_workers=2"],
+    "local-fully_async": [
+        "trainer.strategy=fully_async",
+        "trainer.fully_async.max_staleness_steps=0",
+        "algorithm.off_policy_correction=none",
+    ],
 }
 
 
-@pytest.mark.parametrize("backend", list(BACKENDS))
-async def test_critic_trains_checkpoints_and_resumes_exactly(tmp_path, backend, request):
-    common = [*SMALL, *BACKENDS[backend]]
-    if backend == "ray":
+@pytest.mark.parametrize("run", list(RUNS))
+async def test_critic_trains_checkpoints_and_resumes_exactly(tmp_path, run, request):
+    common = [*SMALL, *RUNS[run]]
+    if run == "ray":
         common.append(f"workers.ray_address={request.getfixturevalue('ray_cluster')}")
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     await trainer.run.train(
