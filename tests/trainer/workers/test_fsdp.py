@@ -22,6 +22,7 @@ from engines.models import resolve_model_path
 from engines.process_group import free_port
 from tests.trainer.helpers import assert_same_adam_step, random_batch
 from trainer.workers.batch import TrainBatch
+from trainer.workers.critic import CriticWorker
 from trainer.workers.fsdp import GatheredModel, is_sharded
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_placement import padded_shard, shards
@@ -30,8 +31,15 @@ KWARGS = dict(lr=1e-2, max_grad_norm=0.5, seed=0, micro_batch_size=2)
 WORLD = 2
 
 
+CRITIC = dict(lr=1e-2, max_grad_norm=1e9, seed=0, micro_batch_size=2)
+
+
 def make_batch(model_dir: Path) -> TrainBatch:
-    return random_batch(model_dir, 5, seed=1)
+    batch = random_batch(model_dir, 5, seed=1)
+    g = torch.Generator().manual_seed(4)
+    batch.values = 0.1 * torch.randn(batch.loss_mask.shape, generator=g)
+    batch.returns = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
+    return batch
 
 
 def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
@@ -48,6 +56,12 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         logprobs = worker.compute_logprobs(padded_shard(batch, parts[rank], size))
         worker.forward_backward(padded_shard(batch, parts[rank], size), batch.counts)
         metrics = worker.optim_step()
+        critic = CriticWorker(model_dir, **CRITIC)  # type: ignore[arg-type]
+        critic.shard()  # the critic shards over the same group (a PPO run's Ray ranks)
+        shard = padded_shard(batch, parts[rank], size)
+        values = critic.compute_values(shard)
+        critic_loss = critic.forward_backward(shard, batch.counts)
+        critic_metrics = critic.optim_step()
         model = worker.readable_model(keep=rank == 0)
         if rank == 0:
             assert isinstance(model, GatheredModel)
@@ -56,6 +70,10 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
                 "grad_norm": metrics["policy/grad_norm"],
                 "logprobs": logprobs,
                 "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+                "critic_sharded": critic.sharded,
+                "values": values,
+                "critic_grad_norm": critic_metrics["critic/grad_norm"],
+                "vf_loss": critic_loss["critic/vf_loss"],
             }
             torch.save(state, out)
     finally:
@@ -91,6 +109,17 @@ def test_fsdp2_sharded_step_over_gloo_equals_one_unsharded_worker(tmp_path):
         n for n, p in initial.model.named_parameters() if not torch.equal(p, got["weights"][n])
     ]
     assert changed, "the sharded step changed no weight"
+    # the critic's sharded step: rank 0's values of its rows, and the gradient norm over the
+    # shards equals one unsharded critic's over the whole batch
+    critic = CriticWorker(model_dir, **CRITIC)  # type: ignore[arg-type]
+    expected_values = critic.compute_values(batch)
+    whole = critic.forward_backward(batch, batch.counts)
+    assert got["critic_sharded"]
+    torch.testing.assert_close(got["values"][:3], expected_values[:3], rtol=1e-5, atol=1e-5)
+    assert got["critic_grad_norm"] == pytest.approx(
+        critic.optim_step()["critic/grad_norm"], rel=1e-4
+    )
+    assert 0 < got["vf_loss"] < whole["critic/vf_loss"]  # rank 0's share of the loss
 
 
 def test_padded_shard_keeps_real_rows_and_masks_the_padding():
