@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import trainer.run
+from tests.trainer.run.test_exact_resume import MEASURED_KEYS, MEASURED_PREFIXES
 from trainer.config import load_config
 from trainer.errors import StepTimeoutError
 from trainer.workers.critic import CRITIC_FILES
@@ -30,24 +31,17 @@ SMALL = [
     "trainer.progress=false",
     "data.reward_fn=tests.trainer.helpers:varied_reward",
 ]
-#: Wall-clock measurements and paths: the only keys allowed to differ between the runs.
-MEASURED = (
-    "timing/",
-    "loop/",
-    "memory/",
-    "checkpoint/path",
-    "checkpoint/max_stall_ms",
-    "sync/last_weight_sync_seconds",
-    "sync/max_stall_ms",
-    "async/generator_idle_ratio",
-    "async/trainer_idle_ratio",
-)
 
 
 def rows(run_dir: Path) -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [
-        {k: v for k, v in json.loads(line).items() if not k.startswith(MEASURED)} for line in lines
+        {
+            k: v
+            for k, v in json.loads(line).items()
+            if not k.startswith(MEASURED_PREFIXES) and k not in MEASURED_KEYS
+        }
+        for line in lines
     ]
 
 
