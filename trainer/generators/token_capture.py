@@ -24,6 +24,9 @@ the trajectory's engine (``InferenceClient.url_for``: sticky routing), rewritten
   ``generator.sampling.max_tokens`` (and defaults to it), ``seed`` defaults to the
   trajectory's seed + the call's number; ``model`` is the engine's (any name is accepted).
 
+``POST .../inference/v1/generate`` (the token-in route verifiers' training client calls) goes
+the same way, rewritten and adapted as :mod:`trainer.generators.token_in` says.
+
 ``GET .../models`` is forwarded. Errors of the engine (4xx, 5xx) pass through unrecorded.
 Each forward runs inside ``operation("generate")``, where the ``generate`` fault fires, so a
 step deadline that lands during a model call names it. The proxy serves (hypercorn, trio)
@@ -50,6 +53,12 @@ from hypercorn.trio import serve
 from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
+from trainer.generators.token_in import (
+    TOKEN_IN_ROUTE,
+    as_renderers_reads,
+    rewrite_token_in,
+    token_in_turns,
+)
 from trainer.generators.turns import CapturedTurn
 from trainer.vocabulary import fire_fault, open_owner_nursery, operation
 
@@ -148,7 +157,7 @@ class CaptureProxy:
         parts = scope["path"].split("/", 3)  # "", "t", id, rest
         key = unquote(parts[2]) if len(parts) == 4 and parts[1] == "t" else None
         route = "/" + parts[3] if key is not None else ""
-        if key not in self._turns or route not in (_CHAT, _COMPLETIONS, _MODELS):
+        if key not in self._turns or route not in (_CHAT, _COMPLETIONS, _MODELS, TOKEN_IN_ROUTE):
             await _send_json(send, 404, _error(404, f"no route {scope['path']}"))
             return
         assert key is not None
@@ -164,6 +173,9 @@ class CaptureProxy:
                 raise ValueError("not a JSON object")
         except ValueError as exc:
             await _send_json(send, 400, _error(400, f"the request body is not valid JSON: {exc}"))
+            return
+        if route == TOKEN_IN_ROUTE:
+            await self._token_in(key, request, send)
             return
         call = self._rewrite(key, request, chat=route == _CHAT)
         url = f"{self.engine.url_for(key)}{route}"
@@ -200,6 +212,26 @@ class CaptureProxy:
         else:
             request.pop("model", None)
         return call
+
+    async def _token_in(self, key: str, request: dict[str, Any], send: Send) -> None:
+        """``POST .../inference/v1/generate`` (:mod:`trainer.generators.token_in`)."""
+        if request.get("stream"):
+            await _send_json(send, 400, _error(400, "the proxy does not stream the token-in route"))
+            return
+        wanted = rewrite_token_in(
+            request, self.sampling, (self._seeds[key] + self._calls[key]) % 2**63, self.engine.model
+        )
+        self._calls[key] += 1
+        url = f"{self.engine.url_for(key)}{TOKEN_IN_ROUTE}"
+        with operation("generate"):
+            await fire_fault("generate")
+            response = await self._http.post(url, json=request, headers=self.engine.headers)
+        if response.status_code != 200:
+            await _send_json(send, response.status_code, response.content)
+            return
+        data = response.json()
+        self._turns[key] += token_in_turns(request, data)
+        await _send_json(send, 200, json.dumps(as_renderers_reads(data, wanted)).encode())
 
     async def _whole(
         self, key: str, call: _Call, url: str, request: dict[str, Any], send: Send

@@ -1,0 +1,161 @@
+"""VerifiersGenerator: verifiers 0.4 episodes (the reasoning-gym taskset and the in-process
+harness of ``examples/verifiers_reasoning_gym``) against the real reference server (in this
+process, over real HTTP), through the real capture proxy, verifiers' own training client
+(``renderers``: client-side rendering, the token-in route) and the trio-asyncio bridge.
+Nothing of verifiers is faked.
+
+Skipped where verifiers is not installed (``pip install -e '.[verifiers]'``, which setup.sh
+and CI do).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+pytest.importorskip("verifiers.v1", reason="verifiers is an extra: pip install -e '.[verifiers]'")
+pytest.importorskip("reasoning_gym", reason="pip install -e '.[verifiers]'")
+
+from engines.client import InferenceClient
+from engines.models import build_tiny_model, load_tokenizer
+from engines.types import SamplingParams
+from tests.engines.helpers import serve_reference
+from tests.sync.exactness import policy_logprobs
+from trainer.errors import ConfigError
+from trainer.generators import GeneratorInput, TrajectoryInput
+from trainer.generators.verifiers_env import EpisodeOutcome, VerifiersGenerator
+from trainer.vocabulary import install_faults
+
+TASKSET = {"id": "examples.verifiers_reasoning_gym", "size": 8, "seed": 1}
+HARNESS = {"id": "examples.verifiers_reasoning_gym.harness"}
+
+
+def batch(groups: int, n: int, step: int = 1) -> GeneratorInput:
+    return GeneratorInput(
+        tuple(
+            TrajectoryInput(
+                prompt="unused",
+                prompt_ids=[5, 6],
+                answer="",
+                group_id=g,
+                trajectory_id=f"{step}-{g}-{i}",
+                seed=100 * g + i,
+            )
+            for g in range(groups)
+            for i in range(n)
+        ),
+        global_step=step,
+    )
+
+
+def make(engine: Any, model_dir: Path, **kwargs: Any) -> VerifiersGenerator:
+    return VerifiersGenerator(
+        engine=engine,
+        tokenizer=load_tokenizer(model_dir),
+        reward_fn=lambda r, a: 0.0,
+        sampling=SamplingParams(temperature=1.0, max_tokens=8),
+        max_response_tokens=64,
+        **{"taskset": TASKSET, "harness": HARNESS, **kwargs},
+    )
+
+
+async def test_episodes_train_on_the_tokens_the_engine_sampled_one_task_per_group() -> None:
+    model_dir = build_tiny_model()
+    async with serve_reference(model_dir) as url, InferenceClient([url]) as engine:
+        gen = make(engine, model_dir)
+        async with gen.running():
+            assert gen.environment is not None and len(gen.tasks) == 8
+            first = await gen.generate(batch(2, 2, step=1))
+            second = await gen.generate(batch(2, 2, step=2))
+        assert gen.environment is None  # serving and the bridge closed with the block
+        with pytest.raises(RuntimeError, match="outside its running"):
+            await gen.generate(batch(1, 1))
+    assert (
+        first.metrics["generate/failed_episodes"] == 0 == second.metrics["generate/failed_episodes"]
+    )
+    assert len(first.trajectories) == 4 and len(second.trajectories) == 4
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for t in first.trajectories + second.trajectories:
+        assert t.prompt_ids and 0 < len(t.response_ids) <= 8  # generator.sampling.max_tokens
+        assert t.loss_mask == [1] * len(t.response_ids)  # one model turn: every token sampled
+        # the trace's tokens and logprobs are the engine's samples, scored as the policy
+        want = policy_logprobs(policy, t.prompt_ids, t.response_ids)
+        assert t.rollout_logprobs == pytest.approx(want, abs=1e-4)
+        assert t.reward == 0.0  # the untrained model never writes <answer>...</answer>
+        assert t.finish_reason in ("stop", "length") and t.num_turns == 1
+    # a group's samples share a task (its prompt), groups and steps get the taskset's next ones
+    prompts = [tuple(t.prompt_ids) for t in first.trajectories + second.trajectories]
+    assert prompts[0] == prompts[1] and prompts[2] == prompts[3]
+    assert len({prompts[0], prompts[2], prompts[4], prompts[6]}) == 4
+    assert prompts[4] == prompts[5] and prompts[6] == prompts[7]
+
+
+async def test_failed_episodes_teach_nothing_and_are_counted() -> None:
+    """Every model call fails (a ``generate`` fault, where the proxy calls the engine): each
+    episode fails in verifiers (its trace not ok), and each trajectory has loss mask 0."""
+    model_dir = build_tiny_model()
+    async with serve_reference(model_dir) as url, InferenceClient([url]) as engine:
+        gen = make(engine, model_dir)
+        async with gen.running():
+            install_faults("generate:error=engine down")
+            try:
+                out = await gen.generate(batch(1, 3))
+            finally:
+                install_faults("")
+    assert out.metrics["generate/failed_episodes"] == 3
+    assert len(out.trajectories) == 3
+    for t in out.trajectories:
+        assert sum(t.loss_mask) == 0 and t.reward == 0.0
+
+
+def test_a_failed_episode_gets_its_groups_mean_reward_and_no_loss() -> None:
+    gen = VerifiersGenerator.__new__(VerifiersGenerator)
+    gen.tokenizer = load_tokenizer(build_tiny_model())
+    gen.max_response_tokens = 64
+    ok = [([1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.25])]
+    outcomes = [
+        EpisodeOutcome(ok, 1.0, True),
+        EpisodeOutcome(ok, 0.5, True),
+        EpisodeOutcome(
+            ok, 0.9, False, "ProviderError: 500"
+        ),  # a failed trace's own reward is unused
+        EpisodeOutcome([], 0.0, False, "TimeoutError"),
+    ]
+    out = gen.output(batch(1, 4), outcomes, [["stop"], ["stop"], ["stop"], []])
+    rewards = [t.reward for t in out.trajectories]
+    assert rewards == [1.0, 0.5, 0.75, 0.75]
+    assert [sum(t.loss_mask) for t in out.trajectories] == [2, 2, 0, 0]
+    assert out.trajectories[0].rollout_logprobs == [-0.5, -0.25]
+    assert out.trajectories[3].response_ids == [] and out.trajectories[3].prompt_ids == [5, 6]
+    assert out.metrics["generate/failed_episodes"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "says"),
+    [
+        ({"taskset": None}, "generator.kwargs.taskset must be a mapping"),
+        ({"taskset": {"dataset": "chain_sum"}}, "generator.kwargs.taskset must be a mapping"),
+        ({"runtime": "subprocess"}, "generator.kwargs.runtime must be a mapping"),
+    ],
+)
+def test_kwargs_of_the_wrong_shape_are_config_errors(kwargs: dict[str, Any], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        make(None, build_tiny_model(), **kwargs)
+
+
+async def test_an_environment_verifiers_refuses_ends_the_run_before_any_step() -> None:
+    model_dir = build_tiny_model()
+    gen = make(None, model_dir, taskset={**TASKSET, "size": "many"})
+    with pytest.raises(
+        ConfigError, match=r"(?s)does not make a verifiers environment.*taskset.size"
+    ):
+        async with gen.running():
+            pass
+    gen = make(None, model_dir, taskset={"id": "examples.no_such_taskset"})
+    with pytest.raises(ConfigError, match="no_such_taskset"):
+        async with gen.running():
+            pass
