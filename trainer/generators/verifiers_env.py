@@ -16,9 +16,10 @@ trace's: its token ids, its sampled mask as the loss mask, its logprobs as the r
 logprobs, its reward (the taskset's own rewards, summed), one sample per trainable branch.
 
 **Run-scoped** (:meth:`VerifiersGenerator.running`, entered by the run once): the
-environment is loaded (in a thread), one bridge is opened and one ``env.serving()`` is held
-for the whole run, in an asyncio task the generator's nursery owns; leaving closes serving
-(bounded by :data:`SERVING_CLOSE_TIMEOUT_S`), then the loop.
+environment is loaded (in a thread), one bridge is opened (one for all of the run's verifiers
+generators: :func:`_run_bridge`) and one ``env.serving()`` is held for the whole run, in an
+asyncio task the generator's nursery owns; leaving closes serving (bounded by
+:data:`SERVING_CLOSE_TIMEOUT_S`), then the loop.
 
 **Tasks**: the taskset's, in its order, one per group (GRPO compares a group's samples of one
 task): group ``k`` of step ``s`` gets task ``((s - 1) * groups + k) % len(tasks)``. The
@@ -106,6 +107,38 @@ async def _serve(env: Any, started: trio.Event, stop: asyncio.Event) -> None:
         await stop.wait()
 
 
+#: The run's asyncio loop for verifiers, while a generator's :meth:`VerifiersGenerator.running`
+#: block that opened it is open (see :func:`_run_bridge`).
+_run_bridge_open: Bridge | None = None
+
+
+@asynccontextmanager
+async def _run_bridge() -> AsyncIterator[Bridge]:
+    """One asyncio loop for all of a run's verifiers generators (training and eval): the first
+    ``running`` block opens it, the others, entered inside that block (the run enters and
+    leaves them as a stack), share it.
+
+    One loop, because renderers 0.1.12 (verifiers' client) serializes its ``/v1/models``
+    look-up with a module-level ``asyncio.Lock``, which asyncio binds to the first loop that
+    waits on it: calls from a second loop then fail (``RuntimeError: ... is bound to a
+    different event loop``). A run's loop is new, so the lock is renewed with it (a second run
+    in one process, as in the tests).
+    """
+    global _run_bridge_open
+    if _run_bridge_open is not None:
+        yield _run_bridge_open
+        return
+    async with open_bridge() as bridge:
+        import renderers.client
+
+        setattr(renderers.client, "_max_prompt_len_lock", asyncio.Lock())  # noqa: B010
+        _run_bridge_open = bridge
+        try:
+            yield bridge
+        finally:
+            _run_bridge_open = None
+
+
 class VerifiersGenerator(Generator):
     """Runs a verifiers environment's episodes against the run's engines (module docstring).
 
@@ -142,7 +175,7 @@ class VerifiersGenerator(Generator):
         loaded = await trio.to_thread.run_sync(
             load_environment, self._taskset, self._harness, self._runtime, self.max_turns
         )
-        async with open_bridge() as bridge, open_owner_nursery() as nursery:
+        async with _run_bridge() as bridge, open_owner_nursery() as nursery:
             stop = asyncio.Event()
             serving = trio.Event()
 

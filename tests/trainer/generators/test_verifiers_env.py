@@ -10,6 +10,7 @@ and CI do).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +21,13 @@ from transformers import AutoModelForCausalLM
 pytest.importorskip("verifiers.v1", reason="verifiers is an extra: pip install -e '.[verifiers]'")
 pytest.importorskip("reasoning_gym", reason="pip install -e '.[verifiers]'")
 
+import trainer.run
 from engines.client import InferenceClient
 from engines.models import build_tiny_model, load_tokenizer
 from engines.types import SamplingParams
 from tests.engines.helpers import serve_reference
 from tests.sync.exactness import policy_logprobs
+from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.generators import GeneratorInput, TrajectoryInput
 from trainer.generators.verifiers_env import EpisodeOutcome, VerifiersGenerator
@@ -159,3 +162,56 @@ async def test_an_environment_verifiers_refuses_ends_the_run_before_any_step() -
     with pytest.raises(ConfigError, match="no_such_taskset"):
         async with gen.running():
             pass
+
+
+def train(tmp_path: Path, taskset: dict[str, Any], steps: int, *more: str) -> Any:
+    """``steps`` steps of the trainer (reference engine, tiny model) on a verifiers taskset
+    with the example's harness: 2 groups of 4 a step; the metrics rows."""
+    cfg = load_config(
+        None,
+        [
+            "generator.cls=trainer.generators.verifiers_env:VerifiersGenerator",
+            f"generator.kwargs.taskset={json.dumps(taskset)}",
+            f"generator.kwargs.harness={json.dumps(HARNESS)}",
+            f"trainer.max_steps={steps}",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=4",
+            "generator.sampling.max_tokens=6",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.progress=false",
+            *more,
+        ],
+    )
+    return cfg
+
+
+async def test_the_reasoning_gym_example_trains_through_the_reference_engine(tmp_path):
+    await trainer.run.train(train(tmp_path, TASKSET, 2))
+    rows = metrics_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["generate/failed_episodes"] == 0
+        assert r["reward/mean"] == 0.0  # reasoning-gym's scorer: no <answer> from this model
+        # the engine sampled with exactly the policy's weights, and the trace kept its tokens
+        assert abs(r["policy/is_ratio_min"] - 1) < 1e-3 and abs(r["policy/is_ratio_max"] - 1) < 1e-3
+
+
+async def test_a_verifiers_reward_with_spread_moves_the_policy_and_traces_stay_exact(tmp_path):
+    taskset = {"id": "tests.trainer.generators.verifiers_digits", "size": 4}
+    # an eval generator too (at step 3): a second verifiers generator of the run, its loop shared
+    more = ("trainer.eval_interval=3", "data.num_eval_examples=4")
+    await trainer.run.train(train(tmp_path, taskset, 3, *more))
+    rows = metrics_rows(tmp_path)
+    (evaluated,) = [r for r in rows if "eval/reward_mean" in r]
+    assert evaluated["step"] == 3 and 0 < evaluated["eval/reward_mean"] < 1
+    rows = [r for r in rows if "eval/reward_mean" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert any(r["reward/std"] > 0 for r in rows)
+    assert any(r["policy/grad_norm"] > 0 for r in rows)  # the policy moved, and was synced
+    for r in rows:
+        assert r["generate/failed_episodes"] == 0
+        assert abs(r["policy/is_ratio_min"] - 1) < 1e-3 and abs(r["policy/is_ratio_max"] - 1) < 1e-3
+
+
+def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
