@@ -215,3 +215,50 @@ async def test_a_verifiers_reward_with_spread_moves_the_policy_and_traces_stay_e
 
 def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+async def renderers_generate(base_url: str, model_dir: Path) -> dict[str, Any]:
+    """verifiers' model call as its training client makes it: renderers' ``generate`` (asyncio)."""
+    import openai
+    from renderers import create_renderer
+    from renderers.base import load_tokenizer as renderers_tokenizer
+    from renderers.client import generate
+
+    renderer = create_renderer(renderers_tokenizer(str(model_dir)))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    try:
+        return await generate(
+            client=client,
+            renderer=renderer,
+            messages=[{"role": "user", "content": "max 7 5 ="}],
+            model=str(model_dir),
+            sampling_params={"temperature": 1.0, "max_tokens": 4},
+        )
+    finally:
+        await client.close()
+
+
+async def test_renderers_rejects_the_engines_token_in_answer_and_reads_the_proxys() -> None:
+    """The engines answer the token-in route as vLLM 0.32 does (logprob entries by
+    ``token_id``); renderers 0.1.12 wants ``token: "token_id:N"``: straight to the engine it
+    fails, through the capture proxy (its adapter) it reads the engine's tokens."""
+    from renderers import MalformedGenerateResponseError
+
+    from engines.bridge import open_bridge
+    from trainer.generators.token_capture import open_capture_proxy
+
+    model_dir = build_tiny_model()
+    sampling = SamplingParams(temperature=1.0, max_tokens=4)
+    async with (
+        serve_reference(model_dir) as url,
+        InferenceClient([url]) as engine,
+        open_capture_proxy(engine, sampling) as proxy,
+        open_bridge() as bridge,
+    ):
+        with pytest.raises(MalformedGenerateResponseError, match="token_id:"):
+            await bridge.run(renderers_generate, f"{url}/v1", model_dir)
+        answer = await bridge.run(renderers_generate, proxy.register("t", 7), model_dir)
+        (turn,) = proxy.turns("t")
+    assert answer["completion_ids"] == turn.completion_ids and turn.completion_ids
+    assert answer["completion_logprobs"] == turn.logprobs
+    assert answer["prompt_ids"] == turn.prompt_ids
