@@ -1,7 +1,7 @@
 """A verifiers 0.4 taskset over reasoning-gym: procedural tasks with reasoning-gym's own scorer,
 nothing to download. Train on it with :mod:`trainer.generators.verifiers_env`::
 
-    python -m trainer generator.cls=trainer.generators.verifiers_env:VerifiersGenerator \\
+    .venv/bin/python -m trainer generator.cls=trainer.generators.verifiers_env:VerifiersGenerator \\
         generator.kwargs.taskset.id=examples.verifiers_reasoning_gym \\
         generator.kwargs.taskset.dataset=basic_arithmetic \\
         generator.kwargs.harness.id=examples.verifiers_reasoning_gym.harness

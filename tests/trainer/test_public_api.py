@@ -162,12 +162,8 @@ PUBLIC = {
         "token_in_turns",
     ],
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
-    "trainer.generators.verifiers_env": [
-        "EpisodeOutcome",
-        "SERVING_CLOSE_TIMEOUT_S",
-        "VerifiersGenerator",
-        "outcome_of",
-    ],
+    "trainer.generators.verifiers_env": ["SERVING_CLOSE_TIMEOUT_S", "VerifiersGenerator"],
+    "trainer.generators.verifiers_traces": ["EpisodeOutcome", "outcome_of", "trajectories_of"],
     "trainer.generators.verifiers_load": [
         "LoadedEnvironment",
         "check_spec",

@@ -25,7 +25,8 @@ the trajectory's engine (``InferenceClient.url_for``: sticky routing), rewritten
   trajectory's seed + the call's number; ``model`` is the engine's (any name is accepted).
 
 ``POST .../inference/v1/generate`` (the token-in route verifiers' training client calls) goes
-the same way, rewritten and adapted as :mod:`trainer.generators.token_in` says.
+the same way, rewritten and adapted as :mod:`trainer.generators.token_in` says, routed by the
+request's ``X-Session-ID`` header where it has one (many sessions may share one base URL).
 
 ``GET .../models`` is forwarded. Errors of the engine (4xx, 5xx) pass through unrecorded.
 Each forward runs inside ``operation("generate")``, where the ``generate`` fault fires, so a
@@ -175,7 +176,8 @@ class CaptureProxy:
             await _send_json(send, 400, _error(400, f"the request body is not valid JSON: {exc}"))
             return
         if route == TOKEN_IN_ROUTE:
-            await self._token_in(key, request, send)
+            session = dict(scope["headers"]).get(b"x-session-id", b"").decode("latin-1")
+            await self._token_in(key, request, send, session or key)
             return
         call = self._rewrite(key, request, chat=route == _CHAT)
         url = f"{self.engine.url_for(key)}{route}"
@@ -213,8 +215,12 @@ class CaptureProxy:
             request.pop("model", None)
         return call
 
-    async def _token_in(self, key: str, request: dict[str, Any], send: Send) -> None:
-        """``POST .../inference/v1/generate`` (:mod:`trainer.generators.token_in`)."""
+    async def _token_in(
+        self, key: str, request: dict[str, Any], send: Send, route_key: str
+    ) -> None:
+        """``POST .../inference/v1/generate`` (:mod:`trainer.generators.token_in`), to the
+        engine of ``route_key`` (the client's ``X-Session-ID`` when it sends one: verifiers
+        sends its trace's id, so each episode stays on one engine), recorded under ``key``."""
         if request.get("stream"):
             await _send_json(send, 400, _error(400, "the proxy does not stream the token-in route"))
             return
@@ -222,7 +228,7 @@ class CaptureProxy:
             request, self.sampling, (self._seeds[key] + self._calls[key]) % 2**63, self.engine.model
         )
         self._calls[key] += 1
-        url = f"{self.engine.url_for(key)}{TOKEN_IN_ROUTE}"
+        url = f"{self.engine.url_for(route_key)}{TOKEN_IN_ROUTE}"
         with operation("generate"):
             await fire_fault("generate")
             response = await self._http.post(url, json=request, headers=self.engine.headers)

@@ -1,7 +1,7 @@
 """Train on verifiers 0.4 environments (Prime Intellect's ``verifiers.v1``: tasksets, harnesses,
 ``Env.run_episode``)::
 
-    python -m trainer generator.cls=trainer.generators.verifiers_env:VerifiersGenerator \\
+    .venv/bin/python -m trainer generator.cls=trainer.generators.verifiers_env:VerifiersGenerator \\
         generator.kwargs.taskset.id=examples.verifiers_reasoning_gym \\
         generator.kwargs.harness.id=examples.verifiers_reasoning_gym.harness
 
@@ -10,28 +10,27 @@ taskset, run as an asyncio task through the trio-asyncio bridge (:mod:`engines.b
 model calls are verifiers' training client's: it renders the chat itself (``renderers``, with
 the run's tokenizer) and calls the token-in route ``/inference/v1/generate``, here through
 the capture proxy in front of the run's engines (:mod:`trainer.generators.token_capture`:
-sticky routing, the run's sampling, ``operation("generate")``; and the logprob entries adapted
-to what ``renderers`` parses, :mod:`trainer.generators.token_in`). The trajectory is the
-trace's: its token ids, its sampled mask as the loss mask, its logprobs as the rollout
-logprobs, its reward (the taskset's own rewards, summed), one sample per trainable branch.
+one base URL for the run, each episode routed to one engine by its session id, the run's
+sampling, each episode seeded with its trajectory's seed, ``operation("generate")``; and the
+logprob entries adapted to what ``renderers`` parses, :mod:`trainer.generators.token_in`).
+The trajectory is the trace's (:mod:`trainer.generators.verifiers_traces`): its token ids, its
+sampled mask as the loss mask, its logprobs as the rollout logprobs, its reward (the
+taskset's own rewards, summed), one sample per trainable branch.
 
 **Run-scoped** (:meth:`VerifiersGenerator.running`, entered by the run once): the
 environment is loaded (in a thread), one bridge is opened (one for all of the run's verifiers
-generators: :func:`_run_bridge`) and one ``env.serving()`` is held for the whole run, in an
-asyncio task the generator's nursery owns; leaving closes serving (bounded by
-:data:`SERVING_CLOSE_TIMEOUT_S`), then the loop.
+generators: :func:`_run_bridge`), the capture proxy is started, and one ``env.serving()`` is
+held for the whole run, in an asyncio task the generator's nursery owns; leaving closes
+serving (bounded by :data:`SERVING_CLOSE_TIMEOUT_S`), then the proxy and the loop.
 
 **Tasks**: the taskset's, in its order, one per group (GRPO compares a group's samples of one
 task): group ``k`` of step ``s`` gets task ``((s - 1) * groups + k) % len(tasks)``. The
 run's own data (``data.task``, ``data.train``) only sets how many groups a step has and how
 many steps an epoch has; the trainer's prompts are not used.
 
-**Failed episodes** (an episode or trace that is not ``ok``, a trace with no sampled token,
-an episode that raised): never trained on silently. The trajectory keeps the tokens it has
-with a loss mask of zeros (it teaches nothing itself) and the mean reward of its group's
-episodes that succeeded (0.0 when none did: the group's baseline is what the others make it);
-counted in ``generate/failed_episodes``; the first failure of a step is logged with its
-errors.
+**Failed episodes** (not ``ok``, no sampled token, or raised) train nothing: loss mask 0, the
+mean reward of the group's successful episodes, counted in ``generate/failed_episodes``
+(:mod:`trainer.generators.verifiers_traces`).
 
 Needs engines reachable over HTTP (``engine.backend=local``, ``vllm`` or ``remote``), and
 verifiers installed (``pip install -e '.[verifiers]'``).
@@ -41,62 +40,35 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
-import attrs
 import httpx
 import trio
 
 from engines.bridge import Bridge, open_bridge
 from engines.client import InferenceClient
 from trainer.errors import ConfigError
-from trainer.generators._base import Generator, GeneratorInput, GeneratorOutput, Trajectory
-from trainer.generators.token_capture import open_capture_proxy
+from trainer.generators._base import Generator, GeneratorInput, GeneratorOutput
+from trainer.generators.token_capture import CaptureProxy, open_capture_proxy
 from trainer.generators.verifiers_load import (
     LoadedEnvironment,
     check_spec,
     load_environment,
     model_context,
 )
+from trainer.generators.verifiers_traces import EpisodeOutcome, outcome_of, trajectories_of
 from trainer.vocabulary import open_owner_nursery, operation
 
-__all__ = ["SERVING_CLOSE_TIMEOUT_S", "EpisodeOutcome", "VerifiersGenerator", "outcome_of"]
+__all__ = ["SERVING_CLOSE_TIMEOUT_S", "VerifiersGenerator"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds ``env.serving()`` gets to close when the run ends before it is cancelled.
 SERVING_CLOSE_TIMEOUT_S = 30.0
-
-
-@attrs.frozen
-class EpisodeOutcome:
-    """One verifiers episode as the trainer reads it (:func:`outcome_of` reads one)."""
-
-    #: ``(token ids, sampled mask, logprobs)`` per trainable branch, prompt included.
-    branches: list[tuple[list[int], list[bool], list[float]]]
-    reward: float
-    ok: bool
-    #: Why it failed (``type: message``), empty when ``ok``.
-    error: str = ""
-
-
-def outcome_of(episode: Any) -> EpisodeOutcome:
-    """The trainer's reading of a verifiers ``Episode`` (one agent: one trace)."""
-    traces = list(episode.traces)
-    errors = [e for t in traces for e in t.errors] + list(episode.errors)
-    branches = [
-        (list(b.token_ids), [bool(m) for m in b.sampled_mask], [float(x) for x in b.logprobs])
-        for t in traces[:1]
-        for b in t.branches
-        if b.trainable
-    ]
-    ok = bool(episode.ok and traces and traces[0].ok and any(any(m) for _, m, _ in branches))
-    reward = float(traces[0].reward) if traces else 0.0
-    error = "" if ok else "; ".join(f"{e.type}: {e.message}"[:300] for e in errors[:3])
-    return EpisodeOutcome(branches, reward, ok, error or ("" if ok else "no sampled tokens"))
+#: The capture proxy's one key (base URL) for all of a generator's episodes.
+_PROXY_KEY = "verifiers"
 
 
 async def _serve(env: Any, started: trio.Event, stop: asyncio.Event) -> None:
@@ -166,6 +138,7 @@ class VerifiersGenerator(Generator):
         self._runtime = dict(runtime) if runtime is not None else None
         self._loaded: LoadedEnvironment | None = None
         self._bridge: Bridge | None = None
+        self._proxy: CaptureProxy | None = None
         self._model: str | None = None
 
     @asynccontextmanager
@@ -175,7 +148,12 @@ class VerifiersGenerator(Generator):
         loaded = await trio.to_thread.run_sync(
             load_environment, self._taskset, self._harness, self._runtime, self.max_turns
         )
-        async with _run_bridge() as bridge, open_owner_nursery() as nursery:
+        engine = self._http_engine()
+        async with (
+            _run_bridge() as bridge,
+            open_capture_proxy(engine, self.sampling) as proxy,
+            open_owner_nursery() as nursery,
+        ):
             stop = asyncio.Event()
             serving = trio.Event()
 
@@ -184,11 +162,11 @@ class VerifiersGenerator(Generator):
 
             nursery.start_soon(hold)
             await serving.wait()
-            self._loaded, self._bridge = loaded, bridge
+            self._loaded, self._bridge, self._proxy = loaded, bridge, proxy
             try:
                 yield
             finally:
-                self._loaded = self._bridge = None
+                self._loaded = self._bridge = self._proxy = None
                 stop.set()
                 nursery.cancel_scope.deadline = trio.current_time() + SERVING_CLOSE_TIMEOUT_S
 
@@ -202,43 +180,53 @@ class VerifiersGenerator(Generator):
         """The taskset's tasks while :meth:`running` holds the environment (else empty)."""
         return () if self._loaded is None else self._loaded.tasks
 
-    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
-        engine, loaded, bridge = self.engine, self._loaded, self._bridge
-        if not isinstance(engine, InferenceClient):
+    def _http_engine(self) -> InferenceClient:
+        if not isinstance(self.engine, InferenceClient):
             raise ConfigError(
-                f"config: {type(self).__name__} needs engines served over HTTP "
-                f"(engine.backend=local, vllm or remote); it cannot reach {type(engine).__name__}"
+                f"config: {type(self).__name__} needs engines served over HTTP (engine.backend="
+                f"local, vllm or remote); it cannot reach {type(self.engine).__name__}"
             )
-        if loaded is None or bridge is None:
+        return self.engine
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        loaded, bridge, proxy = self._loaded, self._bridge, self._proxy
+        if loaded is None or bridge is None or proxy is None:
             raise RuntimeError(f"{type(self).__name__}.generate outside its running() block")
-        model = await self._served_model(engine)
+        model = await self._served_model(self._http_engine())
+        # one base URL for the run: verifiers keeps one client per distinct client config until
+        # serving ends (a URL per trajectory made a client, and a /v1/models look-up, per
+        # episode); the proxy routes each episode by its X-Session-ID, and its record of the
+        # calls (unused here: the traces hold the tokens) is cleared each step
+        base_url = proxy.register(_PROXY_KEY, 0)
         tasks = self._tasks_for(batch, loaded.tasks)
         outcomes: list[EpisodeOutcome | None] = [None] * len(batch)
-        async with open_capture_proxy(engine, self.sampling) as proxy:
-            urls = [proxy.register(item.trajectory_id, item.seed) for item in batch]
 
-            async def one(i: int) -> None:
-                ctx = model_context(
-                    urls[i],
-                    model,
-                    str(self.tokenizer.name_or_path),
-                    self.sampling.temperature,
-                    self.sampling.max_tokens,
-                )
-                try:
-                    with operation("env_step"):  # verifiers' own awaits; model calls: generate
-                        episode = await bridge.run(loaded.env.run_episode, tasks[i], ctx)
-                    outcomes[i] = outcome_of(episode)
-                except Exception as exc:  # an episode that raised is a failed episode
-                    outcomes[i] = EpisodeOutcome(
-                        [], 0.0, False, f"{type(exc).__name__}: {exc}"[:300]
+        async def one(i: int) -> None:
+            ctx = model_context(
+                base_url,
+                model,
+                str(self.tokenizer.name_or_path),
+                self.sampling.temperature,
+                self.sampling.max_tokens,
+                seed=batch[i].seed,
+            )
+            try:
+                with operation("env_step"):  # verifiers' own awaits; model calls: generate
+                    outcomes[i] = outcome_of(
+                        await bridge.run(loaded.env.run_episode, tasks[i], ctx)
                     )
+            except Exception as exc:  # an episode that raised is a failed episode
+                outcomes[i] = EpisodeOutcome.raised(exc)
 
-            async with open_owner_nursery() as nursery:
-                for i in range(len(batch)):
-                    nursery.start_soon(one, i)
-            finishes = [[t.finish_reason for t in proxy.turns(it.trajectory_id)] for it in batch]
-        return self.output(batch, [o for o in outcomes if o is not None], finishes)
+        async with open_owner_nursery() as nursery:
+            for i in range(len(batch)):
+                nursery.start_soon(one, i)
+        return trajectories_of(
+            batch,
+            [o for o in outcomes if o is not None],
+            decode=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+            max_response_tokens=self.max_response_tokens,
+        )
 
     async def _served_model(self, engine: InferenceClient) -> str:
         """The engines' served model name (what the client's ``/v1/models`` look-up needs)."""
@@ -258,75 +246,3 @@ class VerifiersGenerator(Generator):
             groups.setdefault(item.group_id, len(groups))
         first = max(batch.global_step - 1, 0) * len(groups)
         return [tasks[(first + groups[item.group_id]) % len(tasks)] for item in batch]
-
-    def output(
-        self, batch: GeneratorInput, outcomes: list[EpisodeOutcome], finishes: list[list[str]]
-    ) -> GeneratorOutput:
-        """The step's trajectories from its episodes (in ``batch``'s order) and the finish
-        reasons of each one's model calls; failed episodes as the module docstring says."""
-        by_group: dict[int, list[float]] = {}
-        for item, o in zip(batch, outcomes, strict=True):
-            if o.ok:
-                by_group.setdefault(item.group_id, []).append(o.reward)
-        trajectories: list[Trajectory] = []
-        failed = [o for o in outcomes if not o.ok]
-        if failed:
-            log.warning(
-                "%d of %d verifiers episodes failed (trained with loss mask 0); the first: %s",
-                len(failed),
-                len(outcomes),
-                failed[0].error,
-            )
-        for item, o, finish in zip(batch, outcomes, finishes, strict=True):
-            reward = o.reward if o.ok else statistics.fmean(by_group.get(item.group_id, [0.0]))
-            branches = o.branches or [(list(item.prompt_ids), [False] * len(item.prompt_ids), [])]
-            for ids, mask, logprobs in branches:
-                trajectories.append(
-                    self._trajectory(ids, mask, logprobs, reward, o.ok, item.group_id, finish)
-                )
-        return GeneratorOutput(
-            trajectories,
-            metrics={
-                "generate/failed_episodes": float(len(failed)),
-                "generate/samples_per_trajectory": len(trajectories) / len(batch),
-                "generate/num_turns_mean": statistics.fmean(len(f) for f in finishes),
-                "generate/truncated_frac": statistics.fmean(
-                    t.finish_reason == "truncated" for t in trajectories
-                ),
-            },
-        )
-
-    def _trajectory(
-        self,
-        ids: list[int],
-        mask: list[bool],
-        logprobs: list[float],
-        reward: float,
-        ok: bool,
-        group_id: int,
-        finishes: list[str],
-    ) -> Trajectory:
-        """One branch as a trajectory: the prompt is what precedes the first sampled token;
-        the response is cut at ``max_response_tokens`` (``truncated``)."""
-        start = next((i for i, m in enumerate(mask) if m), len(ids))
-        response = ids[start:]
-        keep = self.max_response_tokens
-        finish = finishes[-1] if finishes else "stop"
-        if len(response) > keep:
-            finish = "truncated"
-        loss_mask = [int(m and ok) for m in mask[start:]][:keep]
-        lps = (logprobs[start:] + [0.0] * len(response))[: len(response)][:keep]
-        text = self.tokenizer.decode(
-            [t for t, m in zip(response, mask[start:]) if m][:keep], skip_special_tokens=True
-        )
-        return Trajectory(
-            prompt_ids=ids[:start],
-            response_ids=response[:keep],
-            loss_mask=loss_mask,
-            reward=reward,
-            rollout_logprobs=lps,
-            group_id=group_id,
-            finish_reason=finish,
-            num_turns=max(len(finishes), 1),
-            response_text=text,
-        )

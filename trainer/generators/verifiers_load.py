@@ -100,10 +100,18 @@ def load_environment(
 
 
 def model_context(
-    base_url: str, model: str, tokenizer_dir: str, temperature: float, max_tokens: int
+    base_url: str,
+    model: str,
+    tokenizer_dir: str,
+    temperature: float,
+    max_tokens: int,
+    *,
+    seed: int | None = None,
 ) -> Any:
     """verifiers' ``ModelContext`` of one episode: its training client (client-side rendering
-    with the model's own tokenizer, token-in calls) at ``base_url`` (ends in ``/v1``)."""
+    with the model's own tokenizer, token-in calls) at ``base_url`` (ends in ``/v1``); ``seed``
+    goes to the engine with each of the episode's model calls (verifiers passes sampling
+    fields it does not know through)."""
     import verifiers.v1 as vf
 
     return vf.ModelContext(
@@ -111,7 +119,11 @@ def model_context(
         client=vf.TrainClientConfig(
             base_url=base_url, api_key_var=_API_KEY_VAR, renderer_model_name=tokenizer_dir
         ),
-        sampling=vf.Sampling(temperature=temperature, max_tokens=max_tokens),
+        sampling=vf.Sampling(
+            temperature=temperature,
+            max_tokens=max_tokens,
+            **({} if seed is None else {"seed": seed % 2**63}),
+        ),
     )
 
 

@@ -30,7 +30,8 @@ from tests.sync.exactness import policy_logprobs
 from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.generators import GeneratorInput, TrajectoryInput
-from trainer.generators.verifiers_env import EpisodeOutcome, VerifiersGenerator
+from trainer.generators.verifiers_env import VerifiersGenerator
+from trainer.generators.verifiers_traces import EpisodeOutcome, trajectories_of
 from trainer.vocabulary import install_faults
 
 TASKSET = {"id": "examples.verifiers_reasoning_gym", "size": 8, "seed": 1}
@@ -116,25 +117,23 @@ async def test_failed_episodes_teach_nothing_and_are_counted() -> None:
 
 
 def test_a_failed_episode_gets_its_groups_mean_reward_and_no_loss() -> None:
-    gen = VerifiersGenerator.__new__(VerifiersGenerator)
-    gen.tokenizer = load_tokenizer(build_tiny_model())
-    gen.max_response_tokens = 64
     ok = [([1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.25])]
     outcomes = [
-        EpisodeOutcome(ok, 1.0, True),
-        EpisodeOutcome(ok, 0.5, True),
-        EpisodeOutcome(
-            ok, 0.9, False, "ProviderError: 500"
-        ),  # a failed trace's own reward is unused
-        EpisodeOutcome([], 0.0, False, "TimeoutError"),
+        EpisodeOutcome(ok, 1.0, True, finishes=("stop",)),
+        EpisodeOutcome(ok, 0.5, True, finishes=("length",)),
+        EpisodeOutcome(ok, 0.9, False, "ProviderError: 500"),  # a failed trace's reward: unused
+        EpisodeOutcome.raised(TimeoutError("episode")),
     ]
-    out = gen.output(batch(1, 4), outcomes, [["stop"], ["stop"], ["stop"], []])
-    rewards = [t.reward for t in out.trajectories]
-    assert rewards == [1.0, 0.5, 0.75, 0.75]
+    out = trajectories_of(batch(1, 4), outcomes, decode=str, max_response_tokens=64)
+    assert [t.reward for t in out.trajectories] == [1.0, 0.5, 0.75, 0.75]
     assert [sum(t.loss_mask) for t in out.trajectories] == [2, 2, 0, 0]
+    assert [t.finish_reason for t in out.trajectories[:2]] == ["stop", "length"]
     assert out.trajectories[0].rollout_logprobs == [-0.5, -0.25]
     assert out.trajectories[3].response_ids == [] and out.trajectories[3].prompt_ids == [5, 6]
     assert out.metrics["generate/failed_episodes"] == 2
+    cut = trajectories_of(batch(1, 1), outcomes[:1], decode=str, max_response_tokens=1)
+    (t,) = cut.trajectories
+    assert (t.response_ids, t.loss_mask, t.finish_reason) == ([3], [1], "truncated")
 
 
 @pytest.mark.parametrize(
