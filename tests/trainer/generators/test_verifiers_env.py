@@ -75,6 +75,7 @@ async def test_episodes_train_on_the_tokens_the_engine_sampled_one_task_per_grou
             assert gen.environment is not None and len(gen.tasks) == 8
             first = await gen.generate(batch(2, 2, step=1))
             second = await gen.generate(batch(2, 2, step=2))
+            again = await gen.generate(batch(2, 2, step=1))  # the same tasks and seeds
         assert gen.environment is None  # serving and the bridge closed with the block
         with pytest.raises(RuntimeError, match="outside its running"):
             await gen.generate(batch(1, 1))
@@ -96,6 +97,10 @@ async def test_episodes_train_on_the_tokens_the_engine_sampled_one_task_per_grou
     assert prompts[0] == prompts[1] and prompts[2] == prompts[3]
     assert len({prompts[0], prompts[2], prompts[4], prompts[6]}) == 4
     assert prompts[4] == prompts[5] and prompts[6] == prompts[7]
+    # each episode is seeded by its trajectory's seed: a step again samples the same tokens
+    assert [t.response_ids for t in again.trajectories] == [
+        t.response_ids for t in first.trajectories
+    ]
 
 
 async def test_failed_episodes_teach_nothing_and_are_counted() -> None:
