@@ -61,7 +61,7 @@ from trainer.generators.token_in import (
     token_in_turns,
 )
 from trainer.generators.turns import CapturedTurn
-from trainer.vocabulary import fire_fault, open_owner_nursery, operation
+from trainer.vocabulary import at_step, current_step, fire_fault, open_owner_nursery, operation
 
 __all__ = ["ENGINE_KEEPALIVE_S", "PROXY_KEEPALIVE_S", "CaptureProxy", "open_capture_proxy"]
 
@@ -110,6 +110,7 @@ class CaptureProxy:
         self._turns: dict[str, list[CapturedTurn]] = {}
         self._seeds: dict[str, int] = {}
         self._calls: dict[str, int] = {}
+        self._steps: dict[str, int | None] = {}
         # bounded as the engine client's pool is (httpcore scans every connection per request)
         connections = DATA_CONNECTIONS_PER_SERVER * len(engine.urls)
         self._http = httpx.AsyncClient(
@@ -122,10 +123,14 @@ class CaptureProxy:
         )
 
     def register(self, trajectory_id: str, seed: int) -> str:
-        """Accept calls for ``trajectory_id`` (seeded from ``seed``); its base URL."""
+        """Accept calls for ``trajectory_id`` (seeded from ``seed``); its base URL. Its calls
+        belong to the caller's step (:func:`~trainer.vocabulary.current_step`: where the
+        ``generate`` fault fires), also when the proxy outlives the step; registering again
+        starts its record and its call count afresh."""
         self._turns[trajectory_id] = []
         self._seeds[trajectory_id] = seed
         self._calls[trajectory_id] = 0
+        self._steps[trajectory_id] = current_step()
         return self.base_url(trajectory_id)
 
     def base_url(self, trajectory_id: str) -> str:
@@ -181,7 +186,7 @@ class CaptureProxy:
             return
         call = self._rewrite(key, request, chat=route == _CHAT)
         url = f"{self.engine.url_for(key)}{route}"
-        with operation("generate"):
+        with at_step(self._steps[key]), operation("generate"):
             await fire_fault("generate")
             if request.get("stream"):
                 await self._stream(key, call, url, request, send)
@@ -229,7 +234,7 @@ class CaptureProxy:
         )
         self._calls[key] += 1
         url = f"{self.engine.url_for(route_key)}{TOKEN_IN_ROUTE}"
-        with operation("generate"):
+        with at_step(self._steps[key]), operation("generate"):
             await fire_fault("generate")
             response = await self._http.post(url, json=request, headers=self.engine.headers)
         if response.status_code != 200:

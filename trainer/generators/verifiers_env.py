@@ -145,10 +145,10 @@ class VerifiersGenerator(Generator):
     async def running(self) -> AsyncIterator[None]:
         """Load the environment, open the bridge and hold ``env.serving()`` for the block."""
         assert self._taskset is not None
+        engine = self._http_engine()
         loaded = await trio.to_thread.run_sync(
             load_environment, self._taskset, self._harness, self._runtime, self.max_turns
         )
-        engine = self._http_engine()
         async with (
             _run_bridge() as bridge,
             open_capture_proxy(engine, self.sampling) as proxy,

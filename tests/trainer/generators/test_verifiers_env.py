@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import trio
 from transformers import AutoModelForCausalLM
 
 pytest.importorskip("verifiers.v1", reason="verifiers is an extra: pip install -e '.[verifiers]'")
@@ -28,11 +29,11 @@ from engines.types import SamplingParams
 from tests.engines.helpers import serve_reference
 from tests.sync.exactness import policy_logprobs
 from trainer.config import load_config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StepTimeoutError
 from trainer.generators import GeneratorInput, TrajectoryInput
 from trainer.generators.verifiers_env import VerifiersGenerator
 from trainer.generators.verifiers_traces import EpisodeOutcome, trajectories_of
-from trainer.vocabulary import install_faults
+from trainer.vocabulary import install_faults, stage, step_deadline
 
 TASKSET = {"id": "examples.verifiers_reasoning_gym", "size": 8, "seed": 1}
 HARNESS = {"id": "examples.verifiers_reasoning_gym.harness"}
@@ -121,6 +122,32 @@ async def test_failed_episodes_teach_nothing_and_are_counted() -> None:
         assert sum(t.loss_mask) == 0 and t.reward == 0.0
 
 
+async def test_a_hung_model_call_ends_the_step_typed_and_the_next_step_runs() -> None:
+    """A model call that never returns (a ``generate`` hang, where the proxy calls the engine):
+    the step's deadline cancels the episodes (asyncio tasks, through the bridge) and raises
+    ``StepTimeoutError``; the environment keeps serving the next step; leaving ``running``
+    leaves no task behind, the hung call included."""
+    model_dir = build_tiny_model()
+    async with serve_reference(model_dir) as url, InferenceClient([url]) as engine:
+        gen = make(engine, model_dir)
+        async with trio.open_nursery() as scope_of_the_test:
+            async with gen.running():
+                install_faults("generate:hang@4")
+                try:
+                    with pytest.raises(StepTimeoutError) as info:
+                        with step_deadline(4, 5.0), stage("generate"):
+                            await gen.generate(batch(1, 2, step=4))
+                finally:
+                    install_faults("")
+                with trio.fail_after(60):
+                    after = await gen.generate(batch(1, 2, step=5))
+            assert list(scope_of_the_test.child_tasks) == []
+    assert (info.value.stage, info.value.step) == ("generate", 4)
+    # the step's own task waits in the episode (the model call is the proxy's, in its task)
+    assert info.value.operation == "env_step"
+    assert after.metrics["generate/failed_episodes"] == 0
+
+
 def test_a_failed_episode_gets_its_groups_mean_reward_and_no_loss() -> None:
     ok = [([1, 2, 3, 4], [False, False, True, True], [0.0, 0.0, -0.5, -0.25])]
     outcomes = [
@@ -156,13 +183,21 @@ def test_kwargs_of_the_wrong_shape_are_config_errors(kwargs: dict[str, Any], say
 
 async def test_an_environment_verifiers_refuses_ends_the_run_before_any_step() -> None:
     model_dir = build_tiny_model()
-    gen = make(None, model_dir, taskset={**TASKSET, "size": "many"})
+    with pytest.raises(ConfigError, match="needs engines served over HTTP"):
+        async with make(None, model_dir).running():
+            pass
+    async with serve_reference(model_dir) as url, InferenceClient([url]) as engine:
+        await check_refused(engine, model_dir)
+
+
+async def check_refused(engine: Any, model_dir: Path) -> None:
+    gen = make(engine, model_dir, taskset={**TASKSET, "size": "many"})
     with pytest.raises(
         ConfigError, match=r"(?s)does not make a verifiers environment.*taskset.size"
     ):
         async with gen.running():
             pass
-    gen = make(None, model_dir, taskset={"id": "examples.no_such_taskset"})
+    gen = make(engine, model_dir, taskset={"id": "examples.no_such_taskset"})
     with pytest.raises(ConfigError, match="no_such_taskset"):
         async with gen.running():
             pass
