@@ -183,8 +183,10 @@ class VerifiersGenerator(Generator):
     def _http_engine(self) -> InferenceClient:
         if not isinstance(self.engine, InferenceClient):
             raise ConfigError(
-                f"config: {type(self).__name__} needs engines served over HTTP (engine.backend="
-                f"local, vllm or remote); it cannot reach {type(self.engine).__name__}"
+                f"config: {type(self).__name__} needs the engines' HTTP client (engine.backend="
+                f"local, vllm or remote, trainer.strategy=sync); it was given "
+                f"{type(self.engine).__name__} (an in-process engine, or the weight-version "
+                "wrapper of trainer.strategy=fully_async)"
             )
         return self.engine
 

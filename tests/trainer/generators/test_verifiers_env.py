@@ -183,7 +183,7 @@ def test_kwargs_of_the_wrong_shape_are_config_errors(kwargs: dict[str, Any], say
 
 async def test_an_environment_verifiers_refuses_ends_the_run_before_any_step() -> None:
     model_dir = build_tiny_model()
-    with pytest.raises(ConfigError, match="needs engines served over HTTP"):
+    with pytest.raises(ConfigError, match="needs the engines' HTTP client"):
         async with make(None, model_dir).running():
             pass
     async with serve_reference(model_dir) as url, InferenceClient([url]) as engine:
