@@ -1,4 +1,5 @@
-"""The reference server's OpenAI routes, ``/v1/completions`` and ``/v1/chat/completions``:
+"""The reference server's generation routes, ``/v1/completions``, ``/v1/chat/completions`` and
+the token-in ``/inference/v1/generate``:
 requests validated as vLLM validates them, generated on the engine (every prompt and choice
 concurrently), answered whole or streamed as server-sent events. :class:`CompletionRoutes` is
 the half of :class:`~engines.local.server.ServerApp` that holds them."""
@@ -26,6 +27,7 @@ from engines.local.protocol import (
 )
 from engines.local.requests import EngineAsleepError, EngineDeadError
 from engines.local.streaming import ChatChunks, ChunkFormat, CompletionChunks, stream_events
+from engines.local.token_protocol import parse_token_request, token_response
 from engines.local.validation import GenerationOptions, refusal
 from engines.types import Completion, SamplingParams
 
@@ -88,6 +90,17 @@ class CompletionRoutes:
         return json_response(
             chat_response(req, done, decode=self._decoder(req.options), token_text=self._token_text)
         )
+
+    async def generate_tokens(self, request: Request) -> Response:
+        """``POST /inference/v1/generate`` (:mod:`engines.local.token_protocol`)."""
+        req = parse_token_request(
+            parse_json_object(request.body),
+            served_model=self.served_model,
+            vocab_size=self.engine.vocab_size,
+            max_model_len=self.max_model_len,
+        )
+        done = await self._generate_all([(req.prompt_ids, req.params_for(j)) for j in range(req.n)])
+        return json_response(token_response(req, done))
 
     def _decoder(self, options: GenerationOptions) -> Callable[[list[int]], str]:
         """Token ids to text as the request asked (``skip_special_tokens``)."""

@@ -4,7 +4,8 @@ Routes (vLLM's shapes; see ``docs/engines.md`` for the version followed):
 
 - data plane: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions``,
   ``POST /v1/chat/completions`` (both also streamed with ``stream=true``: server-sent
-  events, :mod:`engines.local.streaming`);
+  events, :mod:`engines.local.streaming`), and the token-in ``POST /inference/v1/generate``
+  (:mod:`engines.local.token_protocol`; as ``vllm serve --enable-scale-out``, not streamed);
 - control plane (vLLM dev mode): ``POST /pause?mode=keep|abort|wait``, ``POST /resume``,
   ``GET /is_paused``, ``POST /sleep?level=1|2``, ``POST /wake_up[?tags=...]``,
   ``GET /is_sleeping``, ``POST /reset_prefix_cache``, ``GET /get_world_size``,
@@ -46,6 +47,7 @@ from engines.local.http import (
 from engines.local.protocol import (
     ProtocolError,
 )
+from engines.local.token_protocol import GENERATE_PATH
 from engines.local.weight_routes import (
     WEIGHT_TRANSFER_PATHS,
     WeightReceiver,
@@ -300,6 +302,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/models": {"GET": ServerApp.models},
     "/v1/completions": {"POST": ServerApp.completions},
     "/v1/chat/completions": {"POST": ServerApp.chat_completions},
+    GENERATE_PATH: {"POST": ServerApp.generate_tokens},
     **{
         path: {method: _control(h) for method, h in methods.items()}
         for path, methods in CONTROL_ROUTES.items()
@@ -310,7 +313,7 @@ ROUTES: dict[str, dict[str, Handler]] = {
 }
 
 #: Routes that generate: cancelled when their client disconnects.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", GENERATE_PATH})
 
 #: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.
 CONTROL_PLANE_PATHS = frozenset(

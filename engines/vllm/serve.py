@@ -17,7 +17,10 @@ launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.pl
   ``--gpu-memory-utilization`` when set, ``--seed SEED+I``, ``--enable-sleep-mode`` when the
   run sleeps the engines, ``--weight-transfer-config '{"backend": ...}'``, ``--dtype`` (the
   policy's, so vLLM does not downcast a float32 model), ``--enforce-eager`` on the CPU, then
-  ``engine.extra_args`` as given), then ``--host`` and a free ``--port``; every flag is one
+  ``engine.extra_args`` as given), then ``--enable-scale-out`` (vLLM's token-in route
+  ``POST /inference/v1/generate``, which verifiers' training client calls: always, as it only
+  adds routes; unless ``extra_args`` gives it or ``--tokens-only``), then ``--host`` and a
+  free ``--port``; every flag is one
   the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
 - it runs under :mod:`engines.launch.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
@@ -64,6 +67,7 @@ from trainer.errors import ConfigError, InferenceServerError
 
 __all__ = [
     "DEFAULT_CPU_BUSY_LOOP_S",
+    "TOKEN_IN_FLAG",
     "VllmServers",
     "check_server_config",
     "config_problems",
@@ -130,6 +134,19 @@ def gpu_groups(
     return tuple(tuple(ids[i * tp : (i + 1) * tp]) for i in range(num_engines))
 
 
+#: The ``vllm serve`` flag that serves ``POST /inference/v1/generate`` (vLLM 0.32's scale-out
+#: routes: the token-in route verifiers' training client calls, and render routes).
+TOKEN_IN_FLAG = "--enable-scale-out"
+
+
+def _token_in_flag(extra_args: Sequence[str]) -> list[str]:
+    """:data:`TOKEN_IN_FLAG`, unless ``extra_args`` serves the route already (or says no)."""
+    given = {a.split("=", 1)[0] for a in extra_args}
+    if given & {TOKEN_IN_FLAG, "--no-enable-scale-out", "--tokens-only"}:
+        return []
+    return [TOKEN_IN_FLAG]
+
+
 @attrs.frozen
 class VllmServers:
     """Makes server ``I``'s ``vllm serve`` :class:`~engines.launch.ServerSpec` (see the module
@@ -174,6 +191,7 @@ class VllmServers:
             "-m",
             VLLM_SERVE_MODULE,
             *flags,
+            *_token_in_flag(self.extra_args),
             "--host",
             host,
             "--port",

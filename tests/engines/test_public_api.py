@@ -79,6 +79,7 @@ PUBLIC_API: dict[str, list[str]] = {
     "engines.launch.stdin_guard": ["main"],
     "engines.vllm.serve": [
         "DEFAULT_CPU_BUSY_LOOP_S",
+        "TOKEN_IN_FLAG",
         "VllmServers",
         "check_server_config",
         "config_problems",

@@ -164,7 +164,21 @@ PUBLIC = {
         "PROXY_KEEPALIVE_S",
         "open_capture_proxy",
     ],
+    "trainer.generators.token_in": [
+        "TOKEN_IN_ROUTE",
+        "as_renderers_reads",
+        "rewrite_token_in",
+        "token_in_turns",
+    ],
     "trainer.generators.turns": ["CapturedTurn", "Sample", "assemble"],
+    "trainer.generators.verifiers_env": ["SERVING_CLOSE_TIMEOUT_S", "VerifiersGenerator"],
+    "trainer.generators.verifiers_traces": ["EpisodeOutcome", "outcome_of", "trajectories_of"],
+    "trainer.generators.verifiers_load": [
+        "LoadedEnvironment",
+        "check_spec",
+        "load_environment",
+        "model_context",
+    ],
     "trainer.loop": [
         "FullyAsyncStrategy",
         "PromptStream",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import abc
 import inspect
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import attrs
@@ -176,6 +177,17 @@ class Generator(abc.ABC):
         (``self.tokenizer.encode(text, add_special_tokens=False)``).
         """
         return chat_turn_ids(self.tokenizer, {"role": role, "content": text})
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """What the generator holds for the whole run (an environment server, an asyncio
+        loop): the run enters this once, before the first step, and leaves it after the last
+        (or when the run fails), after the steps' ``generate`` calls and before the engines
+        stop. Override it to open run-scoped resources (``async with ...: yield``), each owned
+        by a nursery opened here; an error raised here ends the run before the first step.
+        The default holds nothing.
+        """
+        yield
 
     @abc.abstractmethod
     async def generate(self, batch: GeneratorInput) -> GeneratorOutput:

@@ -24,6 +24,10 @@ the trajectory's engine (``InferenceClient.url_for``: sticky routing), rewritten
   ``generator.sampling.max_tokens`` (and defaults to it), ``seed`` defaults to the
   trajectory's seed + the call's number; ``model`` is the engine's (any name is accepted).
 
+``POST .../inference/v1/generate`` (the token-in route verifiers' training client calls) goes
+the same way, rewritten and adapted as :mod:`trainer.generators.token_in` says, routed by the
+request's ``X-Session-ID`` header where it has one (many sessions may share one base URL).
+
 ``GET .../models`` is forwarded. Errors of the engine (4xx, 5xx) pass through unrecorded.
 Each forward runs inside ``operation("generate")``, where the ``generate`` fault fires, so a
 step deadline that lands during a model call names it. The proxy serves (hypercorn, trio)
@@ -50,8 +54,14 @@ from hypercorn.trio import serve
 from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
+from trainer.generators.token_in import (
+    TOKEN_IN_ROUTE,
+    as_renderers_reads,
+    rewrite_token_in,
+    token_in_turns,
+)
 from trainer.generators.turns import CapturedTurn
-from trainer.vocabulary import fire_fault, open_owner_nursery, operation
+from trainer.vocabulary import at_step, current_step, fire_fault, open_owner_nursery, operation
 
 __all__ = ["ENGINE_KEEPALIVE_S", "PROXY_KEEPALIVE_S", "CaptureProxy", "open_capture_proxy"]
 
@@ -100,6 +110,7 @@ class CaptureProxy:
         self._turns: dict[str, list[CapturedTurn]] = {}
         self._seeds: dict[str, int] = {}
         self._calls: dict[str, int] = {}
+        self._steps: dict[str, int | None] = {}
         # bounded as the engine client's pool is (httpcore scans every connection per request)
         connections = DATA_CONNECTIONS_PER_SERVER * len(engine.urls)
         self._http = httpx.AsyncClient(
@@ -112,10 +123,14 @@ class CaptureProxy:
         )
 
     def register(self, trajectory_id: str, seed: int) -> str:
-        """Accept calls for ``trajectory_id`` (seeded from ``seed``); its base URL."""
+        """Accept calls for ``trajectory_id`` (seeded from ``seed``); its base URL. Its calls
+        belong to the caller's step (:func:`~trainer.vocabulary.current_step`: where the
+        ``generate`` fault fires), also when the proxy outlives the step; registering again
+        starts its record and its call count afresh."""
         self._turns[trajectory_id] = []
         self._seeds[trajectory_id] = seed
         self._calls[trajectory_id] = 0
+        self._steps[trajectory_id] = current_step()
         return self.base_url(trajectory_id)
 
     def base_url(self, trajectory_id: str) -> str:
@@ -148,7 +163,7 @@ class CaptureProxy:
         parts = scope["path"].split("/", 3)  # "", "t", id, rest
         key = unquote(parts[2]) if len(parts) == 4 and parts[1] == "t" else None
         route = "/" + parts[3] if key is not None else ""
-        if key not in self._turns or route not in (_CHAT, _COMPLETIONS, _MODELS):
+        if key not in self._turns or route not in (_CHAT, _COMPLETIONS, _MODELS, TOKEN_IN_ROUTE):
             await _send_json(send, 404, _error(404, f"no route {scope['path']}"))
             return
         assert key is not None
@@ -165,9 +180,13 @@ class CaptureProxy:
         except ValueError as exc:
             await _send_json(send, 400, _error(400, f"the request body is not valid JSON: {exc}"))
             return
+        if route == TOKEN_IN_ROUTE:
+            session = dict(scope["headers"]).get(b"x-session-id", b"").decode("latin-1")
+            await self._token_in(key, request, send, session or key)
+            return
         call = self._rewrite(key, request, chat=route == _CHAT)
         url = f"{self.engine.url_for(key)}{route}"
-        with operation("generate"):
+        with at_step(self._steps[key]), operation("generate"):
             await fire_fault("generate")
             if request.get("stream"):
                 await self._stream(key, call, url, request, send)
@@ -200,6 +219,30 @@ class CaptureProxy:
         else:
             request.pop("model", None)
         return call
+
+    async def _token_in(
+        self, key: str, request: dict[str, Any], send: Send, route_key: str
+    ) -> None:
+        """``POST .../inference/v1/generate`` (:mod:`trainer.generators.token_in`), to the
+        engine of ``route_key`` (the client's ``X-Session-ID`` when it sends one: verifiers
+        sends its trace's id, so each episode stays on one engine), recorded under ``key``."""
+        if request.get("stream"):
+            await _send_json(send, 400, _error(400, "the proxy does not stream the token-in route"))
+            return
+        wanted = rewrite_token_in(
+            request, self.sampling, (self._seeds[key] + self._calls[key]) % 2**63, self.engine.model
+        )
+        self._calls[key] += 1
+        url = f"{self.engine.url_for(route_key)}{TOKEN_IN_ROUTE}"
+        with at_step(self._steps[key]), operation("generate"):
+            await fire_fault("generate")
+            response = await self._http.post(url, json=request, headers=self.engine.headers)
+        if response.status_code != 200:
+            await _send_json(send, response.status_code, response.content)
+            return
+        data = response.json()
+        self._turns[key] += token_in_turns(request, data)
+        await _send_json(send, 200, json.dumps(as_renderers_reads(data, wanted)).encode())
 
     async def _whole(
         self, key: str, call: _Call, url: str, request: dict[str, Any], send: Send

@@ -276,15 +276,25 @@ async def _train(
             log.info("resumed from %s at step %d", resume_from, start)
         await trio.to_thread.run_sync(restore_metrics, metrics_path, start, state.get("metrics"))
         metrics = stack.enter_context(await trio.to_thread.run_sync(MetricsLogger, metrics_path))
+        generator = make_generator(sampling, rollout_engine)
+        eval_generator = (
+            make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
+            if t.eval_interval
+            else None
+        )
+        eval_sampled_generator = (
+            make_generator(sampling) if t.eval_interval and t.eval_n_samples_per_prompt else None
+        )
+        for made in (generator, eval_generator, eval_sampled_generator):
+            if made is not None:  # each one's run-scoped resources (Generator.running)
+                await stack.enter_async_context(made.running())
         ctx = RunContext(
             cfg=cfg,
             run_dir=run_dir,
             tokenizer=tokenizer,
             strategy=strategy,
-            generator=make_generator(sampling, rollout_engine),
-            eval_generator=make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
-            if t.eval_interval
-            else None,
+            generator=generator,
+            eval_generator=eval_generator,
             eval_examples=eval_examples,
             engine=engine,
             transport=transport,
@@ -296,9 +306,7 @@ async def _train(
             last_step=last_step,
             watchdog=watchdog,
             trackers=trackers,
-            eval_sampled_generator=make_generator(sampling)
-            if t.eval_interval and t.eval_n_samples_per_prompt
-            else None,
+            eval_sampled_generator=eval_sampled_generator,
             recovery=recovery,
         )
         if recovery is not None:

@@ -37,7 +37,7 @@ import pytest
 
 from engines.models import build_tiny_model, resolve_model_path
 from engines.process_group import free_port
-from engines.vllm.serve import cpu_env
+from engines.vllm.serve import TOKEN_IN_FLAG, cpu_env
 from tests.e2e.helpers import new_marker, trainer_env
 
 PROJECT = Path(__file__).resolve().parents[3]
@@ -141,6 +141,7 @@ def launch(log_dir: Path, backend: str, model_dir: Path) -> Launched:
     cmd += ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--dtype", "float32", "--seed", "0", "--max-model-len", "256", "--enforce-eager"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    cmd += [TOKEN_IN_FLAG]  # the token-in route, as the trainer's own servers get it
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **cpu_env()}
     env["PYTHONPATH"] = str(PROJECT)
     started = time.monotonic()

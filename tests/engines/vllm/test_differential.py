@@ -3,7 +3,8 @@
 Both serve the built-in tiny model (float32, seed 0, the ``disk`` weight-transfer backend, no
 sleep mode), started as docs/vllm.md and docs/engines.md tell a user to start them. One script
 of steps runs against each, in order: the data plane (greedy tokens and logprobs, top
-logprobs, seeds and ``n`` through the trainer's own client, stop reasons), pause and resume (a
+logprobs, seeds and ``n`` through the trainer's own client, stop reasons, the token-in route
+``/inference/v1/generate`` that verifiers' training client calls), pause and resume (a
 request sent while paused waits, then completes), ``/weight_checker``, the weight-transfer
 session (out-of-turn calls, a second start, a tensor sent twice, a failed update, a complete
 update whose weights both then serve exactly), sleep, and last the engine broken by a failed
@@ -225,6 +226,52 @@ def script(fx: Fixtures) -> list[Step]:
             )
         return {"tokens": c.token_ids, "finish": c.finish_reason, "stop_reason": c.stop_reason}
 
+    async def token_in(url: str, sampling: dict[str, Any]) -> httpx.Response:
+        body = {"model": model, "token_ids": PROMPT, "sampling_params": sampling}
+        return await post(url, "/inference/v1/generate", body)
+
+    async def token_in_greedy(url: str) -> Any:
+        """What verifiers' training client reads of the token-in route (renderers' client)."""
+        sampling = {"temperature": 0, "max_tokens": 6, "logprobs": 1, "stop_token_ids": []}
+        r = await token_in(url, {**sampling, "skip_special_tokens": False})
+        choice = r.json()["choices"][0]
+        content = choice["logprobs"]["content"]
+        return {
+            "status": r.status_code,
+            "output_mode": r.json()["output_mode"],
+            "tokens": choice["token_ids"],
+            "finish": choice["finish_reason"],
+            "logprobs": [e["logprob"] for e in content],
+            "entry_keys": sorted({k for e in content for k in e}),
+            "entry_ids": [e["token_id"] for e in content],
+            "top_ids": [[t["token_id"] for t in e["top_logprobs"]] for e in content],
+        }
+
+    async def token_in_seeded(url: str) -> Any:
+        """The same seed samples the same tokens; ``n`` gives as many choices."""
+        sampling = {"temperature": 1.0, "max_tokens": 6, "seed": 3, "n": 2}
+        first, again = (
+            (await token_in(url, sampling)).json(),
+            (await token_in(url, sampling)).json(),
+        )
+        ids = [c["token_ids"] for c in first["choices"]]
+        return {
+            "choices": len(ids),
+            "same_seed_same_tokens": ids == [c["token_ids"] for c in again["choices"]],
+            "lengths": [len(t) for t in ids],
+        }
+
+    async def token_in_refusals(url: str) -> Any:
+        """Another model is a 404 NotFoundError; a missing prompt a 400 (vLLM's type for a
+        missing field is FastAPI's own, ``Bad Request``: the status is what clients read)."""
+        other = await post(
+            url,
+            "/inference/v1/generate",
+            {"model": "nope", "token_ids": [1], "sampling_params": {}},
+        )
+        missing = await post(url, "/inference/v1/generate", {"sampling_params": {}})
+        return {"other-model": worded(answer(other)), "no-token-ids": missing.status_code}
+
     async def waits_while_paused(url: str) -> Any:
         """A completion sent while paused waits (no answer in 3 s), and completes on resume."""
         out: dict[str, Any] = {}
@@ -292,6 +339,9 @@ def script(fx: Fixtures) -> list[Step]:
         ("seeded-n", seeded_n),
         ("sampled-tokens", sampled_tokens),
         ("stop-token", stop_token),
+        ("token-in-greedy", token_in_greedy),
+        ("token-in-seeded", token_in_seeded),
+        ("token-in-refusals", token_in_refusals),
         ("weight-checker", checker),
         ("weight-checker-names", checker_names),
         ("pause", control("/pause?mode=keep")),

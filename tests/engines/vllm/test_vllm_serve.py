@@ -29,6 +29,7 @@ from engines.process_group import free_port
 from engines.types import SamplingParams
 from engines.vllm.flags import VLLM_SERVE_MODULE
 from engines.vllm.serve import (
+    TOKEN_IN_FLAG,
     VllmServers,
     check_server_config,
     config_problems,
@@ -107,6 +108,18 @@ def test_the_command_uses_only_flags_the_pinned_vllm_serve_accepts(case: str) ->
     backend = json.loads(args[args.index("--weight-transfer-config") + 1])
     assert backend == {"backend": CASES[case].weight_transfer_backend}
     assert args[args.index("--port") + 1] == str(spec.port)
+
+
+def test_every_server_serves_the_token_in_route_once() -> None:
+    """``--enable-scale-out`` (``POST /inference/v1/generate``) on every command, once, and
+    not where ``extra_args`` already decide it."""
+    for case in CASES.values():
+        assert serve_args(case(0, "127.0.0.1").argv).count(TOKEN_IN_FLAG) == 1
+    for given in (TOKEN_IN_FLAG, "--tokens-only", "--no-enable-scale-out"):
+        servers = VllmServers("/m", "gloo", extra_args=(given,))
+        args = serve_args(servers(0, "127.0.0.1").argv)
+        assert args.count(given) == 1
+        assert given == TOKEN_IN_FLAG or TOKEN_IN_FLAG not in args
 
 
 def test_the_flag_check_refuses_what_vllm_would() -> None:
