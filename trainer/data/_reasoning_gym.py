@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from trainer.config import DataConfig
 
 __all__ = ["DEFAULT_NUM_EVAL", "reasoning_gym_examples", "reasoning_gym_reward"]
+
+log = logging.getLogger(__name__)
 
 #: Eval items when ``data.num_eval_examples`` is unset (before training questions are left out).
 DEFAULT_NUM_EVAL = 100
@@ -50,6 +53,17 @@ def reasoning_gym_examples(data: DataConfig, seed: int) -> tuple[list[Example], 
             f"config: data.task=reasoning_gym: each of the {len(drawn)} eval items is also asked "
             f"in training ({num_examples} items): the datasets' configs allow too few questions; "
             "widen them (data.reasoning_gym.config) or lower data.num_examples"
+        )
+    if 2 * len(held_out) < len(drawn):
+        log.warning(
+            "data.task=reasoning_gym: %d of the %d eval items are also asked in training (%d "
+            "items), so eval measures only %d held-out questions; widen the datasets' configs "
+            "(data.reasoning_gym.config), lower data.num_examples or raise "
+            "data.num_eval_examples",
+            len(drawn) - len(held_out),
+            len(drawn),
+            num_examples,
+            len(held_out),
         )
     return train, held_out
 

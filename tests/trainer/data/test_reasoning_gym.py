@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from trainer.config import load_config
@@ -104,6 +106,20 @@ def test_a_task_space_smaller_than_training_leaves_no_eval_and_says_so():
             "data.reasoning_gym.config.max_n=3",
             "data.num_examples=64",
         )
+
+
+def test_an_eval_set_mostly_asked_in_training_is_warned_with_what_is_left(caplog):
+    # one-digit two-term chain sums are 200 questions: 400 training items ask most of them
+    args = ["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.config.max_terms=2"]
+    args += ["data.reasoning_gym.config.max_digits=1", "data.num_eval_examples=20"]
+    with caplog.at_level(logging.WARNING, logger="trainer.data._reasoning_gym"):
+        held_out = _load(*args, "data.num_examples=400").eval
+    assert len(held_out) < 10
+    assert f"eval measures only {len(held_out)} held-out questions" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer.data._reasoning_gym"):
+        held_out = _load(*args, "data.num_examples=40").eval
+    assert len(held_out) >= 10 and caplog.text == ""
 
 
 def test_the_reward_refuses_items_it_did_not_make():
