@@ -220,6 +220,14 @@ class TrainerConfig:
         FullyAsyncConfig, "trainer.strategy=fully_async: staleness and weight-sync cadence."
     )
 
+    @property
+    def one_update_per_batch(self) -> bool:
+        """Whether each batch gets exactly one optimizer step: one mini-batch, one epoch. Its
+        old logprobs are then the update's own forward's (no separate ``forward`` of the
+        policy), and ``policy/approx_kl`` is 0."""
+        one_mini_batch = self.policy_mini_batch_size in (None, self.train_batch_size)
+        return self.update_epochs == 1 and one_mini_batch
+
 
 @attrs.define
 class SamplingConfig:

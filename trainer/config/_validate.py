@@ -49,6 +49,20 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             f"this run trains no critic (algorithm.advantage_estimator="
             f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
         )
+    if op == "forward" and t.one_update_per_batch and not cfg.algorithm.use_kl_loss:
+        return (
+            "with one update per batch (trainer.update_epochs=1, one mini-batch) the old "
+            "logprobs come from the update's own forward_backward, and without "
+            "algorithm.use_kl_loss there is no reference model to run; target forward_backward, "
+            "or set trainer.update_epochs=2 (or trainer.policy_mini_batch_size) to reach it"
+        )
+    if op.startswith("/") and e.backend in ("vllm", "remote"):
+        return (
+            f"route faults fire inside the engine servers the project runs (the reference "
+            f"engine, or vLLM in process), and engine.backend={e.backend} talks to a vLLM "
+            "server that never reads them; use engine.backend=local, inprocess or "
+            "vllm_inprocess to reach it"
+        )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
     sleeps = e.colocated or e.offload_kv_for_weight_sync
