@@ -145,7 +145,7 @@ async def sync_weights(
                     # with recovery: to the engines that are up; one failing meanwhile is left out
                     recovery = ctx.recovery
                     result = await (recovery.sync_members(transfer) if recovery else transfer())
-            result |= await stages.verify_weights(ctx, step, versions.current + 1, force=verify)
+            result |= await stages.verify_weights(ctx, step, versions.upcoming, force=verify)
         finally:
             versions.syncing = False
     versions.synced(step if new_policy else None)
