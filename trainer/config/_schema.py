@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
+from sync.bracket import Bracket
 from trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -424,3 +425,14 @@ class Config:
         "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",
         env="TRAINER_FAULTS",
     )
+
+    @property
+    def sync_bracket(self) -> Bracket:
+        """The engine bracket of this run's weight syncs (:class:`sync.bracket.Bracket`),
+        decided there from engine.colocated, engine.offload_kv_for_weight_sync and whether
+        rollouts go on during a sync (trainer.strategy=fully_async)."""
+        return Bracket.of(
+            colocated=self.engine.colocated,
+            offload_kv=self.engine.offload_kv_for_weight_sync,
+            rollouts_continue=self.trainer.strategy == "fully_async",
+        )

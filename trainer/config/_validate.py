@@ -65,8 +65,8 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
         )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
-    sleeps = e.colocated or e.offload_kv_for_weight_sync
-    if op in ("/sleep", "/wake_up") and not sleeps:
+    bracket = cfg.sync_bracket
+    if op in ("/sleep", "/wake_up") and not bracket.sleeps:
         return (
             "weight syncs pause the engines instead of sleeping them; set "
             "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
@@ -76,13 +76,12 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             "only trainer.strategy=fully_async waits for a batch of rollouts; the synchronous "
             "loop generates its own (target generate instead)"
         )
-    async_offload = t.strategy == "fully_async" and e.offload_kv_for_weight_sync
-    if op in ("/pause", "/resume") and sleeps and not async_offload:
+    if op in ("/pause", "/resume") and not bracket.pauses:
         return (
             "weight syncs sleep the engines instead of pausing them (engine.colocated or "
             "engine.offload_kv_for_weight_sync); set both to false to reach it"
         )
-    if op == "/reset_prefix_cache" and sleeps:
+    if op == "/reset_prefix_cache" and not bracket.resets_prefix_cache:
         return (
             "weight syncs sleep the engines (engine.colocated or "
             "engine.offload_kv_for_weight_sync), which clears their caches without it; set both "

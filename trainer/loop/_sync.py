@@ -133,10 +133,8 @@ async def sync_weights(
                     ctx.engine,
                     ctx.workers,
                     ctx.transport,
+                    bracket=ctx.cfg.sync_bracket,
                     pause_mode=e.pause_mode,
-                    colocated=e.colocated,
-                    offload_kv=e.offload_kv_for_weight_sync,
-                    fully_async=ctx.strategy.rollouts_continue,
                     grace_s=ctx.cfg.sync.transfer_grace_s,
                 )
 

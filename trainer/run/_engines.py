@@ -146,7 +146,7 @@ def policy_dtype(cfg: Config) -> str:
 def sleeps_engines(cfg: Config) -> bool:
     """Whether the run sleeps its engines during weight syncs (their servers then need
     sleep mode: ``--enable-sleep-mode``)."""
-    return cfg.engine.colocated or cfg.engine.offload_kv_for_weight_sync
+    return cfg.sync_bracket.sleeps
 
 
 def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
