@@ -35,6 +35,7 @@ import trio
 
 from engines.process_group import require_cuda
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
+from sync.registry import TransportSettings
 from sync.transports.base import Rank0
 from sync.transports.buckets import plan_buckets
 
@@ -113,6 +114,10 @@ def release_ipc_buffer(model: torch.nn.Module, transport_id: str) -> bool:
 
 class IpcTransport:
     """vLLM's packed ``ipc`` backend from rank 0's GPU to engines on the same GPU."""
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> IpcTransport:
+        return cls(settings.bucket_bytes)
 
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes

@@ -9,6 +9,7 @@ import stat
 import warnings
 
 from engines.vllm.flags import flag_clashes
+from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._models import CriticConfig
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -29,7 +30,7 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
     if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
         return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
     if op == "init_process_group" and (
-        cfg.sync.transport not in ("gloo", "nccl") or e.backend == "inprocess"
+        not TRANSPORTS[cfg.sync.transport].group or e.backend == "inprocess"
     ):
         return (
             f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
@@ -163,7 +164,7 @@ def _check_vllm(cfg: Config) -> None:
             f"config: engine.extra_args={list(e.extra_args)} set what the trainer sets from its "
             f"own keys: {keys}; set those keys instead and drop the flags from engine.extra_args"
         )
-    if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
+    if TRANSPORTS[cfg.sync.transport].same_gpu and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "
             f"engine.tensor_parallel_size={e.tensor_parallel_size} is out of range: use 1, or "
@@ -293,7 +294,7 @@ def validate_cfg(cfg: Config) -> None:
             _check_reachable(fault, cfg)
     collective = cfg.workers.collective_timeout_s
     uses_collectives = cfg.workers.backend == "ray" or (
-        cfg.sync.transport in ("gloo", "nccl") and cfg.engine.backend != "inprocess"
+        TRANSPORTS[cfg.sync.transport].group and cfg.engine.backend != "inprocess"
     )
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),
