@@ -14,15 +14,14 @@ vLLM's own backends or the project's vLLM plugin) are the engine side of the sam
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
 if TYPE_CHECKING:
-    from sync.transports.base import WeightTransport
+    from sync.transports.base import TransportSettings, WeightTransport
 
-__all__ = ["TRANSPORTS", "TransportName", "TransportSettings", "TransportSpec", "make_transport"]
+__all__ = ["TRANSPORTS", "TransportName", "TransportSpec", "make_transport"]
 
 
 @attrs.frozen
@@ -54,20 +53,6 @@ if TYPE_CHECKING:
     TransportName = Literal["disk", "gloo", "nccl", "ipc"]
 else:  # the config's allowed values, from the registry (a Literal over a tuple at run time)
     TransportName = Literal[tuple(TRANSPORTS)]
-
-
-@attrs.frozen
-class TransportSettings:
-    """What a run gives its transport (``sync.*`` and the workers' collective bound)."""
-
-    name: str
-    bucket_bytes: int
-    #: Where ``disk`` writes its buckets (``RUN_DIR/weight_sync``).
-    directory: Path
-    group_init_timeout_s: float
-    timeout_s: float
-    master_address: str | None = None
-    packed: bool = True
 
 
 def make_transport(settings: TransportSettings) -> WeightTransport:

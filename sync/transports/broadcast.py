@@ -59,8 +59,7 @@ from engines.weight_transfer import (
     nccl_init_info,
 )
 from sync.group import init_group
-from sync.registry import TransportSettings
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.broadcast_rank0 import (
     GROUP,
     INIT_OP,

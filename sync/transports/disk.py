@@ -24,8 +24,7 @@ from typing import Any
 import torch
 import trio
 
-from sync.registry import TransportSettings
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.buckets import plan_buckets, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]

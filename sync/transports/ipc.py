@@ -35,8 +35,7 @@ import trio
 
 from engines.process_group import require_cuda
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
-from sync.registry import TransportSettings
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.buckets import plan_buckets
 
 __all__ = ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"]

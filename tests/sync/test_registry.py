@@ -10,8 +10,9 @@ import pytest
 
 from engines.local.weight_routes import BACKENDS as REFERENCE_BACKENDS
 from engines.vllm.flags import VLLM_TRANSPORTS
-from sync.registry import TRANSPORTS, TransportSettings, make_transport
+from sync.registry import TRANSPORTS, make_transport
 from sync.transports import BroadcastTransport, DiskTransport, IpcTransport
+from sync.transports.base import TransportSettings
 from trainer.config import load_config
 from trainer.config._engine import SyncConfig
 from trainer.errors import ConfigError

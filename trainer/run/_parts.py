@@ -23,8 +23,8 @@ import trio
 
 from engines.models import resolve_model_path
 from sync import registry
-from sync.registry import TransportSettings
 from sync.transports import InProcessTransport, WeightTransport
+from sync.transports.base import TransportSettings
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config import Config
 from trainer.off_policy import resolve_correction
