@@ -1,6 +1,8 @@
 """``save_weights_for_sampler``: push the policy's weights to the inference engines.
 
-The engine bracket around the transfer depends on where the engines live:
+The engine bracket around the transfer (``bracket``, a run's
+:attr:`~trainer.config.Config.sync_bracket`, decided by :meth:`sync.bracket.Bracket.of`)
+depends on where the engines live:
 
 - non-colocated (default): pause generation (``engine.pause_mode``) -> transfer -> reset
   the prefix cache (``/reset_prefix_cache?reset_running_requests=true``: vLLM drops the
@@ -49,6 +51,7 @@ from typing import Any, TypeVar
 import trio
 
 from engines.types import ControlPlaneClient, EngineClient, PauseMode
+from sync.bracket import Bracket
 from sync.transports.base import Rank0, WeightTransport
 from trainer.errors import EngineUnusableError, StepTimeoutError
 from trainer.vocabulary import (
@@ -257,10 +260,8 @@ async def save_weights_for_sampler(
     workers: Rank0,
     transport: WeightTransport,
     *,
+    bracket: Bracket = Bracket.PAUSE,
     pause_mode: PauseMode = "keep",
-    colocated: bool = False,
-    offload_kv: bool = False,
-    fully_async: bool = False,
     grace_s: float = TRANSFER_GRACE_S,
 ) -> dict[str, float]:
     """Transfer the policy's weights inside the engine bracket; return the sync's metrics.
@@ -365,23 +366,23 @@ async def save_weights_for_sampler(
     async def wake_kv() -> None:
         await engine.wake_up(["kv_cache"])
 
-    if colocated:
+    if bracket is Bracket.COLOCATED:
         await engine.wake_up(["weights"])
         async with after(wake_kv, "/wake_up"):
             await transfer_and_record()
-    elif offload_kv and fully_async:
+    elif bracket is Bracket.PAUSE_OFFLOAD_KV:
         await engine.pause(pause_mode)
         async with after(engine.resume, "/resume"):
             await engine.sleep(1)
             await engine.wake_up(["weights"])
             async with after(wake_kv, "/wake_up"):
                 await transfer_and_record()
-    elif offload_kv:
+    elif bracket is Bracket.OFFLOAD_KV:
         await engine.sleep(1)
         await engine.wake_up(["weights"])
         async with after(wake_kv, "/wake_up"):
             await transfer_and_record()
-    else:
+    else:  # Bracket.PAUSE
         await engine.pause(pause_mode)
         async with after(engine.resume, "/resume"):
             await transfer_and_record()

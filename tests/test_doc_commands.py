@@ -313,8 +313,16 @@ def quick_blocks(path: Path) -> list[tuple[int, str]]:
     ]
 
 
-@pytest.mark.slow
-def test_quick_commands_run_for_real_without_failure_or_warning(tmp_path):
+def _quick_files() -> list[Path]:
+    return [f for f in [*doc_files(), *example_files()] if quick_blocks(f)]
+
+
+def test_the_docs_have_quick_commands():
+    assert sum(len(quick_blocks(f)) for f in _quick_files()) >= 3
+
+
+@pytest.fixture(scope="module")
+def quick_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINER_")}
     env["PYTHONPATH"] = str(ROOT)
     if "TRAINER_CACHE_DIR" in os.environ:
@@ -322,27 +330,30 @@ def test_quick_commands_run_for_real_without_failure_or_warning(tmp_path):
     # the runs' reference servers are forked, already imported (docs/engines.md); the
     # commands themselves run as a user types them
     env["TRAINER_FORK_SERVER"] = fork_server()
-    ran = 0
-    for f in [*doc_files(), *example_files()]:
-        work = tmp_path / f.stem
-        work.mkdir()
-        (work / ".venv").symlink_to(Path(sys.prefix))
-        for line, script in quick_blocks(f):
-            proc = subprocess.run(
-                ["bash", "-euo", "pipefail", "-c", script],
-                capture_output=True,
-                text=True,
-                cwd=work,
-                env=env,
-                timeout=300,
-            )
-            where = f"{rel(f)}:{line}"
-            assert proc.returncode == 0, f"{where} failed:\n{script}\n{proc.stderr[-3000:]}"
-            assert not re.search(r"^(warning:|WARNING)", proc.stderr, re.M), (
-                f"{where} warned:\n{proc.stderr[-2000:]}"
-            )
-            ran += 1
-    assert ran >= 3
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("f", _quick_files(), ids=rel)
+def test_quick_commands_run_for_real_without_failure_or_warning(f, quick_env, tmp_path):
+    """Each page's quick blocks in order, in one directory of their own (one test per page)."""
+    work = tmp_path / f.stem
+    work.mkdir()
+    (work / ".venv").symlink_to(Path(sys.prefix))
+    for line, script in quick_blocks(f):
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", script],
+            capture_output=True,
+            text=True,
+            cwd=work,
+            env=quick_env,
+            timeout=300,
+        )
+        where = f"{rel(f)}:{line}"
+        assert proc.returncode == 0, f"{where} failed:\n{script}\n{proc.stderr[-3000:]}"
+        assert not re.search(r"^(warning:|WARNING)", proc.stderr, re.M), (
+            f"{where} warned:\n{proc.stderr[-2000:]}"
+        )
 
 
 def test_the_figure_script_draws_both_pictures_from_a_run(tmp_path):

@@ -151,3 +151,20 @@ def test_the_fault_reference_lists_every_operation_a_fault_can_target():
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
     entry = text.split("- **OP** —", 1)[1].split("- **ACTION** —", 1)[0]
     assert sorted(set(re.findall(r"`(/?[a-z_]+)`", entry))) == sorted(OPERATIONS)
+
+
+_PRIVATE_MODULE = re.compile(r"\b(?:trainer|engines|sync)(?:\.[a-z]\w*)*\._[a-z]\w*")
+
+
+def test_user_docs_name_only_public_modules():
+    """A user's page names what they may import; private modules (``trainer.config._load``)
+    belong to docs/architecture.md, the map of the code, only."""
+    pages = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    found = [
+        f"{page.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for page in pages
+        if page.name != "architecture.md"
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in _PRIVATE_MODULE.finditer(line)
+    ]
+    assert found == []

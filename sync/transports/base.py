@@ -9,11 +9,28 @@ function on rank 0, with rank 0's policy model as the first argument.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-__all__ = ["Rank0", "WeightTransport"]
+import attrs
+
+__all__ = ["Rank0", "TransportSettings", "WeightTransport"]
 
 T = TypeVar("T")
+
+
+@attrs.frozen
+class TransportSettings:
+    """What a run gives its transport (``sync.*`` and the workers' collective bound)."""
+
+    name: str
+    bucket_bytes: int
+    #: Where ``disk`` writes its buckets (``RUN_DIR/weight_sync``).
+    directory: Path
+    group_init_timeout_s: float
+    timeout_s: float
+    master_address: str | None = None
+    packed: bool = True
 
 
 class Rank0(Protocol):

@@ -59,7 +59,7 @@ from engines.weight_transfer import (
     nccl_init_info,
 )
 from sync.group import init_group
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.broadcast_rank0 import (
     GROUP,
     INIT_OP,
@@ -82,6 +82,20 @@ class BroadcastTransport:
     vLLM's wire param (the model in flat ``uint8`` chunks of about ``bucket_bytes``, which is
     also the ``packed_buffer_size_bytes`` sent).
     """
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> BroadcastTransport:
+        """gloo or nccl (``settings.name``); rank 0 hosts the group at
+        ``settings.master_address``, else at its address the engines reach."""
+        backend: GroupBackend = "nccl" if settings.name == "nccl" else "gloo"
+        return cls(
+            settings.bucket_bytes,
+            group_init_timeout_s=settings.group_init_timeout_s,
+            timeout_s=settings.timeout_s,
+            master_address=settings.master_address,
+            backend=backend,
+            packed=settings.packed,
+        )
 
     def __init__(
         self,

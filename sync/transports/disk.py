@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import trio
 
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.buckets import plan_buckets, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
@@ -59,6 +59,10 @@ def write_buckets(
 
 class DiskTransport:
     """Bucket files written by rank 0, read by every engine (see the module docstring)."""
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> DiskTransport:
+        return cls(settings.directory, settings.bucket_bytes)
 
     def __init__(self, directory: Path, bucket_bytes: int) -> None:
         self.directory = Path(directory)

@@ -35,7 +35,7 @@ import trio
 
 from engines.process_group import require_cuda
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
-from sync.transports.base import Rank0
+from sync.transports.base import Rank0, TransportSettings
 from sync.transports.buckets import plan_buckets
 
 __all__ = ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"]
@@ -113,6 +113,10 @@ def release_ipc_buffer(model: torch.nn.Module, transport_id: str) -> bool:
 
 class IpcTransport:
     """vLLM's packed ``ipc`` backend from rank 0's GPU to engines on the same GPU."""
+
+    @classmethod
+    def from_settings(cls, settings: TransportSettings) -> IpcTransport:
+        return cls(settings.bucket_bytes)
 
     def __init__(self, bucket_bytes: int) -> None:
         self.bucket_bytes = bucket_bytes

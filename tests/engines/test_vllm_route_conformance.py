@@ -40,6 +40,7 @@ from engines.client import ROUTE_FLAGS, InferenceClient
 from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
+from sync.bracket import Bracket
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import save_weights_for_sampler
@@ -367,7 +368,7 @@ async def test_the_disk_and_gloo_syncs_send_what_vllms_routes_declare(
             await disk.init(client, workers)
             # the offloading bracket: pause, sleep, wake the weights, transfer, wake the KV cache
             await save_weights_for_sampler(
-                client, workers, disk, offload_kv=True, fully_async=True, pause_mode="wait"
+                client, workers, disk, bracket=Bracket.PAUSE_OFFLOAD_KV, pause_mode="wait"
             )
             gloo = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
             await gloo.init(client, workers)

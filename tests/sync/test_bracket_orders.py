@@ -22,6 +22,7 @@ import trio
 import trainer.run
 from engines.client import InferenceClient
 from engines.models import build_tiny_model
+from sync.bracket import Bracket
 from sync.transports import DiskTransport
 from sync.weights import abandoned_detail, save_weights_for_sampler
 from trainer.config import Config, load_config
@@ -40,14 +41,18 @@ SHAPES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
         ["/pause?mode=keep"],
         ["/reset_prefix_cache?reset_running_requests=true", "/resume"],
     ),
-    "colocated": ({"colocated": True}, ["/wake_up?tags=weights"], ["/wake_up?tags=kv_cache"]),
+    "colocated": (
+        {"bracket": Bracket.COLOCATED},
+        ["/wake_up?tags=weights"],
+        ["/wake_up?tags=kv_cache"],
+    ),
     "offload-kv": (
-        {"offload_kv": True},
+        {"bracket": Bracket.OFFLOAD_KV},
         ["/sleep?level=1", "/wake_up?tags=weights"],
         ["/wake_up?tags=kv_cache"],
     ),
     "offload-kv-fully-async": (
-        {"offload_kv": True, "fully_async": True, "pause_mode": "abort"},
+        {"bracket": Bracket.PAUSE_OFFLOAD_KV, "pause_mode": "abort"},
         ["/pause?mode=abort", "/sleep?level=1", "/wake_up?tags=weights"],
         ["/wake_up?tags=kv_cache", "/resume"],
     ),

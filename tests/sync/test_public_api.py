@@ -12,7 +12,9 @@ import sync
 #: Every public module of ``sync`` and its ``__all__``; private (``_x``) modules are not listed.
 PUBLIC = {
     "sync": [],
+    "sync.bracket": ["Bracket"],
     "sync.group": ["init_group"],
+    "sync.registry": ["TRANSPORTS", "TransportName", "TransportSpec", "make_transport"],
     "sync.transports": [
         "BroadcastTransport",
         "DiskTransport",
@@ -21,7 +23,7 @@ PUBLIC = {
         "Rank0",
         "WeightTransport",
     ],
-    "sync.transports.base": ["Rank0", "WeightTransport"],
+    "sync.transports.base": ["Rank0", "TransportSettings", "WeightTransport"],
     "sync.transports.broadcast": ["BroadcastTransport"],
     "sync.transports.broadcast_rank0": [
         "GROUP",

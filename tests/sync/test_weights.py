@@ -20,6 +20,7 @@ import pytest
 import trio
 import trio.testing
 
+from sync.bracket import Bracket
 from sync.weights import abandoned_detail, save_weights_for_sampler
 from trainer.errors import StepTimeoutError, WeightSyncTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
@@ -212,7 +213,7 @@ async def test_offload_kv_fully_async_wakes_kv_before_resuming(outcome):
             else _no_raise()
         ):
             await save_weights_for_sampler(
-                engine, None, transport, offload_kv=True, fully_async=True
+                engine, None, transport, bracket=Bracket.PAUSE_OFFLOAD_KV
             )
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
@@ -235,7 +236,7 @@ async def test_offload_kv_sync_trainer_always_wakes_kv_after_the_transfer(outcom
         else:
             transport = BlockingTransport(events, 0.2, fail="x" if outcome == "failure" else None)
         with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-            await save_weights_for_sampler(engine, None, transport, offload_kv=True)
+            await save_weights_for_sampler(engine, None, transport, bracket=Bracket.OFFLOAD_KV)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
         "sleep",
@@ -250,7 +251,9 @@ async def test_colocated_wakes_weights_then_transfers_then_wakes_kv(outcome):
     events: list[str] = []
     transport = BlockingTransport(events, 0.05, fail="x" if outcome == "failure" else None)
     with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-        await save_weights_for_sampler(RecordingEngine(events), None, transport, colocated=True)
+        await save_weights_for_sampler(
+            RecordingEngine(events), None, transport, bracket=Bracket.COLOCATED
+        )
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == ["wake_weights", done, "wake_kv_cache"]
 

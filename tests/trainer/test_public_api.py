@@ -86,6 +86,7 @@ PUBLIC = {
         "RewardFunction",
         "RewardTally",
         "check_same_order",
+        "check_same_strategy",
         "count_reward_failures",
         "digit_task_reward",
         "epoch_order",
@@ -300,6 +301,7 @@ PUBLIC = {
         "Optimizer",
         "add_metrics",
         "enable_activation_checkpointing",
+        "extreme",
         "micro_batches",
     ],
 }

@@ -11,6 +11,7 @@ from typing import Literal
 import attrs
 
 from engines.types import PauseMode
+from sync.registry import TransportName
 from trainer.config._fields import at_least, in_range, positive
 from trainer.config._fields import config_field as _field
 
@@ -142,7 +143,7 @@ class EngineConfig:
 
 @attrs.define
 class SyncConfig:
-    transport: Literal["disk", "gloo", "nccl", "ipc"] = _field(
+    transport: TransportName = _field(
         "disk",
         "How weights reach HTTP engines, as vLLM's weight-transfer backends: 'disk' writes "
         "safetensors buckets the engines load (same machine or shared mount); 'nccl' "

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 import attrs
 
+from sync.bracket import Bracket
 from trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -220,6 +221,14 @@ class TrainerConfig:
         FullyAsyncConfig, "trainer.strategy=fully_async: staleness and weight-sync cadence."
     )
 
+    @property
+    def one_update_per_batch(self) -> bool:
+        """Whether each batch gets exactly one optimizer step: one mini-batch, one epoch. Its
+        old logprobs are then the update's own forward's (no separate ``forward`` of the
+        policy), and ``policy/approx_kl`` is 0."""
+        one_mini_batch = self.policy_mini_batch_size in (None, self.train_batch_size)
+        return self.update_epochs == 1 and one_mini_batch
+
 
 @attrs.define
 class SamplingConfig:
@@ -416,3 +425,14 @@ class Config:
         "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",
         env="TRAINER_FAULTS",
     )
+
+    @property
+    def sync_bracket(self) -> Bracket:
+        """The engine bracket of this run's weight syncs (:class:`sync.bracket.Bracket`),
+        decided there from engine.colocated, engine.offload_kv_for_weight_sync and whether
+        rollouts go on during a sync (trainer.strategy=fully_async)."""
+        return Bracket.of(
+            colocated=self.engine.colocated,
+            offload_kv=self.engine.offload_kv_for_weight_sync,
+            rollouts_continue=self.trainer.strategy == "fully_async",
+        )

@@ -9,6 +9,7 @@ import stat
 import warnings
 
 from engines.vllm.flags import flag_clashes
+from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._models import CriticConfig
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -29,7 +30,7 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
     if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
         return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
     if op == "init_process_group" and (
-        cfg.sync.transport not in ("gloo", "nccl") or e.backend == "inprocess"
+        not TRANSPORTS[cfg.sync.transport].group or e.backend == "inprocess"
     ):
         return (
             f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
@@ -49,10 +50,24 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             f"this run trains no critic (algorithm.advantage_estimator="
             f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
         )
+    if op == "forward" and t.one_update_per_batch and not cfg.algorithm.use_kl_loss:
+        return (
+            "with one update per batch (trainer.update_epochs=1, one mini-batch) the old "
+            "logprobs come from the update's own forward_backward, and without "
+            "algorithm.use_kl_loss there is no reference model to run; target forward_backward, "
+            "or set trainer.update_epochs=2 (or trainer.policy_mini_batch_size) to reach it"
+        )
+    if op.startswith("/") and e.backend in ("vllm", "remote"):
+        return (
+            f"route faults fire inside the engine servers the project runs (the reference "
+            f"engine, or vLLM in process), and engine.backend={e.backend} talks to a vLLM "
+            "server that never reads them; use engine.backend=local, inprocess or "
+            "vllm_inprocess to reach it"
+        )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
-    sleeps = e.colocated or e.offload_kv_for_weight_sync
-    if op in ("/sleep", "/wake_up") and not sleeps:
+    bracket = cfg.sync_bracket
+    if op in ("/sleep", "/wake_up") and not bracket.sleeps:
         return (
             "weight syncs pause the engines instead of sleeping them; set "
             "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
@@ -62,13 +77,12 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             "only trainer.strategy=fully_async waits for a batch of rollouts; the synchronous "
             "loop generates its own (target generate instead)"
         )
-    async_offload = t.strategy == "fully_async" and e.offload_kv_for_weight_sync
-    if op in ("/pause", "/resume") and sleeps and not async_offload:
+    if op in ("/pause", "/resume") and not bracket.pauses:
         return (
             "weight syncs sleep the engines instead of pausing them (engine.colocated or "
             "engine.offload_kv_for_weight_sync); set both to false to reach it"
         )
-    if op == "/reset_prefix_cache" and sleeps:
+    if op == "/reset_prefix_cache" and not bracket.resets_prefix_cache:
         return (
             "weight syncs sleep the engines (engine.colocated or "
             "engine.offload_kv_for_weight_sync), which clears their caches without it; set both "
@@ -150,7 +164,7 @@ def _check_vllm(cfg: Config) -> None:
             f"config: engine.extra_args={list(e.extra_args)} set what the trainer sets from its "
             f"own keys: {keys}; set those keys instead and drop the flags from engine.extra_args"
         )
-    if cfg.sync.transport == "ipc" and e.tensor_parallel_size != 1:
+    if TRANSPORTS[cfg.sync.transport].same_gpu and e.tensor_parallel_size != 1:
         raise ConfigError(
             f"config: sync.transport='ipc' hands the engine one GPU's buffer, so "
             f"engine.tensor_parallel_size={e.tensor_parallel_size} is out of range: use 1, or "
@@ -280,7 +294,7 @@ def validate_cfg(cfg: Config) -> None:
             _check_reachable(fault, cfg)
     collective = cfg.workers.collective_timeout_s
     uses_collectives = cfg.workers.backend == "ray" or (
-        cfg.sync.transport in ("gloo", "nccl") and cfg.engine.backend != "inprocess"
+        TRANSPORTS[cfg.sync.transport].group and cfg.engine.backend != "inprocess"
     )
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),

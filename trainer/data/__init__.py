@@ -9,6 +9,7 @@ from trainer.data._examples import PromptLoader as PromptLoader
 from trainer.data._examples import RewardFn as RewardFn
 from trainer.data._examples import RewardFunction as RewardFunction
 from trainer.data._examples import check_same_order as check_same_order
+from trainer.data._examples import check_same_strategy as check_same_strategy
 from trainer.data._examples import digit_task_reward as digit_task_reward
 from trainer.data._examples import epoch_order as epoch_order
 from trainer.data._examples import exact_match_reward as exact_match_reward
@@ -25,6 +26,7 @@ __all__ = [
     "RewardFunction",
     "RewardTally",
     "check_same_order",
+    "check_same_strategy",
     "count_reward_failures",
     "digit_task_reward",
     "epoch_order",

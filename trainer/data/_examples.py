@@ -356,6 +356,22 @@ def check_same_order(state: dict[str, Any], *fields: tuple[str, str, int]) -> No
             )
 
 
+def check_same_strategy(state: dict[str, Any], mine: str) -> None:
+    """ConfigError if a checkpoint's data ``state`` was saved under another
+    ``trainer.strategy`` than ``mine``: a synchronous loop's batches are not a fully-async
+    stream's groups (and a fully-async checkpoint's prompts in flight would be lost). The state
+    names its strategy; one saved before it did is told by its fields (only the stream keeps
+    a ``position``)."""
+    saved = state.get("strategy") or ("fully_async" if "position" in state else "sync")
+    if saved != mine:
+        lost = " (its prompts in flight would be lost)" if saved == "fully_async" else ""
+        raise ConfigError(
+            f"config: trainer.strategy={mine!r} cannot resume a checkpoint of a "
+            f"trainer.strategy={saved!r} run{lost}; resume with the first run's configuration "
+            "(--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
+        )
+
+
 def epoch_order(num_examples: int, seed: int, epoch: int) -> list[int]:
     """The order of the examples in epoch ``epoch``: a permutation seeded by ``(seed, epoch)``."""
     order = list(range(num_examples))
@@ -402,6 +418,7 @@ class PromptLoader:
         """The position, plus what fixes the order (checked by :meth:`load_state_dict`)."""
         return {
             "epoch": self.epoch,
+            "strategy": "sync",
             "index": self.index,
             "seed": self.seed,
             "batch_size": self.batch_size,
@@ -416,13 +433,7 @@ class PromptLoader:
         the key and the checkpoint's value. States saved before these fields existed are
         accepted as they are.
         """
-        if "position" in state:
-            raise ConfigError(
-                "config: trainer.strategy='sync' cannot resume a checkpoint of a "
-                "trainer.strategy='fully_async' run (its prompts in flight would be lost); resume "
-                "with the first run's configuration (--config RUN_DIR/config.yaml "
-                "trainer.resume_mode=latest)"
-            )
+        check_same_strategy(state, "sync")
         check_same_order(
             state,
             ("seed", "trainer.seed", self.seed),

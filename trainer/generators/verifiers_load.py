@@ -116,13 +116,21 @@ def model_context(
 
     return vf.ModelContext(
         model=model,
-        client=vf.TrainClientConfig(
-            base_url=base_url, api_key_var=_API_KEY_VAR, renderer_model_name=tokenizer_dir
+        # model_validate: the pydantic models' validation from plain fields (their generated
+        # __init__ signatures do not show the defaults, or a field passed through like seed)
+        client=vf.TrainClientConfig.model_validate(
+            {
+                "base_url": base_url,
+                "api_key_var": _API_KEY_VAR,
+                "renderer_model_name": tokenizer_dir,
+            }
         ),
-        sampling=vf.Sampling(
-            temperature=temperature,
-            max_tokens=max_tokens,
-            **({} if seed is None else {"seed": seed % 2**63}),
+        sampling=vf.Sampling.model_validate(
+            {
+                "temperature": temperature,
+                "max_tokens": max_tokens,
+                **({} if seed is None else {"seed": seed % 2**63}),
+            }
         ),
     )
 

@@ -19,8 +19,7 @@ from typing import Any
 import attrs
 import trio
 
-from trainer.data import Example, check_same_order, epoch_order
-from trainer.errors import ConfigError
+from trainer.data import Example, check_same_order, check_same_strategy, epoch_order
 
 __all__ = ["PromptKey", "PromptStream"]
 
@@ -81,6 +80,7 @@ class PromptStream:
         """The position, the prompts to hand out again (in flight first, oldest first), and
         what fixes the order (checked by :meth:`load_state_dict`)."""
         return {
+            "strategy": "fully_async",
             "epoch": self.epoch,
             "position": self.position,
             "pending": [list(k) for k in [*sorted(self.in_flight), *self.requeued]],
@@ -94,12 +94,7 @@ class PromptStream:
         ConfigError for a checkpoint of the synchronous loop (its batches are not this
         stream's groups) or one whose data order differs (another seed or prompt count).
         """
-        if "position" not in state:
-            raise ConfigError(
-                "config: trainer.strategy='fully_async' cannot resume a checkpoint of a "
-                "trainer.strategy='sync' run; resume with the first run's configuration "
-                "(--config RUN_DIR/config.yaml trainer.resume_mode=latest)"
-            )
+        check_same_strategy(state, "fully_async")
         check_same_order(
             state,
             ("seed", "trainer.seed", self.seed),

@@ -24,6 +24,7 @@ from trainer.generators.chat import render_prompt
 from trainer.loop._context import RunContext
 from trainer.metrics import jsonable_row
 from trainer.workers.batch import TrainBatch
+from trainer.workers.training import extreme
 
 __all__ = [
     "advantages_for",
@@ -194,11 +195,9 @@ def advantages_for(
 
 
 def one_update_per_batch(cfg: Config) -> bool:
-    """Whether each batch gets exactly one optimizer step: one mini-batch, one epoch (its
-    ``policy/approx_kl`` is then 0, and its old logprobs are the update's own forward's)."""
-    t = cfg.trainer
-    one_mini_batch = t.policy_mini_batch_size in (None, t.train_batch_size)
-    return t.update_epochs == 1 and one_mini_batch
+    """Whether each batch gets exactly one optimizer step (decided by
+    :attr:`~trainer.config.TrainerConfig.one_update_per_batch`, which validation reads too)."""
+    return cfg.trainer.one_update_per_batch
 
 
 async def train_critic_and_policy(
@@ -208,7 +207,7 @@ async def train_critic_and_policy(
     mini-batch trains the critic (a run with one), then the policy, unless ``step`` is within
     ``critic.warmup_steps`` (the policy waits for the critic's values to mean something). The
     policy's passes run between ``backload_to_gpu`` and ``offload_to_cpu`` (their bytes join
-    the metrics); the metrics are each mini-batch's, averaged."""
+    the metrics); the metrics are each mini-batch's, averaged (extremes by max or min)."""
     t = ctx.cfg.trainer
     critic = batch.values is not None
     policy = not (critic and step <= ctx.cfg.critic.warmup_steps)
@@ -232,7 +231,7 @@ async def train_critic_and_policy(
                 metrics.setdefault(k, []).append(v)
     if policy:
         moved |= await ctx.workers.offload_to_cpu()
-    return {k: statistics.fmean(v) for k, v in metrics.items()} | moved
+    return {k: (extreme(k) or statistics.fmean)(v) for k, v in metrics.items()} | moved
 
 
 async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:

@@ -133,10 +133,8 @@ async def sync_weights(
                     ctx.engine,
                     ctx.workers,
                     ctx.transport,
+                    bracket=ctx.cfg.sync_bracket,
                     pause_mode=e.pause_mode,
-                    colocated=e.colocated,
-                    offload_kv=e.offload_kv_for_weight_sync,
-                    fully_async=ctx.strategy.rollouts_continue,
                     grace_s=ctx.cfg.sync.transfer_grace_s,
                 )
 
@@ -145,7 +143,7 @@ async def sync_weights(
                     # with recovery: to the engines that are up; one failing meanwhile is left out
                     recovery = ctx.recovery
                     result = await (recovery.sync_members(transfer) if recovery else transfer())
-            result |= await stages.verify_weights(ctx, step, versions.current + 1, force=verify)
+            result |= await stages.verify_weights(ctx, step, versions.upcoming, force=verify)
         finally:
             versions.syncing = False
     versions.synced(step if new_policy else None)

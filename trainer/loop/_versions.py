@@ -5,7 +5,7 @@
 fully-async admission bounds staleness against (:mod:`trainer.loop._staleness`); ``syncing``
 says a sync is under way, which the fully-async engine labels tokens by
 (:mod:`trainer.loop._rollout_versions`). Only :func:`trainer.loop._sync.sync_weights` moves
-them.
+them, and :func:`trainer.run.train` once, when it resumes (:meth:`WeightVersions.resumed`).
 """
 
 from __future__ import annotations
@@ -27,6 +27,16 @@ class WeightVersions:
     #: True from just before a sync's ``/pause`` until its new version is counted.
     syncing: bool = False
     _changed: trio.Event = attrs.field(factory=trio.Event, init=False)
+
+    def resumed(self, syncs: int) -> None:
+        """A resumed run's engines count on from the checkpoint's ``syncs`` (its
+        ``weight_version``), before the first step."""
+        self.current = syncs
+
+    @property
+    def upcoming(self) -> int:
+        """The version the sync under way makes, once :meth:`synced` counts it."""
+        return self.current + 1
 
     def synced(self, policy_step: int | None) -> None:
         """One more sync is done; the engines serve trained step ``policy_step``'s weights

@@ -31,6 +31,7 @@ from engines.vllm.flags import VLLM_TRANSPORTS
 from engines.vllm.inprocess import open_vllm_inprocess_client
 from engines.vllm.serve import VllmServers, check_server_config, gpu_groups
 from engines.weight_transfer import dtype_name
+from sync.registry import TRANSPORTS
 from trainer.config import Config
 from trainer.errors import ConfigError
 from trainer.run._parts import cpu_threads
@@ -146,7 +147,7 @@ def policy_dtype(cfg: Config) -> str:
 def sleeps_engines(cfg: Config) -> bool:
     """Whether the run sleeps its engines during weight syncs (their servers then need
     sleep mode: ``--enable-sleep-mode``)."""
-    return cfg.engine.colocated or cfg.engine.offload_kv_for_weight_sync
+    return cfg.sync_bracket.sleeps
 
 
 def refuse_sleep_on_the_cpu(cfg: Config, cpu: bool) -> None:
@@ -175,7 +176,7 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
     cpu = not torch.cuda.is_available()
     groups: tuple[tuple[int, ...], ...] = ()
     if e.placement == "process":  # Ray gives its actors their GPUs
-        first = 0 if transport == "ipc" else 1
+        first = 0 if TRANSPORTS[transport].same_gpu else 1
         groups = gpu_groups(e.gpu_ids, e.num_engines, e.tensor_parallel_size, first)
     return VllmServers(
         str(model_dir),

@@ -22,13 +22,9 @@ import attrs
 import trio
 
 from engines.models import resolve_model_path
-from sync.transports import (
-    BroadcastTransport,
-    DiskTransport,
-    InProcessTransport,
-    IpcTransport,
-    WeightTransport,
-)
+from sync import registry
+from sync.transports import InProcessTransport, WeightTransport
+from sync.transports.base import TransportSettings
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config import Config
 from trainer.off_policy import resolve_correction
@@ -93,20 +89,17 @@ def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
     """
     if cfg.engine.backend == "inprocess":
         return InProcessTransport()
-    bucket_bytes = cfg.sync.bucket_size_mb * 2**20
-    if cfg.sync.transport in ("gloo", "nccl"):
-        # rank 0 hosts the group at sync.master_address, else at its address the engines reach
-        return BroadcastTransport(
-            bucket_bytes,
-            group_init_timeout_s=cfg.sync.group_init_timeout_s,
-            timeout_s=cfg.workers.collective_timeout_s,
-            master_address=cfg.sync.master_address,
-            backend=cfg.sync.transport,
-            packed=cfg.sync.packed is not False,
-        )
-    if cfg.sync.transport == "ipc":
-        return IpcTransport(bucket_bytes)
-    return DiskTransport(run_dir / "weight_sync", bucket_bytes)
+    s = cfg.sync
+    settings = TransportSettings(
+        s.transport,
+        s.bucket_size_mb * 2**20,
+        run_dir / "weight_sync",
+        group_init_timeout_s=s.group_init_timeout_s,
+        timeout_s=cfg.workers.collective_timeout_s,
+        master_address=s.master_address,
+        packed=s.packed is not False,
+    )
+    return registry.make_transport(settings)
 
 
 @asynccontextmanager

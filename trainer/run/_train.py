@@ -311,7 +311,7 @@ async def _train(
         )
         if recovery is not None:
             recovery.set_resync(functools.partial(resync_engines, ctx))
-        strategy.versions.current = int(state.get("weight_version", 0))  # syncs so far
+        strategy.versions.resumed(int(state.get("weight_version", 0)))  # syncs so far
         progress.start_steps(last_step, start=start)
         trio.lowlevel.add_instrument(ctx.stalls)
         stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)

@@ -56,6 +56,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.ray_actor import PolicyActor, RefActor
 from trainer.workers.ray_cluster import actor_env
 from trainer.workers.ray_placement import bundles, gpus_for, padded_shard, shards
+from trainer.workers.training import extreme
 
 __all__ = ["RayWorkerGroup"]
 
@@ -326,10 +327,8 @@ class RayWorkerGroup:
         merged: dict[str, float] = {}
         for metrics in await self._call_policy(op, op, args):
             for k, v in metrics.items():
-                if k.endswith("_max"):
-                    merged[k] = max(merged.get(k, v), v)
-                elif k.endswith("_min"):
-                    merged[k] = min(merged.get(k, v), v)
+                if fold := extreme(k):
+                    merged[k] = fold((merged[k], v)) if k in merged else v
                 else:
                     merged[k] = merged.get(k, 0.0) + v
         return merged

@@ -3,11 +3,17 @@ clipping and stepping, activation checkpointing, and summing a mini-batch's metr
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["Optimizer", "add_metrics", "enable_activation_checkpointing", "micro_batches"]
+__all__ = [
+    "Optimizer",
+    "add_metrics",
+    "enable_activation_checkpointing",
+    "extreme",
+    "micro_batches",
+]
 
 
 def micro_batches(n: int, size: int | None) -> list[slice]:
@@ -53,6 +59,17 @@ class Optimizer:
         return float(grad_norm), float(self.scheduler.get_last_lr()[0])
 
 
+def extreme(key: str) -> Callable[[Iterable[float]], float] | None:
+    """How the metric ``key`` folds over micro-batches, ranks and mini-batches when its name
+    says it is an extreme (``*_max`` by max, ``*_min`` by min); None for any other metric,
+    which each fold treats as a mean or a sum. The one place that reads the suffixes."""
+    if key.endswith("_max"):
+        return max
+    if key.endswith("_min"):
+        return min
+    return None
+
+
 def add_metrics(
     totals: dict[str, float],
     metrics: dict[str, float],
@@ -65,10 +82,8 @@ def add_metrics(
     count) by sum, any other as a mean weighted by ``weight``, the micro-batch's share of the
     mini-batch's trained tokens."""
     for key, v in metrics.items():
-        if key.endswith("_max"):
-            totals[key] = max(totals.get(key, -math.inf), v)
-        elif key.endswith("_min"):
-            totals[key] = min(totals.get(key, math.inf), v)
+        if fold := extreme(key):
+            totals[key] = fold((totals[key], v)) if key in totals else v
         elif key in summed:
             totals[key] = totals.get(key, 0.0) + v
         else:

@@ -22,13 +22,13 @@ from tests.engines.vllm.helpers import assert_exact_steps
 pytestmark = pytest.mark.vllm
 
 
-def _train(run: TrainerRun) -> tuple[list[dict], str]:
-    """The run's metrics lines and its stdout, once every process of the run has exited (a
-    bounded wait: vLLM's worker can outlive its server by a moment)."""
+def _train(run: TrainerRun, steps: int) -> tuple[list[dict], str]:
+    """The run's metrics lines, exactly ``steps`` of them and each exact, and its stdout, once
+    every process of the run has exited (a bounded wait: vLLM's worker can outlive its server
+    by a moment)."""
     proc = run.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert wait_until_gone(run.marker) == []
-    steps = len((run.run_dir / "metrics.jsonl").read_text().splitlines())
     return assert_exact_steps(run.run_dir, steps), proc.stdout
 
 
@@ -37,7 +37,7 @@ def test_the_default_run_against_real_vllm_learns_with_exact_weights(trainer_run
     """The README's command with ``engine.backend=vllm``: the whole default task (200 steps),
     every step sampled with exactly the policy's weights, the last 20% of rewards at least
     twice the first 20% (measured: 0.03 -> 0.6-0.7, as with the reference engine)."""
-    rows, out = _train(trainer_run)
+    rows, out = _train(trainer_run, 200)
     rewards = [r["reward/mean"] for r in rows]
     fifth = len(rewards) // 5
     first, last = statistics.fmean(rewards[:fifth]), statistics.fmean(rewards[-fifth:])
@@ -48,7 +48,7 @@ def test_the_default_run_against_real_vllm_learns_with_exact_weights(trainer_run
 @pytest.mark.trainer_run("engine.backend=vllm_inprocess", "sync.transport={transport}",
                          "trainer.max_steps=3")  # fmt: skip
 def test_engine_backend_vllm_inprocess_trains_3_steps_exactly(trainer_run, transport):
-    _train(trainer_run)
+    _train(trainer_run, 3)
 
 
 @pytest.mark.trainer_run("engine.backend=vllm", "sync.transport=gloo", "trainer.max_steps=4",
@@ -57,7 +57,7 @@ def test_a_killed_vllm_server_is_restarted_and_synced_before_it_serves_again(tra
     """The only vLLM server is killed (SIGKILL, its whole process group) at step 2: step 2
     waits for the restarted server, which gets a complete gloo sync, verified, first; every
     step is exact and nothing of either server is left."""
-    rows, _ = _train(trainer_run)
+    rows, _ = _train(trainer_run, 4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert rows[0]["engine/restarts"] == 0 and rows[-1]["engine/restarts"] == 1
     summary = json.loads((trainer_run.run_dir / "summary.json").read_text())

@@ -10,6 +10,7 @@ a port chosen up front, which is exactly how it runs ``vllm serve``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -27,6 +28,7 @@ from engines.client import InferenceClient
 from engines.launch import ServerSpec, open_engine_processes
 from engines.process_group import free_port
 from engines.types import SamplingParams
+from engines.vllm._plugin import BACKENDS
 from engines.vllm.flags import VLLM_SERVE_MODULE
 from engines.vllm.serve import (
     TOKEN_IN_FLAG,
@@ -201,8 +203,17 @@ def test_the_run_config_becomes_the_servers_it_starts(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("backend", ["vllm", "vllm_inprocess"])
 @pytest.mark.parametrize("transport", ["gloo", "disk"])
-def test_gloo_and_disk_are_transports_vllm_has_through_the_plugin(backend, transport) -> None:
-    load_config(None, [f"engine.backend={backend}", f"sync.transport={transport}"])
+def test_gloo_and_disk_are_transports_vllm_has_through_the_plugin(
+    backend, transport, tmp_path: Path
+) -> None:
+    cfg = load_config(None, [f"engine.backend={backend}", f"sync.transport={transport}"])
+    assert cfg.sync.transport == transport
+    module, name = BACKENDS[transport]  # the plugin's engine for it, importable with vLLM
+    assert getattr(importlib.import_module(module), name).__name__ == name
+    if backend == "vllm":  # the servers the run starts are told the transport
+        argv = vllm_servers(cfg, tmp_path)(0, "127.0.0.1").argv
+        flag = argv[argv.index("--weight-transfer-config") + 1]
+        assert json.loads(flag) == {"backend": transport}
 
 
 def test_the_server_info_fields_read_are_vllms() -> None:

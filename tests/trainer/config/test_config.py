@@ -136,11 +136,26 @@ def test_bad_fault_spec_is_rejected_at_load():
             ["faults=/update_weights:hang", "engine.backend=inprocess"],
             "use engine.backend=local to reach it",
         ),
+        # one update per batch: the old logprobs are the update's own, no reference model
+        (["faults=forward:hang@2"], "target forward_backward, or set trainer.update_epochs=2"),
+        (["faults=forward:error=boom@2", "trainer.policy_mini_batch_size=8"], None),
+        # a vLLM server never reads the trainer's faults
+        (
+            [
+                "faults=/update_weights:error=boom@2",
+                "engine.backend=remote",
+                "engine.urls=[http://h:1]",
+            ],
+            "engine.backend=remote talks to a vLLM server that never reads them",
+        ),
     ],
 )
 def test_a_fault_the_run_can_never_reach_is_refused_naming_the_setting_that_would(
     overrides, reason
 ):
+    if reason is None:  # the same fault, reached by the setting after it
+        assert load_config(None, overrides).faults == overrides[0].removeprefix("faults=")
+        return
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     message = str(info.value)
@@ -153,7 +168,8 @@ def test_a_fault_the_run_can_never_reach_is_refused_naming_the_setting_that_woul
     [
         ["faults=init_process_group:hang", "sync.transport=gloo"],
         ["faults=/sleep:hang@2", "engine.offload_kv_for_weight_sync=true"],
-        ["faults=/pause:hang@2,forward:hang@10", "trainer.max_steps=10"],
+        ["faults=/pause:hang@2,forward:hang@10", "trainer.max_steps=10", "trainer.update_epochs=2"],
+        ["faults=forward:hang@2", "algorithm.use_kl_loss=true"],  # the reference model's forward
         ["faults=save_checkpoint:error=disk full", "trainer.ckpt_interval=5"],
     ],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -201,7 +202,14 @@ def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path)
             time.sleep(0.05)
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
-        time.sleep(2)  # the server stays away a while: the trainer meets it gone
+        # the server stays away until the trainer has met it gone (not a fixed sleep: on a
+        # fast machine that could end before the trainer looked, and skip the path)
+        log = tmp_path / "run" / "train.log"
+        deadline = time.monotonic() + 120
+        while not re.search(r"engine 0 \(\S+\) failed", log.read_text()):
+            assert run.poll() is None, "the run ended before it noticed the engine gone"
+            assert time.monotonic() < deadline, "the trainer did not notice within 120 s"
+            time.sleep(0.05)
         server = _serve(port, tmp_path / "server.log")
         out, _ = run.communicate(timeout=240)
         assert run.returncode == 0, out[-3000:]

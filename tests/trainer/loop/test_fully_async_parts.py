@@ -142,6 +142,19 @@ def test_the_stream_refuses_a_synchronous_runs_checkpoint_and_the_loader_an_asyn
         loader.load_state_dict(stream.state_dict())
     with pytest.raises(ConfigError, match=r"trainer\.seed differs"):
         PromptStream(stream.examples, seed=4, epochs=1).load_state_dict(stream.state_dict())
+    # each state names its strategy; one saved before it did is told by its fields
+    assert (loader.state_dict()["strategy"], stream.state_dict()["strategy"]) == (
+        "sync",
+        "fully_async",
+    )
+    old_sync = {k: v for k, v in loader.state_dict().items() if k != "strategy"}
+    old_async = {k: v for k, v in stream.state_dict().items() if k != "strategy"}
+    with pytest.raises(ConfigError, match=r"of a trainer\.strategy='sync' run;"):
+        _stream().load_state_dict(old_sync)
+    with pytest.raises(ConfigError, match=r"'fully_async' run \(its prompts in flight"):
+        PromptLoader(task_examples("max_digit", 6, 0), 2, 3).load_state_dict(old_async)
+    PromptLoader(task_examples("max_digit", 6, 0), 2, 3).load_state_dict(old_sync)
+    _stream().load_state_dict(old_async)
 
 
 # ---------------------------------------------------------------- version labels
