@@ -208,8 +208,10 @@ def test_gloo_and_disk_are_transports_vllm_has_through_the_plugin(
 ) -> None:
     cfg = load_config(None, [f"engine.backend={backend}", f"sync.transport={transport}"])
     assert cfg.sync.transport == transport
-    module, name = BACKENDS[transport]  # the plugin's engine for it, importable with vLLM
-    assert getattr(importlib.import_module(module), name).__name__ == name
+    module, name = BACKENDS[transport]  # the plugin's engine for it (its class needs vLLM)
+    assert importlib.util.find_spec(module) is not None
+    if importlib.util.find_spec("vllm") is not None:
+        assert getattr(importlib.import_module(module), name).__name__ == name
     if backend == "vllm":  # the servers the run starts are told the transport
         argv = vllm_servers(cfg, tmp_path)(0, "127.0.0.1").argv
         flag = argv[argv.index("--weight-transfer-config") + 1]
