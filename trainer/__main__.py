@@ -133,10 +133,11 @@ def _print_summary(summary: dict) -> None:
 
 
 def _eval_at(summary: dict, which: str) -> str:
-    line = f"greedy {summary[f'eval/{which}_reward_mean']:.3f}"
-    if f"eval/{which}_sampled_reward_mean" in summary:
-        line += f", sampled {summary[f'eval/{which}_sampled_reward_mean']:.3f}"
-    return f"{line} at step {int(summary[f'eval/{which}_step'])}"
+    from trainer.metrics import EVAL_SUMMARY_KEYS, eval_line
+
+    keys = [k for k in EVAL_SUMMARY_KEYS if f"eval/{which}_{k}" in summary]
+    metrics = {f"eval/{k}": summary[f"eval/{which}_{k}"] for k in keys}
+    return f"{eval_line(metrics, compact=True)} at step {int(summary[f'eval/{which}_step'])}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,6 +195,7 @@ PUBLIC = {
         "run_training",
     ],
     "trainer.metrics": [
+        "EVAL_SUMMARY_KEYS",
         "MetricsLogger",
         "StepProgress",
         "TrackerSink",

@@ -51,6 +51,13 @@ class ReasoningGymConfig:
         "The reward scores what extract_answer(response, tag_name=TAG) finds (no tag: 0); "
         "None: the whole response, stripped (for models that cannot write the tags).",
     )
+    few_shot: int = _field(
+        0,
+        "Solved items shown before each question as earlier chat turns (the question, then "
+        "the answer as the reply, in answer_tag's tags when set): the same ones for every "
+        "prompt, drawn past the eval items' seeds; eval leaves out their questions. Shows a "
+        "small model the reply's format (docs/environments.md).",
+    )
 
     def datasets(self) -> list[tuple[str, float, dict[str, Any]]]:
         """``(name, weight, config)`` of each dataset the section names (one, or the mix)."""
@@ -101,6 +108,11 @@ def check_reasoning_gym(rg: ReasoningGymConfig, task: str) -> None:
             )
         return
     _check_shape(rg)
+    if rg.few_shot < 0:
+        raise ConfigError(
+            f"config: data.reasoning_gym.few_shot={rg.few_shot} must be 0 (no solved items "
+            "before the question) or more"
+        )
     try:
         import reasoning_gym
         from reasoning_gym.factory import DATASETS

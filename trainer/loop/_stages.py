@@ -128,12 +128,19 @@ def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBa
     )
 
 
+def accuracy(rewards: Sequence[float]) -> float:
+    """The fraction of replies paid in full (reward at least 1.0): a 0-1 reward's exact
+    answers, which a partial-credit scorer's mean does not show (``*/accuracy`` metrics)."""
+    return statistics.fmean(r >= 1.0 for r in rewards)
+
+
 def rollout_metrics(prompts: list[Example], out: GeneratorOutput) -> dict[str, Any]:
     """Reward and length statistics, plus which examples the step used (its data order)."""
     rewards = [t.reward for t in out.trajectories]
     return {
         "data/example_index": [ex.index for ex in prompts],
         "reward/mean": statistics.fmean(rewards),
+        "reward/accuracy": accuracy(rewards),
         "reward/std": statistics.pstdev(rewards),
         "reward/max": max(rewards),
         "response_length/mean": statistics.fmean(sum(t.loss_mask) for t in out.trajectories),
@@ -261,14 +268,15 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
 
 
 async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
-    """Greedy rollouts of every eval prompt, once each: the mean reward; with
-    ``trainer.eval_n_samples_per_prompt``, also that many sampled ones (the training
-    sampling, on the engines directly): their mean reward."""
+    """Greedy rollouts of every eval prompt, once each: the mean reward and the
+    :func:`accuracy`; with ``trainer.eval_n_samples_per_prompt``, also that many sampled ones
+    (the training sampling, on the engines directly): theirs."""
     assert ctx.eval_generator is not None
     out = await ctx.eval_generator.generate(generator_input(ctx, ctx.eval_examples, step, n=1))
     rewards = [t.reward for t in out.trajectories]
     metrics = {
         "eval/reward_mean": statistics.fmean(rewards),
+        "eval/accuracy": accuracy(rewards),
         "eval/num_prompts": float(len(rewards)),
     }
     n = ctx.cfg.trainer.eval_n_samples_per_prompt
@@ -277,9 +285,9 @@ async def evaluate(ctx: RunContext, step: int) -> dict[str, float]:
         sampled = await ctx.eval_sampled_generator.generate(
             generator_input(ctx, ctx.eval_examples, step, n=n)
         )
-        metrics["eval/sampled_reward_mean"] = statistics.fmean(
-            t.reward for t in sampled.trajectories
-        )
+        rewards = [t.reward for t in sampled.trajectories]
+        metrics["eval/sampled_reward_mean"] = statistics.fmean(rewards)
+        metrics["eval/sampled_accuracy"] = accuracy(rewards)
     return metrics
 
 

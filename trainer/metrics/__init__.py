@@ -2,6 +2,7 @@
 :class:`StepProgress`), ``train.log``, and the trackers (jsonl, tensorboard, wandb, mlflow).
 Plots are :mod:`trainer.metrics.plots` (matplotlib, imported only there)."""
 
+from trainer.metrics._logger import EVAL_SUMMARY_KEYS as EVAL_SUMMARY_KEYS
 from trainer.metrics._logger import MetricsLogger as MetricsLogger
 from trainer.metrics._logger import StepProgress as StepProgress
 from trainer.metrics._logger import eval_line as eval_line
@@ -15,6 +16,7 @@ from trainer.metrics._trackers import TrackerSink as TrackerSink
 from trainer.metrics._trackers import open_trackers as open_trackers
 
 __all__ = [
+    "EVAL_SUMMARY_KEYS",
     "MetricsLogger",
     "StepProgress",
     "TrackerSink",

@@ -29,6 +29,7 @@ from rich.progress import (
 
 __all__ = [
     "ETA_WINDOW",
+    "EVAL_SUMMARY_KEYS",
     "KL_METRICS",
     "ONE_UPDATE_METRICS",
     "MetricsLogger",
@@ -332,14 +333,28 @@ class StepProgress:
             self._live.__exit__(et, e, tb)
 
 
-def eval_line(metrics: dict[str, float]) -> str:
+def eval_line(metrics: dict[str, float], *, compact: bool = False) -> str:
     """An eval's result in words: the greedy reward over the eval prompts and, where the eval
-    sampled too, the sampled one (``eval/*`` metrics)."""
-    line = f"greedy reward {_num(metrics.get('eval/reward_mean'), '.3f')}"
+    sampled too, the sampled one (``eval/*`` metrics), each with its accuracy beside it where a
+    partial-credit reward makes the two differ. ``compact``: without the word "reward" and the
+    prompt count (the closing ``eval:`` line)."""
+    line = f"greedy{'' if compact else ' reward'} {_scored(metrics, '')}"
     if "eval/sampled_reward_mean" in metrics:
-        line += f", sampled {metrics['eval/sampled_reward_mean']:.3f}"
+        line += f", sampled {_scored(metrics, 'sampled_')}"
     prompts = metrics.get("eval/num_prompts")
-    return line if prompts is None else f"{line} ({int(prompts)} prompts)"
+    return line if prompts is None or compact else f"{line} ({int(prompts)} prompts)"
+
+
+def _scored(metrics: dict[str, float], which: str) -> str:
+    reward, accuracy = metrics.get(f"eval/{which}reward_mean"), metrics.get(f"eval/{which}accuracy")
+    text = _num(reward, ".3f")
+    if accuracy is not None and reward is not None and accuracy != reward:
+        text += f" (accuracy {accuracy:.3f})"
+    return text
+
+
+#: The ``eval/*`` metrics the run's summary keeps for its first and last eval.
+EVAL_SUMMARY_KEYS = ("reward_mean", "sampled_reward_mean", "accuracy", "sampled_accuracy")
 
 
 def eval_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -351,7 +366,7 @@ def eval_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for which, row in (("first", evals[0]), ("last", evals[-1])):
         out[f"eval/{which}_step"] = float(row["step"])
-        for key in ("reward_mean", "sampled_reward_mean"):
+        for key in EVAL_SUMMARY_KEYS:
             if f"eval/{key}" in row:
                 out[f"eval/{which}_{key}"] = row[f"eval/{key}"]
     return out

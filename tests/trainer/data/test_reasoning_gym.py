@@ -74,6 +74,36 @@ def test_a_weighted_mix_draws_from_each_dataset_and_scores_each_with_its_own():
         assert data.reward_fn(f"<answer>{ex.answer}</answer>", ex.answer, ex.extra) == 1.0
 
 
+def test_few_shot_turns_are_solved_items_the_same_for_every_prompt_and_never_eval_questions():
+    args = ["data.reasoning_gym.name=chain_sum", "data.num_examples=30"]
+    plain, shots = _load(*args), _load(*args, "data.reasoning_gym.few_shot=2")
+    # the training and eval items are the ones drawn without the turns, eval less their questions
+    assert [e.extra["question"] for e in shots.train] == [e.extra["question"] for e in plain.train]
+    prefixes = [[dict(m) for m in ex.prompt[1:5]] for ex in [*shots.train, *shots.eval]]
+    prefix = prefixes[0]
+    assert all(p == prefix for p in prefixes)
+    assert [m["role"] for m in prefix] == ["user", "assistant", "user", "assistant"]
+    for question, reply in (prefix[0:2], prefix[2:4]):
+        # a solved item: "...problem: 4 - 1 =", its reply the answer in the tags the reward reads
+        expression = question["content"].rsplit(":", 1)[1].removesuffix("=")
+        assert reply["content"] == f"<answer>{eval(expression)}</answer>"
+        assert question["content"] not in {e.extra["question"] for e in shots.eval}
+    assert shots.train[0].prompt[0]["role"] == "system"
+    assert dict(shots.train[0].prompt[5]) == {
+        "role": "user",
+        "content": shots.train[0].extra["question"],
+    }
+    shot_questions = {prefix[0]["content"], prefix[2]["content"]}
+    assert {e.extra["question"] for e in shots.eval} == {
+        e.extra["question"] for e in plain.eval
+    } - shot_questions
+    # without tags the reply is the bare answer, which the whole-response scorer pays in full
+    bare = _load(*args, "data.reasoning_gym.few_shot=1", "data.reasoning_gym.answer_tag=null")
+    question, reply = bare.train[0].prompt[1:3]
+    assert reply["content"].lstrip("-").isdigit()
+    assert bare.reward_fn(reply["content"], reply["content"], bare.train[0].extra) == 1.0
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -82,6 +112,7 @@ def test_a_weighted_mix_draws_from_each_dataset_and_scores_each_with_its_own():
         (["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.config.bogus=1"], "bogus"),
         (["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.config.seed=1"], "seed"),
         (["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.system_prompt=nope"], "nope"),
+        (["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.few_shot=-1"], "few_shot=-1"),
         (
             ["data.reasoning_gym.mix=[{name: chain_sum, weight: 0}]"],
             "'weight' must be a number > 0",

@@ -137,6 +137,10 @@ async def test_the_addition_task_evaluates_before_training_greedy_and_sampled(tm
     for evaluation in (rows[0], rows[-1]):
         assert evaluation["eval/num_prompts"] == 3.0
         assert 0.0 <= evaluation["eval/sampled_reward_mean"] <= 1.0
+        # the built-in task pays 0 or 1: its accuracy is its mean reward
+        assert evaluation["eval/accuracy"] == evaluation["eval/reward_mean"]
+        assert evaluation["eval/sampled_accuracy"] == evaluation["eval/sampled_reward_mean"]
+    assert rows[1]["reward/accuracy"] == rows[1]["reward/mean"]
     assert "eval/sampled_reward_mean" not in rows[1]
 
 

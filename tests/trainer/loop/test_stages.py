@@ -77,3 +77,28 @@ def test_select_and_pickling_carry_rollout_logprobs():
     sliced = batch.select(slice(1, 2))
     assert sliced.rollout_logprobs is not None
     torch.testing.assert_close(sliced.rollout_logprobs, torch.tensor([[-0.2]]))
+
+
+def test_accuracy_counts_replies_paid_in_full_which_a_partial_credit_mean_hides():
+    from trainer.data import Example
+    from trainer.generators import GeneratorOutput
+    from trainer.loop._stages import accuracy, rollout_metrics
+
+    # reasoning-gym pays 0.4 for "The answer is 7." when the answer is 7: half the mean, no accuracy
+    assert accuracy([1.0, 0.4, 0.4, 0.0]) == 0.25
+    assert accuracy([0.9999, 0.5]) == 0.0 and accuracy([1.0, 2.0]) == 1.0
+    out = GeneratorOutput(
+        trajectories=[
+            Trajectory(
+                prompt_ids=[1],
+                response_ids=[2],
+                loss_mask=[1],
+                reward=r,
+                rollout_logprobs=[-0.1],
+                group_id=0,
+            )
+            for r in (1.0, 0.4, 0.4, 0.0)
+        ]
+    )
+    metrics = rollout_metrics([Example(({"role": "user", "content": "q"},), "7", 3)], out)
+    assert (metrics["reward/mean"], metrics["reward/accuracy"]) == (0.45, 0.25)

@@ -152,3 +152,23 @@ def test_the_closing_lines_name_the_evals_and_a_restart_the_end_abandoned(capsys
     )
     assert "engine 1: its restart (it failed at step 3) was still running when the run ended" in err
     assert "engine 0" not in err  # it served again
+
+
+def test_a_partial_credit_evals_accuracy_is_shown_beside_its_reward(capsys):
+    from trainer.__main__ import _print_summary
+    from trainer.metrics import eval_line
+
+    scores = {"eval/reward_mean": 0.5, "eval/accuracy": 0.25, "eval/num_prompts": 8.0}
+    sampled = {"eval/sampled_reward_mean": 0.375, "eval/sampled_accuracy": 0.375}
+    assert eval_line(scores | sampled) == (
+        "greedy reward 0.500 (accuracy 0.250), sampled 0.375 (8 prompts)"
+    )
+    summary = {"run_dir": "runs/x", "steps": 2.0, "step_time_mean_s": 1.0}
+    for which, step in (("first", 0.0), ("last", 2.0)):
+        summary |= {f"eval/{which}_step": step, f"eval/{which}_reward_mean": 0.5}
+        summary |= {f"eval/{which}_accuracy": step / 8}
+    _print_summary(summary)
+    err = capsys.readouterr().err
+    assert (
+        "eval: greedy 0.500 (accuracy 0.000) at step 0 -> greedy 0.500 (accuracy 0.250) at " in err
+    )
