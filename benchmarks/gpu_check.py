@@ -176,7 +176,11 @@ class MemoryPeak:
     def _poll(self) -> None:
         cmd = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "--id=0"]
         while not self._stop.is_set():
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+            try:
+                out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
+            except OSError:  # no nvidia-smi on this machine: the device-wide use CUDA reports
+                free, total = torch.cuda.mem_get_info(0)
+                out = str((total - free) / 2**20)
             if out.strip():
                 self.peak_mb = max(self.peak_mb, float(out.split()[0]))
             self._stop.wait(0.2)

@@ -188,10 +188,13 @@ def pickle_ipc_handles(handles: Any) -> str:
     return base64.b64encode(pickle.dumps(handles)).decode("utf-8")
 
 
-#: What a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``'s args) holds.
+#: What a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``'s args) holds:
+#: its storage class is the tensor's ``type(tensor._typed_storage())``, a ``TypedStorage``.
 _HANDLE_GLOBALS = {
     ("torch._tensor", "Tensor"),
     ("torch", "Tensor"),
+    ("torch.storage", "TypedStorage"),
+    ("torch", "TypedStorage"),
     ("torch.storage", "UntypedStorage"),
     ("torch", "UntypedStorage"),
     ("torch", "Size"),

@@ -33,10 +33,16 @@ PRELOAD = ("trainer.run", "trainer.__main__", "engines.local.__main__")
 _fork_server: tuple[subprocess.Popen[str], str] | None = None
 
 
+def repo_pythonpath() -> str:
+    """The checkout first, then the caller's own path (packages installed with ``--target``,
+    as on a GPU image without a venv, stay importable)."""
+    return os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+
+
 def trainer_env(marker: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "TRAINER_FAULTS"}
     env[MARKER_ENV] = marker  # inherited by every process the run starts
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = repo_pythonpath()
     return env
 
 
@@ -52,7 +58,7 @@ def fork_server() -> str:
         return _fork_server[1]
     socket_path = os.path.join(tempfile.mkdtemp(prefix="trainer-fs-"), "fork.sock")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINER_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = repo_pythonpath()
     cmd = [sys.executable, "-m", "engines.launch.fork_server", "--socket", socket_path]
     proc = subprocess.Popen(
         [*cmd, "--preload", ",".join(PRELOAD)],

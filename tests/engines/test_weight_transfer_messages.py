@@ -166,8 +166,14 @@ def test_packed_chunks_are_cut_where_vllms_consumer_cuts_them():
 
 
 def test_ipc_handles_are_unpickled_admitting_only_what_a_handle_holds():
-    args = (torch.Tensor, torch.Size([2]), (1,), 0, torch.UntypedStorage, torch.float16, 0, b"h")
+    # reduce_tensor's args on CUDA: (type(tensor), size, stride, offset, type(storage), dtype,
+    # device, handle, ...) where the storage is tensor._typed_storage(): a TypedStorage
+    storage = type(torch.zeros(2, dtype=torch.float16)._typed_storage())  # noqa: SLF001 (what reduce_tensor reads)
+    assert storage is torch.storage.TypedStorage
+    args = (torch.Tensor, torch.Size([2]), (1,), 0, storage, torch.float16, 0, b"h")
     assert load_ipc_handles(pickle_ipc_handles({"GPU-x": args})) == {"GPU-x": args}
+    untyped = (torch.Tensor, torch.Size([2]), (1,), 0, torch.UntypedStorage, torch.float16)
+    assert load_ipc_handles(pickle_ipc_handles([untyped])) == [untyped]
 
     class Payload:
         def __reduce__(self):
