@@ -1,3 +1,3 @@
-"""Weight sync from the policy to the inference engines: the bracket and the transports."""
+"""Weight sync from the policy to the inference engines: the bracket, the transfer, the transports."""
 
 __all__: list[str] = []

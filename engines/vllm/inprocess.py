@@ -16,7 +16,7 @@ with :class:`engines.client.ControlPlane`'s signatures (``control``, ``control_o
 ``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
 ``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``; the route methods are
 both classes' base, :class:`engines.client.ControlRoutes`), so the weight transports
-(``sync.transports``) and the weight-sync bracket (``sync.weights``) drive it unchanged. Each
+(``sync.transports``) and the weight sync's bracket (``sync.bracket``) drive it unchanged. Each
 control route becomes the ``AsyncLLM`` call ``vllm serve``'s route makes, with the same
 argument conversion (:mod:`engines.vllm.control`), and answers that route's JSON body.
 

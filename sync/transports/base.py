@@ -60,7 +60,7 @@ class WeightTransport(Protocol):
     the engine); ``close`` releases what ``init`` built (bounded; safe after a failure).
 
     A transport may also have ``resend_refusal``: why it cannot run ``transfer`` again after
-    one failed midway (None, or no such attribute: it can). ``sync.weights`` sends the
+    one failed midway (None, or no such attribute: it can). ``sync.transfer`` sends the
     weights once more after a transfer that reached the engines broke off.
     """
 

@@ -34,7 +34,7 @@ one, by ``timeout_s``; none of it holds the GIL while it waits or copies. With n
 not bounded here: torch's ``ProcessGroupNCCL`` enforces a per-collective timeout through its
 watchdog (which ends the process, not with a typed error), and vLLM's ``PyNcclCommunicator``
 has none. What bounds an nccl transfer is ``sync.transfer_grace_s`` past the deadline, when
-the run abandons it (``sync.weights``); the communicator is not aborted then, the process's
+the run abandons it (``sync.transfer``); the communicator is not aborted then, the process's
 exit ends it.
 
 Both halves: the functions below marked "rank 0" run where rank 0 runs (through
@@ -119,7 +119,7 @@ class BroadcastTransport:
         self.group_id = f"{GROUP}-{uuid.uuid4().hex[:8]}"
         self.initialized = False
         #: Why this transport cannot send the weights again after a failed transfer (None:
-        #: it can); ``sync.weights`` reads it before a re-send.
+        #: it can); ``sync.transfer`` reads it before a re-send.
         self.resend_refusal: str | None = None
 
     async def init(self, engine: Any, workers: Rank0) -> None:

@@ -12,10 +12,10 @@ from typing import Any
 
 import trio
 
-import sync.weights
+import sync.transfer
 from trainer.__main__ import main
 
-_fire_in_its_thread = sync.weights.fire_fault_sync
+_fire_in_its_thread = sync.transfer.fire_fault_sync
 
 
 def _fire_on_the_event_loop(op: str, *args: Any, **kwargs: Any) -> None:
@@ -42,5 +42,5 @@ def _fire_on_the_event_loop(op: str, *args: Any, **kwargs: Any) -> None:
 
 
 if __name__ == "__main__":
-    sync.weights.fire_fault_sync = _fire_on_the_event_loop
+    sync.transfer.fire_fault_sync = _fire_on_the_event_loop
     sys.exit(main(sys.argv[1:]))

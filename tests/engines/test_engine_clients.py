@@ -12,7 +12,7 @@ from engines.client import InferenceClient
 from engines.local.inprocess import InProcessClient
 from engines.types import ControlPlaneClient, EngineClient
 from engines.vllm.inprocess import VLLMInProcessEngine
-from sync.weights import routes_of
+from sync.transfer import routes_of
 
 IMPLEMENTERS = {
     InferenceClient: ControlPlaneClient,

@@ -12,7 +12,7 @@ import sync
 #: Every public module of ``sync`` and its ``__all__``; private (``_x``) modules are not listed.
 PUBLIC = {
     "sync": [],
-    "sync.bracket": ["Bracket"],
+    "sync.bracket": ["Bracket", "Cleanups", "open_bracket"],
     "sync.group": ["init_group"],
     "sync.registry": ["TRANSPORTS", "TransportName", "TransportSpec", "make_transport"],
     "sync.transports": [
@@ -46,6 +46,13 @@ PUBLIC = {
     "sync.transports.disk": ["DiskTransport", "REMOVE_BOUND_S", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
     "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],
+    "sync.transfer": [
+        "TRANSFER_GRACE_S",
+        "abandoned_detail",
+        "routes_of",
+        "run_transfer",
+        "transfer_weights",
+    ],
     "sync.verify": ["DEFAULT_TOLERANCE", "LOW_PRECISION_TOLERANCE", "PROBE_TOKENS", "verify_sync"],
     "sync.weights": [
         "TRANSFER_GRACE_S",
