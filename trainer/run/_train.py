@@ -358,7 +358,7 @@ async def _open_run_context(
         )
     )
     start = await _resume_policy(cfg, run_dir, prepared, parts.workers, progress)
-    metrics = await _open_metrics(stack, run_dir, start, prepared.state)
+    metrics = await _open_metrics(stack, run_dir, start, prepared)
     generator, eval_generator, eval_sampled_generator = await _open_generators(
         stack, cfg, prepared, parts.reward_fn, engine
     )
@@ -401,12 +401,12 @@ async def _resume_policy(
 
 
 async def _open_metrics(
-    stack: AsyncExitStack, run_dir: Path, start: int, state: dict[str, Any]
+    stack: AsyncExitStack, run_dir: Path, start: int, prepared: _Prepared
 ) -> MetricsLogger:
-    """``metrics.jsonl`` holding steps up to ``start`` only (:func:`restore_metrics`), open
-    for the steps' rows and closed by ``stack``."""
+    """``metrics.jsonl`` holding steps up to ``start`` only (:func:`restore_metrics`, with the
+    resumed checkpoint's row), open for the steps' rows and closed by ``stack``."""
     path = run_dir / "metrics.jsonl"
-    await trio.to_thread.run_sync(restore_metrics, path, start, state.get("metrics"))
+    await trio.to_thread.run_sync(restore_metrics, path, start, prepared.state.get("metrics"))
     return stack.enter_context(await trio.to_thread.run_sync(MetricsLogger, path))
 
 

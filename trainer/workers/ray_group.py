@@ -39,7 +39,7 @@ import torch
 import trio
 from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.algorithms import BatchCounts
@@ -97,7 +97,7 @@ def _summed(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _in_bundle(pg: Any, index: int) -> PlacementGroupSchedulingStrategy:
+def _in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
     """Schedule an actor in bundle ``index`` of placement group ``pg``."""
     return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
 
@@ -118,18 +118,14 @@ async def _submit(calls: Callable[[], list[ObjectRef]]) -> list[ObjectRef]:
 class RayWorkerGroup:
     """Policy ranks (and a reference actor) on Ray; create with :meth:`create`."""
 
-    def __init__(
-        self,
-        policy: list[Any],
-        ref: Any | None,
-        pg: Any,
-        pids: dict[str, int],
-    ) -> None:
-        self.policy: list[Any] = policy
-        self.ref: Any | None = ref
-        self._pg = pg
+    def __init__(self) -> None:
+        #: The policy ranks' actors in rank order (each appended as it is placed).
+        self.policy: list[Any] = []
+        #: The reference model's actor (None: no KL loss).
+        self.ref: Any | None = None
+        self._pg: PlacementGroup | None = None
         #: ``"policy:0"`` / ``"ref:0"`` -> the actor's process id (to prove they are gone)
-        self.pids = pids
+        self.pids: dict[str, int] = {}
         self._closed = False
         #: Whether the policy is FSDP2-sharded (every rank runs every pass).
         self.sharded = False
@@ -159,7 +155,7 @@ class RayWorkerGroup:
         ``policy_kwargs["device"]`` (default ``auto``) decides, with ``gpus_per_worker``,
         the GPUs each actor asks for (:func:`gpus_for`).
         """
-        group = cls([], None, None, {})
+        group = cls()
         group.with_critic = critic_kwargs is not None
         wanted: list[dict[str, float]] = []  # the bundles asked for, named if never placed
         place = functools.partial(
