@@ -114,6 +114,32 @@ def policy_loss(
     term per sequence).
     """
     fn = POLICY_LOSSES.get(loss)
+    _check_shapes(logprobs, old_logprobs, mask, token_weights)
+    _check_clip_ranges(clip_low, clip_high, clip_ratio_c)
+    _check_agg_mode(loss, loss_agg_mode)
+    inputs = _loss_inputs(
+        logprobs,
+        old_logprobs,
+        _per_token_advantages(advantages, logprobs),
+        valid_mask(logprobs, mask),
+        clip_low=clip_low,
+        clip_high=clip_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    per_token, own = fn(inputs)
+    if token_weights is not None:
+        weights = token_weights.detach().to(per_token)
+        per_token = per_token * _zero_where_masked(weights, inputs.valid, logprobs)
+    value = aggregate(per_token, inputs.valid, loss_agg_mode, counts, scale_factor=scale_factor)
+    return value, _metrics(loss, value, inputs, own)
+
+
+def _check_shapes(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    token_weights: torch.Tensor | None,
+) -> None:
     if logprobs.shape != old_logprobs.shape or logprobs.shape != mask.shape:
         raise ValueError(
             "logprobs, old_logprobs and mask must have one shape [B, T]; got "
@@ -124,61 +150,88 @@ def policy_loss(
             f"token_weights must have logprobs' shape {tuple(logprobs.shape)}, "
             f"got {tuple(token_weights.shape)}"
         )
+
+
+def _check_clip_ranges(clip_low: float, clip_high: float, clip_ratio_c: float | None) -> None:
     if not 0 <= clip_low <= 1:
         raise ValueError(f"clip_low must be in [0, 1], got {clip_low}")
     if clip_high < 0:
         raise ValueError(f"clip_high must be >= 0, got {clip_high}")
     if clip_ratio_c is not None and clip_ratio_c <= 1:
         raise ValueError(f"clip_ratio_c (dual-clip) must be > 1, got {clip_ratio_c}")
+
+
+def _check_agg_mode(loss: str, loss_agg_mode: str) -> None:
     if loss == "gspo" and loss_agg_mode != "seq-mean-token-mean":
         raise ValueError(
             "policy loss 'gspo' is one term per sequence (GSPO, eq. 5): its loss_agg_mode is "
             f"'seq-mean-token-mean', got {loss_agg_mode!r}"
         )
+
+
+def _per_token_advantages(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``advantages`` ``[B]`` as ``[B, 1]`` (broadcast over each trajectory's tokens), or
+    ``[B, T]`` as it is; ``ValueError`` for any other shape."""
     if advantages.shape == logprobs.shape[:1] and logprobs.dim() == 2:
-        adv = advantages.unsqueeze(-1)
-    elif advantages.shape == logprobs.shape:
-        adv = advantages
-    else:
-        raise ValueError(
-            f"advantages must be [B] or [B, T] for logprobs of shape {tuple(logprobs.shape)}, "
-            f"got {tuple(advantages.shape)}"
-        )
-    valid = valid_mask(logprobs, mask)
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-    # zeroed where masked too: an inf advantage there would make 0 * inf = nan gradients
-    adv = torch.where(valid, adv.detach().to(logprobs.dtype).expand_as(logprobs), zero)
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zero)
-    inputs = LossInputs(
-        logprobs=torch.where(valid, logprobs, zero),
+        return advantages.unsqueeze(-1)
+    if advantages.shape == logprobs.shape:
+        return advantages
+    raise ValueError(
+        f"advantages must be [B] or [B, T] for logprobs of shape {tuple(logprobs.shape)}, "
+        f"got {tuple(advantages.shape)}"
+    )
+
+
+def _zero_where_masked(x: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``x`` on trained tokens, else zero (``like``'s dtype and device)."""
+    return torch.where(valid, x, torch.zeros((), dtype=like.dtype, device=like.device))
+
+
+def _loss_inputs(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_ratio_c: float | None,
+) -> LossInputs:
+    """What a loss reads: masked positions zeroed (an inf advantage there would make
+    ``0 * inf = nan`` gradients), the log-ratio detached from ``old`` and clamped."""
+    adv = advantages.detach().to(logprobs.dtype).expand_as(logprobs)
+    log_ratio = _zero_where_masked(logprobs - old_logprobs.detach(), valid, logprobs)
+    return LossInputs(
+        logprobs=_zero_where_masked(logprobs, valid, logprobs),
         log_ratio=log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
-        advantages=adv,
+        advantages=_zero_where_masked(adv, valid, logprobs),
         valid=valid,
         clip_low=clip_low,
         clip_high=clip_high,
         clip_ratio_c=clip_ratio_c,
     )
-    per_token, own = fn(inputs)
-    if token_weights is not None:
-        per_token = per_token * torch.where(valid, token_weights.detach().to(per_token), zero)
-    value = aggregate(per_token, valid, loss_agg_mode, counts, scale_factor=scale_factor)
 
-    with torch.no_grad():
-        n_valid = int(valid.sum())
-        if n_valid == 0:
-            metrics = dict.fromkeys(POLICY_LOSS_METRICS[loss], 0.0)
-            metrics["pg_loss"] = float(value.detach())
-            return value, metrics
-        ratio = inputs.ratio[valid]
-        metrics = {
-            "pg_loss": float(value.detach()),
-            "approx_kl": float(masked_mean(-inputs.log_ratio, valid)),
-            "ratio_mean": float(ratio.mean()),
-            "ratio_max": float(ratio.max()),
-            "ratio_min": float(ratio.min()),
-            "num_tokens": float(n_valid),
-        } | own
-    return value, metrics
+
+@torch.no_grad()
+def _metrics(
+    loss: str, value: torch.Tensor, x: LossInputs, own: dict[str, float]
+) -> dict[str, float]:
+    """:data:`COMMON_METRICS` over the trained tokens, then the loss's ``own`` (every one
+    ``0.0`` but ``pg_loss`` when no token is trained)."""
+    n_valid = int(x.valid.sum())
+    if n_valid == 0:
+        metrics = dict.fromkeys(POLICY_LOSS_METRICS[loss], 0.0)
+        metrics["pg_loss"] = float(value.detach())
+        return metrics
+    ratio = x.ratio[x.valid]
+    return {
+        "pg_loss": float(value.detach()),
+        "approx_kl": float(masked_mean(-x.log_ratio, x.valid)),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max": float(ratio.max()),
+        "ratio_min": float(ratio.min()),
+        "num_tokens": float(n_valid),
+    } | own
 
 
 def ppo(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:

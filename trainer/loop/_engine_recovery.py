@@ -64,7 +64,7 @@ REMOTE_POLL_S = 1.0
 class EngineRecovery:
     """Watches the engines of one client and brings failed ones back (module docstring).
 
-    The run hands it its ``resync`` once its loop can sync (:meth:`set_resync`): one
+    ``run_training`` hands it its ``resync`` before its first sync (:meth:`set_resync`): one
     complete, verified weight sync to every member engine (:meth:`sync_members`, which builds
     the transport for them first), run under :attr:`weights_lock`.
     """

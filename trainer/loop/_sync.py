@@ -10,6 +10,7 @@ only says what happens and in which order.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -42,7 +43,10 @@ async def run_training(ctx: RunContext) -> None:
     The first sync matters on resume: the checkpoint's policy differs from ``model.path``;
     it is the last start-up phase ``ctx.progress`` shows.
     The last step saves a checkpoint when ``trainer.ckpt_interval`` is set.
+    With ``ctx.recovery``, a restarted engine is synced by :func:`resync_engines` from here on.
     """
+    if ctx.recovery is not None:  # the loop can sync from now: a restart waits until here
+        ctx.recovery.set_resync(functools.partial(resync_engines, ctx))
     with ctx.progress.phase("first weight sync"):
         await sync_weights(ctx, ctx.first_step - 1)
     await eval_if_due(ctx, ctx.first_step - 1)

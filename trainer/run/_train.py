@@ -1,4 +1,4 @@
-"""One training run: build its parts, resume, drive ``train_loop``, tear everything down.
+"""One training run: build its parts, resume, drive ``run_training``, tear everything down.
 
 Everything the run starts lives in ``async with`` blocks under :func:`train`, so a step
 error, a deadline or Ctrl-C unwinds them in order (engines and workers stopped, files
@@ -25,21 +25,22 @@ import trio
 import yaml
 
 from engines.models import load_tokenizer, resolve_model_path
-from engines.types import SamplingParams
+from engines.types import EngineClient, SamplingParams
 from engines.vllm.serve import require_vllm
+from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
-from trainer.data import PromptLoader, load_datasets, open_rewards
+from trainer.data import PromptLoader, RewardFunction, load_datasets, open_rewards
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.errors import ConfigError
 from trainer.generators import Generator, check_generator_kwargs
 from trainer.loop import (
     PromptStream,
     RunContext,
+    Strategy,
     make_strategy,
     one_update_per_batch,
     open_engine_recovery,
-    resync_engines,
     run_training,
 )
 from trainer.metrics import (
@@ -53,7 +54,7 @@ from trainer.metrics import (
     setup_run_logging,
     teardown_run_logging,
 )
-from trainer.run._engines import open_engines
+from trainer.run._engines import Engines, open_engines
 from trainer.run._interrupt import stop_on_interrupt
 from trainer.run._parts import (
     cpu_threads,
@@ -62,8 +63,9 @@ from trainer.run._parts import (
     open_workers,
     uses_ray,
 )
-from trainer.run._prompt_budget import check_context, fit_prompts
+from trainer.run._prompt_budget import FittedPrompts, check_context, fit_prompts
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
+from trainer.workers.group import WorkerGroup
 from trainer.workers.policy import preload_model_code
 
 __all__ = ["train", "with_run_dir"]
@@ -183,7 +185,57 @@ def _limit_torch_threads(cfg: Config) -> None:
 async def _train(
     cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog, progress: StepProgress
 ) -> dict[str, Any]:
-    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary."""
+    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary.
+
+    Whatever starts is entered on one exit stack, so it stops in the reverse order.
+    """
+    prepared = await _prepare(cfg, run_dir, progress)
+    async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
+        # the workers' model code is imported while the servers start (seconds each)
+        preloading.start_soon(trio.to_thread.run_sync, preload_model_code, prepared.model_dir)
+        teardown = _TeardownClock()
+        stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
+        parts = await _open_parts(stack, cfg, run_dir, prepared, dumper, progress)
+        ctx = await _open_run_context(stack, cfg, run_dir, prepared, parts, watchdog, progress)
+        ctx.versions.resumed(int(prepared.state.get("weight_version", 0)))  # syncs so far
+        progress.start_steps(ctx.last_step, start=ctx.first_step - 1)
+        trio.lowlevel.add_instrument(ctx.stalls)
+        stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
+        try:
+            await run_training(ctx)
+        except BaseException:
+            teardown.start()
+            raise
+    restarts = ctx.recovery.events if ctx.recovery else None
+    return await trio.to_thread.run_sync(_summarize, run_dir, ctx.metrics.path, restarts)
+
+
+@attrs.frozen
+class _Prepared:
+    """What the run reads and decides before it starts anything: a generator that does not
+    import, a model or data file that does not load, a prompt too long, or a resume that
+    changes the data order fails here, before any server or worker starts."""
+
+    #: ``generator.cls``, its ``generator.kwargs`` checked.
+    generator_cls: type[Generator]
+    model_dir: Path
+    tokenizer: Any
+    #: ``data``'s reward (bound to its worker processes when the run opens them).
+    reward_fn: RewardFunction
+    #: The training prompts, then the eval prompts, rendered with ``tokenizer`` and bounded.
+    fitted: tuple[FittedPrompts, FittedPrompts]
+    #: ``trainer.strategy``, decided here once.
+    strategy: Strategy
+    last_step: int
+    ckpt: CheckpointManager
+    #: The checkpoint the run resumes from (None: a fresh run) and its trainer state.
+    resume_from: Path | None
+    state: dict[str, Any]
+
+
+async def _prepare(cfg: Config, run_dir: Path, progress: StepProgress) -> _Prepared:
+    """Load and check what the run needs before it starts anything (see :class:`_Prepared`);
+    a fresh run records its ``config.yaml`` here (a resume once its checkpoint has loaded)."""
     t = cfg.trainer
     # a generator that does not import, or kwargs it cannot take, fail before any model loads
     generator_cls = _load_generator_cls(cfg.generator.cls)
@@ -193,15 +245,14 @@ async def _train(
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
     data = await trio.to_thread.run_sync(load_datasets, cfg.data, t.seed)
     # every prompt rendered with this tokenizer (or it fails here), measured and bounded
-    fitted = [
+    train, evals = [
         await trio.to_thread.run_sync(fit_prompts, tokenizer, checked, source, cfg.data)
         for source, checked in (
             (cfg.data.train or f"data.task={cfg.data.task}", data.train),
             (cfg.data.eval or f"data.task={cfg.data.task} (eval)", data.eval),
         )
     ]
-    examples, eval_examples = fitted[0].examples, fitted[1].examples
-    strategy = make_strategy(cfg, examples)  # trainer.strategy, decided here once
+    strategy = make_strategy(cfg, train.examples)  # trainer.strategy, decided here once
     last_step = strategy.loader.batches_per_epoch * t.epochs
     if t.max_steps is not None:
         last_step = min(last_step, t.max_steps)
@@ -211,117 +262,199 @@ async def _train(
     resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
     if resume_from is None:
         await trio.to_thread.run_sync(_record_config, cfg, run_dir)
-    s = cfg.generator.sampling
+    return _Prepared(
+        generator_cls=generator_cls,
+        model_dir=model_dir,
+        tokenizer=tokenizer,
+        reward_fn=data.reward_fn,
+        fitted=(train, evals),
+        strategy=strategy,
+        last_step=last_step,
+        ckpt=ckpt,
+        resume_from=resume_from,
+        state=state,
+    )
+
+
+@attrs.frozen
+class _Parts:
+    """The run's services, engines, workers and weight transport, each on the run's exit stack."""
+
+    #: ``data``'s reward, with its worker processes (``data.reward_workers``).
+    reward_fn: RewardFunction
+    trackers: TrackerSink
+    engines: Engines
+    workers: WorkerGroup
+    transport: WeightTransport
+
+
+async def _open_parts(
+    stack: AsyncExitStack,
+    cfg: Config,
+    run_dir: Path,
+    prepared: _Prepared,
+    dumper: Dumper,
+    progress: StepProgress,
+) -> _Parts:
+    """Start the rewards' workers, the trackers, Ray, the engines, the workers and the weight
+    transport, in that order, each entered on ``stack`` (so stopped in the reverse order)."""
+    # the reward's worker processes (data.reward_workers) live as long as the run
+    reward_fn = await stack.enter_async_context(open_rewards(cfg.data, prepared.reward_fn))
+    trackers = await _open_trackers(stack, cfg, run_dir, progress)
+    if uses_ray(cfg):
+        with progress.phase("ray"):
+            await stack.enter_async_context(open_ray_cluster(cfg))
+    with progress.phase("engines"):
+        engines = await stack.enter_async_context(open_engines(cfg, prepared.model_dir, run_dir))
+        max_tokens = cfg.generator.sampling.max_tokens
+        check_context(await engines.client.max_model_len(), prepared.fitted, max_tokens)
+    dumper.engine_urls = tuple(getattr(engines.client, "urls", ()))
+    dumper.engine_api_key = cfg.engine.api_key
+    with progress.phase("workers"):
+        workers = await stack.enter_async_context(open_workers(cfg, prepared.model_dir))
+    with progress.phase("weight transport"):
+        transport = await stack.enter_async_context(
+            open_transport(cfg, run_dir, engines.client, workers)
+        )
+    return _Parts(reward_fn, trackers, engines, workers, transport)
+
+
+async def _open_trackers(
+    stack: AsyncExitStack, cfg: Config, run_dir: Path, progress: StepProgress
+) -> TrackerSink:
+    """The trackers of ``trainer.loggers`` besides ``metrics.jsonl``, entered on ``stack``."""
+    t = cfg.trainer
+    if not set(t.loggers) - {"jsonl"}:
+        return TrackerSink()
+    with progress.phase("trackers"):
+        return await stack.enter_async_context(
+            open_trackers(
+                t.loggers,
+                run_dir,
+                project=t.project_name,
+                run_name=t.run_name or run_dir.name,
+                wandb_mode=t.wandb_mode,
+                mlflow_tracking_uri=t.mlflow_tracking_uri,
+                config=to_dict(cfg),
+            )
+        )
+
+
+async def _open_run_context(
+    stack: AsyncExitStack,
+    cfg: Config,
+    run_dir: Path,
+    prepared: _Prepared,
+    parts: _Parts,
+    watchdog: Watchdog,
+    progress: StepProgress,
+) -> RunContext:
+    """The context the steps share: the engines watched (``engine.max_restarts``), the
+    policy resumed, ``metrics.jsonl`` open and the generators running, each on ``stack``."""
+    engine = parts.engines.client
+    recovery = await stack.enter_async_context(
+        open_engine_recovery(
+            cfg.engine, engine, parts.engines.processes, parts.transport, parts.workers
+        )
+    )
+    start = await _resume_policy(cfg, run_dir, prepared, parts.workers, progress)
+    metrics = await _open_metrics(stack, run_dir, start, prepared)
+    generator, eval_generator, eval_sampled_generator = await _open_generators(
+        stack, cfg, prepared, parts.reward_fn, engine
+    )
+    return RunContext(
+        cfg=cfg,
+        run_dir=run_dir,
+        tokenizer=prepared.tokenizer,
+        strategy=prepared.strategy,
+        generator=generator,
+        eval_generator=eval_generator,
+        eval_examples=prepared.fitted[1].examples,
+        engine=engine,
+        transport=parts.transport,
+        workers=parts.workers,
+        ckpt=prepared.ckpt,
+        metrics=metrics,
+        progress=progress,
+        first_step=start + 1,
+        last_step=prepared.last_step,
+        watchdog=watchdog,
+        trackers=parts.trackers,
+        eval_sampled_generator=eval_sampled_generator,
+        recovery=recovery,
+    )
+
+
+async def _resume_policy(
+    cfg: Config, run_dir: Path, prepared: _Prepared, workers: WorkerGroup, progress: StepProgress
+) -> int:
+    """The step the run resumes after (0: a fresh run). On resume, the checkpoint's policy is
+    loaded into ``workers``, then the run is accepted: ``config.yaml`` is recorded."""
+    if prepared.resume_from is None:
+        return 0
+    with progress.phase("resume"):
+        await workers.load_checkpoint(prepared.resume_from)
+        start = int(prepared.state["step"])
+    await trio.to_thread.run_sync(_record_config, cfg, run_dir)
+    log.info("resumed from %s at step %d", prepared.resume_from, start)
+    return start
+
+
+async def _open_metrics(
+    stack: AsyncExitStack, run_dir: Path, start: int, prepared: _Prepared
+) -> MetricsLogger:
+    """``metrics.jsonl`` holding steps up to ``start`` only (:func:`restore_metrics`, with the
+    resumed checkpoint's row), open for the steps' rows and closed by ``stack``."""
+    path = run_dir / "metrics.jsonl"
+    await trio.to_thread.run_sync(restore_metrics, path, start, prepared.state.get("metrics"))
+    return stack.enter_context(await trio.to_thread.run_sync(MetricsLogger, path))
+
+
+async def _open_generators(
+    stack: AsyncExitStack,
+    cfg: Config,
+    prepared: _Prepared,
+    reward_fn: RewardFunction,
+    engine: EngineClient,
+) -> tuple[Generator, Generator | None, Generator | None]:
+    """The training generator (on the strategy's rollout engine), the greedy eval one and the
+    sampled eval one (None when their eval is off), each's ``running`` entered on ``stack``."""
+    t, s = cfg.trainer, cfg.generator.sampling
     sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=s.max_tokens)
-    async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
-        # the workers' model code is imported while the servers start (seconds each)
-        preloading.start_soon(trio.to_thread.run_sync, preload_model_code, model_dir)
-        teardown = _TeardownClock()
-        stack.push(teardown.report)  # pushed first, so it runs after everything else is stopped
-        # the reward's worker processes (data.reward_workers) live as long as the run
-        reward_fn = await stack.enter_async_context(open_rewards(cfg.data, data.reward_fn))
-        trackers = TrackerSink()
-        if set(t.loggers) - {"jsonl"}:
-            with progress.phase("trackers"):
-                trackers = await stack.enter_async_context(
-                    open_trackers(
-                        t.loggers,
-                        run_dir,
-                        project=t.project_name,
-                        run_name=t.run_name or run_dir.name,
-                        wandb_mode=t.wandb_mode,
-                        mlflow_tracking_uri=t.mlflow_tracking_uri,
-                        config=to_dict(cfg),
-                    )
-                )
-        if uses_ray(cfg):
-            with progress.phase("ray"):
-                await stack.enter_async_context(open_ray_cluster(cfg))
-        with progress.phase("engines"):
-            engines = await stack.enter_async_context(open_engines(cfg, model_dir, run_dir))
-            engine = engines.client
-            check_context(await engine.max_model_len(), fitted, s.max_tokens)
-        dumper.engine_urls = tuple(getattr(engine, "urls", ()))
-        dumper.engine_api_key = cfg.engine.api_key
-        with progress.phase("workers"):
-            workers = await stack.enter_async_context(open_workers(cfg, model_dir))
-        with progress.phase("weight transport"):
-            transport = await stack.enter_async_context(
-                open_transport(cfg, run_dir, engine, workers)
-            )
-        recovery = await stack.enter_async_context(
-            open_engine_recovery(cfg.engine, engine, engines.processes, transport, workers)
-        )
 
-        rollout_engine = strategy.rollout_engine(engine, cfg)
+    make = functools.partial(_make_generator, cfg, prepared, reward_fn)
+    generator = make(prepared.strategy.rollout_engine(engine, cfg), sampling)
+    eval_generator = (
+        make(engine, SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
+        if t.eval_interval
+        else None
+    )
+    eval_sampled_generator = (
+        make(engine, sampling) if t.eval_interval and t.eval_n_samples_per_prompt else None
+    )
+    for made in (generator, eval_generator, eval_sampled_generator):
+        if made is not None:  # each one's run-scoped resources (Generator.running)
+            await stack.enter_async_context(made.running())
+    return generator, eval_generator, eval_sampled_generator
 
-        def make_generator(sp: SamplingParams, engine: Any = engine) -> Generator:
-            return generator_cls(
-                engine=engine,
-                tokenizer=tokenizer,
-                reward_fn=reward_fn,
-                sampling=sp,
-                max_turns=cfg.generator.max_turns,
-                max_response_tokens=cfg.generator.max_response_tokens,
-                **cfg.generator.kwargs,
-            )
 
-        start = 0
-        metrics_path = run_dir / "metrics.jsonl"
-        if resume_from is not None:
-            with progress.phase("resume"):
-                await workers.load_checkpoint(resume_from)
-                start = int(state["step"])
-            await trio.to_thread.run_sync(_record_config, cfg, run_dir)
-            log.info("resumed from %s at step %d", resume_from, start)
-        await trio.to_thread.run_sync(restore_metrics, metrics_path, start, state.get("metrics"))
-        metrics = stack.enter_context(await trio.to_thread.run_sync(MetricsLogger, metrics_path))
-        generator = make_generator(sampling, rollout_engine)
-        eval_generator = (
-            make_generator(SamplingParams(temperature=0.0, max_tokens=s.max_tokens))
-            if t.eval_interval
-            else None
-        )
-        eval_sampled_generator = (
-            make_generator(sampling) if t.eval_interval and t.eval_n_samples_per_prompt else None
-        )
-        for made in (generator, eval_generator, eval_sampled_generator):
-            if made is not None:  # each one's run-scoped resources (Generator.running)
-                await stack.enter_async_context(made.running())
-        ctx = RunContext(
-            cfg=cfg,
-            run_dir=run_dir,
-            tokenizer=tokenizer,
-            strategy=strategy,
-            generator=generator,
-            eval_generator=eval_generator,
-            eval_examples=eval_examples,
-            engine=engine,
-            transport=transport,
-            workers=workers,
-            ckpt=ckpt,
-            metrics=metrics,
-            progress=progress,
-            first_step=start + 1,
-            last_step=last_step,
-            watchdog=watchdog,
-            trackers=trackers,
-            eval_sampled_generator=eval_sampled_generator,
-            recovery=recovery,
-        )
-        if recovery is not None:
-            recovery.set_resync(functools.partial(resync_engines, ctx))
-        strategy.versions.resumed(int(state.get("weight_version", 0)))  # syncs so far
-        progress.start_steps(last_step, start=start)
-        trio.lowlevel.add_instrument(ctx.stalls)
-        stack.callback(trio.lowlevel.remove_instrument, ctx.stalls)
-        try:
-            await run_training(ctx)
-        except BaseException:
-            teardown.start()
-            raise
-    restarts = recovery.events if recovery else None
-    return await trio.to_thread.run_sync(_summarize, run_dir, metrics_path, restarts)
+def _make_generator(
+    cfg: Config,
+    prepared: _Prepared,
+    reward_fn: RewardFunction,
+    engine: EngineClient,
+    sampling: SamplingParams,
+) -> Generator:
+    """``generator.cls`` on ``engine``, sampling with ``sampling``."""
+    return prepared.generator_cls(
+        engine=engine,
+        tokenizer=prepared.tokenizer,
+        reward_fn=reward_fn,
+        sampling=sampling,
+        max_turns=cfg.generator.max_turns,
+        max_response_tokens=cfg.generator.max_response_tokens,
+        **cfg.generator.kwargs,
+    )
 
 
 async def _read_resume_state(

@@ -246,44 +246,9 @@ class PolicyWorker:
         for s in micro_batches(len(batch), self.micro_batch_size):
             mb = batch.select(s).to(self.device)
             padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
-            assert mb.advantages is not None
-            logprobs = _forward_logprobs(self.model, mb, self.temperature)
-            old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
-            weights, is_metrics = None, {}
-            if mb.rollout_logprobs is not None:
-                weights, is_metrics = importance_weights(
-                    old,
-                    mb.rollout_logprobs,
-                    mb.loss_mask,
-                    self.off_policy_correction,
-                    cap=self.tis_cap,
-                )
-            loss, metrics = algorithms.policy_loss(
-                logprobs,
-                old,
-                mb.advantages,
-                mb.loss_mask,
-                loss=self.policy_loss,
-                clip_low=self.clip_ratio_low,
-                clip_high=self.clip_ratio_high,
-                clip_ratio_c=self.clip_ratio_c,
-                loss_agg_mode=self.loss_agg_mode,
-                counts=counts,
-                scale_factor=self.loss_scale_factor,
-                token_weights=weights,
-            )
-            metrics |= is_metrics
+            loss, metrics, kl_loss = self._micro_batch_loss(mb, counts)
             weight = float(mb.loss_mask.sum()) / num_tokens
-            if self.kl_loss_coef and mb.ref_logprobs is not None:
-                kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
-                kl_loss = algorithms.aggregate(
-                    kl,
-                    mb.loss_mask,
-                    self.loss_agg_mode,
-                    counts,
-                    scale_factor=self.loss_scale_factor,
-                )
-                loss = loss + self.kl_loss_coef * kl_loss
+            if kl_loss is not None:
                 totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss.detach())
             loss.backward()
             if padding:
@@ -296,6 +261,47 @@ class PolicyWorker:
                 summed=("policy/num_tokens",),
             )
         return totals
+
+    def _micro_batch_loss(
+        self, mb: TrainBatch, counts: BatchCounts
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+        """One micro-batch's forward: its loss (the policy loss, plus the weighted KL term),
+        the policy loss's metrics with the importance ratio's, and the KL term (None when
+        off or the batch has no ``ref_logprobs``)."""
+        assert mb.advantages is not None
+        logprobs = _forward_logprobs(self.model, mb, self.temperature)
+        old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
+        weights, is_metrics = None, {}
+        if mb.rollout_logprobs is not None:
+            weights, is_metrics = importance_weights(
+                old,
+                mb.rollout_logprobs,
+                mb.loss_mask,
+                self.off_policy_correction,
+                cap=self.tis_cap,
+            )
+        loss, metrics = algorithms.policy_loss(
+            logprobs,
+            old,
+            mb.advantages,
+            mb.loss_mask,
+            loss=self.policy_loss,
+            clip_low=self.clip_ratio_low,
+            clip_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c,
+            loss_agg_mode=self.loss_agg_mode,
+            counts=counts,
+            scale_factor=self.loss_scale_factor,
+            token_weights=weights,
+        )
+        metrics |= is_metrics
+        if not self.kl_loss_coef or mb.ref_logprobs is None:
+            return loss, metrics, None
+        kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
+        kl_loss = algorithms.aggregate(
+            kl, mb.loss_mask, self.loss_agg_mode, counts, scale_factor=self.loss_scale_factor
+        )
+        return loss + self.kl_loss_coef * kl_loss, metrics, kl_loss
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step optimizer and scheduler, zero gradients."""

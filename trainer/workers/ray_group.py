@@ -28,6 +28,7 @@ a collective waiting for it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,7 @@ import torch
 import trio
 from ray import ObjectRef
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from trainer.algorithms import BatchCounts
@@ -96,6 +97,11 @@ def _summed(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def _in_bundle(pg: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Schedule an actor in bundle ``index`` of placement group ``pg``."""
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+
+
 def parameters_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Detached copies of ``model``'s parameters (run on each rank by ``rank_weights``)."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -112,18 +118,14 @@ async def _submit(calls: Callable[[], list[ObjectRef]]) -> list[ObjectRef]:
 class RayWorkerGroup:
     """Policy ranks (and a reference actor) on Ray; create with :meth:`create`."""
 
-    def __init__(
-        self,
-        policy: list[Any],
-        ref: Any | None,
-        pg: Any,
-        pids: dict[str, int],
-    ) -> None:
-        self.policy = policy
-        self.ref = ref
-        self._pg = pg
+    def __init__(self) -> None:
+        #: The policy ranks' actors in rank order (each appended as it is placed).
+        self.policy: list[Any] = []
+        #: The reference model's actor (None: no KL loss).
+        self.ref: Any | None = None
+        self._pg: PlacementGroup | None = None
         #: ``"policy:0"`` / ``"ref:0"`` -> the actor's process id (to prove they are gone)
-        self.pids = pids
+        self.pids: dict[str, int] = {}
         self._closed = False
         #: Whether the policy is FSDP2-sharded (every rank runs every pass).
         self.sharded = False
@@ -153,74 +155,25 @@ class RayWorkerGroup:
         ``policy_kwargs["device"]`` (default ``auto``) decides, with ``gpus_per_worker``,
         the GPUs each actor asks for (:func:`gpus_for`).
         """
-        env = actor_env()
-        device = str(policy_kwargs.get("device", "auto"))
-        wanted: list[dict[str, float]] = []
-        group = cls([], None, None, {})
+        group = cls()
         group.with_critic = critic_kwargs is not None
-
-        def spawn() -> None:  # GCS round-trips: off the trio thread
-            gpus = gpus_for(gpus_per_worker, device)
-            wanted[:] = bundles(num_workers, gpus, with_ref)
-            group._pg = pg = placement_group(wanted, strategy="PACK")
-            ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
-            for rank in range(num_workers):
-                group.policy.append(
-                    ray.remote(PolicyActor)
-                    .options(
-                        num_cpus=1,
-                        num_gpus=gpus,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=pg, placement_group_bundle_index=rank
-                        ),
-                        runtime_env={"env_vars": env},
-                    )
-                    .remote(
-                        str(model_dir),
-                        rank,
-                        num_workers,
-                        policy_kwargs,
-                        data_parallel,
-                        critic_kwargs,
-                    )
-                )
-            if with_ref:
-                # on GPUs, in its own bundle of the group; on the CPU, beside the policy
-                placed = (
-                    {
-                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                            placement_group=pg, placement_group_bundle_index=num_workers
-                        )
-                    }
-                    if gpus
-                    else {}
-                )
-                group.ref = (
-                    ray.remote(RefActor)
-                    .options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}, **placed)
-                    .remote(
-                        str(model_dir),
-                        policy_kwargs.get("temperature", 1.0),
-                        policy_kwargs.get("micro_batch_size"),
-                        device,
-                        str(policy_kwargs.get("dtype", "auto")),
-                    )
-                )
-
+        wanted: list[dict[str, float]] = []  # the bundles asked for, named if never placed
+        place = functools.partial(
+            group._place_actors,
+            model_dir,
+            wanted,
+            actor_env(),
+            policy_kwargs=policy_kwargs,
+            with_ref=with_ref,
+            num_workers=num_workers,
+            data_parallel=data_parallel,
+            gpus_per_worker=gpus_per_worker,
+            critic_kwargs=critic_kwargs,
+        )
         try:
             with trio.fail_after(STARTUP_TIMEOUT_S):
-                await trio.to_thread.run_sync(spawn, abandon_on_cancel=True)
-                pids = await group._wait([a.pid.remote() for a in group._actors()], group._names())
-                group.pids = {f"{w}:{r}": pid for (w, r), pid in zip(group._names(), pids)}
-                host, port = (await group._wait([group.policy[0].master_address.remote()]))[0]
-                with operation("init_process_group"):
-                    sharded = await group._wait(
-                        [
-                            a.init_group.remote(host, port, collective_timeout_s)
-                            for a in group.policy
-                        ]
-                    )
-                group.sharded = any(sharded)
+                await trio.to_thread.run_sync(place, abandon_on_cancel=True)
+                await group._form_group(collective_timeout_s)
         except (trio.TooSlowError, GetTimeoutError):
             with trio.CancelScope(shield=True):
                 await group.shutdown()
@@ -238,6 +191,67 @@ class RayWorkerGroup:
             raise
         log.info("ray workers up: %s", group.pids)
         return group
+
+    def _place_actors(
+        self,
+        model_dir: Path,
+        wanted: list[dict[str, float]],
+        env: dict[str, str],
+        *,
+        policy_kwargs: dict[str, Any],
+        with_ref: bool,
+        num_workers: int,
+        data_parallel: str,
+        gpus_per_worker: float | None,
+        critic_kwargs: dict[str, Any] | None,
+    ) -> None:
+        """The placement group (its bundles written into ``wanted`` first) and the actors in
+        it: the policy ranks, then the reference actor. Blocking (GCS round-trips): run it in
+        a thread."""
+        device = str(policy_kwargs.get("device", "auto"))
+        gpus = gpus_for(gpus_per_worker, device)
+        wanted[:] = bundles(num_workers, gpus, with_ref)
+        self._pg = pg = placement_group(wanted, strategy="PACK")
+        ray.get(pg.ready(), timeout=STARTUP_TIMEOUT_S)
+        for rank in range(num_workers):
+            self.policy.append(
+                ray.remote(PolicyActor)
+                .options(
+                    num_cpus=1,
+                    num_gpus=gpus,
+                    scheduling_strategy=_in_bundle(pg, rank),
+                    runtime_env={"env_vars": env},
+                )
+                .remote(
+                    str(model_dir), rank, num_workers, policy_kwargs, data_parallel, critic_kwargs
+                )
+            )
+        if with_ref:
+            # on GPUs, in its own bundle of the group; on the CPU, beside the policy
+            placed = {"scheduling_strategy": _in_bundle(pg, num_workers)} if gpus else {}
+            self.ref = (
+                ray.remote(RefActor)
+                .options(num_cpus=0, num_gpus=gpus, runtime_env={"env_vars": env}, **placed)
+                .remote(
+                    str(model_dir),
+                    policy_kwargs.get("temperature", 1.0),
+                    policy_kwargs.get("micro_batch_size"),
+                    device,
+                    str(policy_kwargs.get("dtype", "auto")),
+                )
+            )
+
+    async def _form_group(self, collective_timeout_s: float) -> None:
+        """Wait for the placed actors (their process ids), then join the policy ranks in one
+        torch.distributed group; ``sharded`` says whether they shard the policy."""
+        pids = await self._wait([a.pid.remote() for a in self._actors()], self._names())
+        self.pids = {f"{w}:{r}": pid for (w, r), pid in zip(self._names(), pids)}
+        host, port = (await self._wait([self.policy[0].master_address.remote()]))[0]
+        with operation("init_process_group"):
+            sharded = await self._wait(
+                [a.init_group.remote(host, port, collective_timeout_s) for a in self.policy]
+            )
+        self.sharded = any(sharded)
 
     def _actors(self) -> list[Any]:
         return [*self.policy, *([self.ref] if self.ref is not None else [])]
