@@ -75,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the reference engine over vLLM's HTTP protocol")
+    _model_and_http_args(s)
+    _weight_and_lifetime_args(s)
+    return parser
+
+
+def _model_and_http_args(s: argparse.ArgumentParser) -> None:
+    """``serve``'s model, address, authentication, sampling seed, batching and device flags."""
     s.add_argument(
         "--model",
         default=None,
@@ -122,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
         choices=DTYPES,
         help="model dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32 or bfloat16",
     )
+
+
+def _weight_and_lifetime_args(s: argparse.ArgumentParser) -> None:
+    """``serve``'s weight-transfer, sleep-mode and shutdown flags."""
     s.add_argument(
         "--no-weight-transfer",
         dest="weight_transfer_routes",
@@ -154,7 +165,6 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
     )
-    return parser
 
 
 async def _watch_signals(on_signal: Callable[[], None]) -> None:
