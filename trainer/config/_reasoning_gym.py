@@ -51,6 +51,12 @@ class ReasoningGymConfig:
         "The reward scores what extract_answer(response, tag_name=TAG) finds (no tag: 0); "
         "None: the whole response, stripped (for models that cannot write the tags).",
     )
+    partial_credit: bool = _field(
+        True,
+        "Pay the scorer's partial credit (most datasets pay len(answer)/len(reply) to a reply "
+        "that contains the answer); false: 1.0 for a reply the scorer pays in full, else 0 "
+        "(a policy can learn to list candidates for partial credit: docs/environments.md).",
+    )
     few_shot: int = _field(
         0,
         "Solved items shown before each question as earlier chat turns (the question, then "

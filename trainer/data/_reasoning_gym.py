@@ -13,7 +13,8 @@ the ``question``, the ``metadata`` and which dataset (and config) made it.
 :func:`reasoning_gym_reward` scores a response as reasoning-gym does: ``extract_answer(
 response, tag_name=TAG)`` (``data.reasoning_gym.answer_tag``; None takes the whole response),
 then the dataset's own ``score_answer(answer, entry)``, partial credit kept (most datasets
-pay ``len(answer) / len(found)`` when the answer is inside what was found). It needs only the
+pay ``len(answer) / len(found)`` when the answer is inside what was found) unless
+``data.reasoning_gym.partial_credit`` is false (then 1.0 for a full score, else 0). It needs only the
 example's extra fields, so it runs in a reward worker process as well as in the loop.
 """
 
@@ -129,7 +130,12 @@ def _example(rg: Any, entry: dict[str, Any], index: int, prefix: list[dict[str, 
     extra = {
         "question": entry["question"],
         "metadata": entry["metadata"],
-        "reasoning_gym": {"dataset": name, "config": configs[name], "answer_tag": rg.answer_tag},
+        "reasoning_gym": {
+            "dataset": name,
+            "config": configs[name],
+            "answer_tag": rg.answer_tag,
+            "partial_credit": rg.partial_credit,
+        },
     }
     return Example(tuple(messages), str(entry["answer"]), index, extra=extra)
 
@@ -158,4 +164,6 @@ def reasoning_gym_reward(response: str, answer: str, *, extra: Mapping[str, Any]
     found = response.strip() if tag is None else extract_answer(response, tag_name=tag)
     dataset = _scorer(info["dataset"], json.dumps(dict(info["config"]), sort_keys=True))
     entry = {"question": extra["question"], "answer": answer, "metadata": extra["metadata"]}
-    return float(dataset.score_answer(found, entry))
+    score = float(dataset.score_answer(found, entry))
+    # an item made before the key existed (kept in flight across a resume) was paid partial credit
+    return score if info.get("partial_credit", True) else float(score >= 1.0)

@@ -74,6 +74,19 @@ def test_a_weighted_mix_draws_from_each_dataset_and_scores_each_with_its_own():
         assert data.reward_fn(f"<answer>{ex.answer}</answer>", ex.answer, ex.extra) == 1.0
 
 
+def test_without_partial_credit_only_a_reply_paid_in_full_scores():
+    args = ["data.reasoning_gym.name=chain_sum", "data.reasoning_gym.answer_tag=null"]
+    args += ["data.reasoning_gym.config.max_terms=2", "data.reasoning_gym.config.max_digits=1"]
+    partial, exact = _load(*args), _load(*args, "data.reasoning_gym.partial_credit=false")
+    ex = exact.train[0]
+    # a reply listing candidates contains the answer: reasoning-gym pays it partial credit
+    hedge = " ".join(str(n) for n in range(-9, 19))
+    assert 0.0 < partial.reward_fn(hedge, ex.answer, partial.train[0].extra) < 0.1
+    assert exact.reward_fn(hedge, ex.answer, ex.extra) == 0.0
+    assert exact.reward_fn(f"The answer is {ex.answer}.", ex.answer, ex.extra) == 0.0
+    assert exact.reward_fn(f" {ex.answer}\n", ex.answer, ex.extra) == 1.0
+
+
 def test_few_shot_turns_are_solved_items_the_same_for_every_prompt_and_never_eval_questions():
     args = ["data.reasoning_gym.name=chain_sum", "data.num_examples=30"]
     plain, shots = _load(*args), _load(*args, "data.reasoning_gym.few_shot=2")
