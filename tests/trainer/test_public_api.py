@@ -20,6 +20,7 @@ PUBLIC = {
         "DEFAULT_CLIP_HIGH",
         "DEFAULT_CLIP_LOW",
         "KL_ESTIMATORS",
+        "LOGPROB_CHUNK_ELEMENTS",
         "LOG_RATIO_CLAMP",
         "LOSS_AGG_MODES",
         "LossAggModeName",
@@ -33,6 +34,7 @@ PUBLIC = {
         "compute_advantages",
         "explained_variance",
         "gae_advantages_and_returns",
+        "head_token_logprobs",
         "kl_penalty",
         "masked_mean",
         "masked_sum",
@@ -280,6 +282,7 @@ PUBLIC = {
         "restore_training_state",
         "tensor_bytes",
     ],
+    "trainer.workers.logprobs": ["LOGIT_TRANSFORMS", "forward_logprobs", "fused_head"],
     "trainer.workers.policy": [
         "OFFLOAD_METRICS",
         "PolicyWorker",
@@ -299,11 +302,13 @@ PUBLIC = {
     "trainer.workers.ray_group": ["RayWorkerGroup"],
     "trainer.workers.ray_placement": ["bundles", "gpus_for", "padded_shard", "shards"],
     "trainer.workers.training": [
+        "MicroBatching",
         "Optimizer",
         "add_metrics",
         "enable_activation_checkpointing",
         "extreme",
         "micro_batches",
+        "token_budget_micro_batches",
     ],
 }
 

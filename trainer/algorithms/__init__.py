@@ -14,6 +14,7 @@ Usage in a step::
 
     adv = compute_advantages(rewards, group_ids, "grpo", mask=mask)       # [B] or [B, T]
     logp = token_logprobs(logits, response_ids, temperature)              # [B, T]
+    logp = head_token_logprobs(hidden, lm_head.weight, ids, temperature)  # [N], chunked
     counts = BatchCounts.of(mini_batch_mask)                              # once per mini-batch
     loss, metrics = policy_loss(logp, old_logp, adv, mask, loss="ppo", counts=counts)
     if kl_coef:
@@ -38,6 +39,7 @@ from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_a
 if TYPE_CHECKING:
     from trainer.algorithms._advantages import compute_advantages, gae_advantages_and_returns
     from trainer.algorithms._aggregation import BatchCounts, aggregate
+    from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
         DEFAULT_CLIP_LOW,
@@ -60,6 +62,7 @@ __all__ = [
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
     "KL_ESTIMATORS",
+    "LOGPROB_CHUNK_ELEMENTS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -75,6 +78,7 @@ __all__ = [
     "compute_advantages",
     "explained_variance",
     "gae_advantages_and_returns",
+    "head_token_logprobs",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
@@ -95,6 +99,8 @@ _LAZY = {
     "DEFAULT_CLIP_LOW": "_losses",
     "POLICY_LOSS_METRICS": "_losses",
     "policy_loss": "_losses",
+    "LOGPROB_CHUNK_ELEMENTS": "_logprobs",
+    "head_token_logprobs": "_logprobs",
     "KL_ESTIMATORS": "_ops",
     "LOG_RATIO_CLAMP": "_ops",
     "kl_penalty": "_ops",

@@ -128,6 +128,17 @@ class TrainerConfig:
         "Trajectories per forward/backward pass, accumulated (None: the whole mini-batch at once).",
         check=at_least(1),
     )
+    micro_batch_max_tokens: int | None = _field(
+        None,
+        "Pack the policy's and the reference's forward/backward passes by tokens instead: at "
+        "most this many padded tokens (rows times the pass's longest prompt + response) per "
+        "pass, longest trajectories first, and at most micro_batch_size rows if that is set "
+        "too; a trajectory longer than this goes alone in its pass. verl's "
+        "use_dynamic_bsz with ppo_max_token_len_per_gpu, named after micro_batch_size, whose "
+        "limit it adds, as one key (None: off). Same gradient; each pass is padded only to "
+        "its own longest row either way. The critic passes by micro_batch_size.",
+        check=at_least(1),
+    )
     update_epochs: int = _field(
         1, "Passes of policy updates over each step's batch (PPO epochs).", check=at_least(1)
     )

@@ -147,6 +147,7 @@ def policy_kwargs(cfg: Config) -> dict[str, Any]:
         "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
         "kl_loss_type": a.kl_loss_type,
         "micro_batch_size": cfg.trainer.micro_batch_size,
+        "micro_batch_max_tokens": cfg.trainer.micro_batch_max_tokens,
         "seed": cfg.trainer.seed,
         "off_policy_correction": resolve_correction(a.off_policy_correction, cfg.trainer.strategy),
         "tis_cap": a.tis_cap,

@@ -49,6 +49,13 @@ class TrainBatch:
         return int(self.loss_mask.sum())
 
     @property
+    def lengths(self) -> list[int]:
+        """Each row's length: one past its last attended position (its padding cut off)."""
+        positions = torch.arange(1, self.input_ids.shape[1] + 1)
+        attended = self.attention_mask.cpu() != 0
+        return torch.where(attended, positions, 0).amax(dim=1).tolist()
+
+    @property
     def counts(self) -> BatchCounts:
         """This batch's trained tokens and sequences: what a loss over it is normalized by
         (pass a mini-batch's to every micro-batch and rank that trains a part of it)."""
@@ -75,3 +82,22 @@ class TrainBatch:
 
         rows = {f.name: take(getattr(self, f.name)) for f in attrs.fields(TrainBatch)}
         return TrainBatch(**rows)  # type: ignore[arg-type]  # the required three are set
+
+    def trimmed(self) -> TrainBatch:
+        """This batch padded only to its longest row: the columns past every row's length cut
+        off (itself when there are none). A causal model's outputs at the kept positions do
+        not depend on the cut ones, so logprobs, losses and gradients are the same, less the
+        padding's compute. Per-token tensors ``[B, L - 1]`` are cut alike; ``[B]`` ones kept."""
+        width = max(self.lengths, default=0)
+        full = self.input_ids.shape[1]
+        if width >= full:
+            return self
+        tokens = {"input_ids", "attention_mask"}
+
+        def cut(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.dim() < 2:
+                return t
+            return t[:, :width] if name in tokens else t[:, : max(width - 1, 0)]
+
+        cols = {f.name: cut(f.name, getattr(self, f.name)) for f in attrs.fields(TrainBatch)}
+        return TrainBatch(**cols)  # type: ignore[arg-type]  # the required three are set

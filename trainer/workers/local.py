@@ -102,6 +102,7 @@ class LocalWorkerGroup:
                     model_dir,
                     temperature=policy_kwargs.get("temperature", 1.0),
                     micro_batch_size=policy_kwargs.get("micro_batch_size"),
+                    micro_batch_max_tokens=policy_kwargs.get("micro_batch_max_tokens"),
                     device=policy_kwargs.get("device", "auto"),
                     dtype=policy_kwargs.get("dtype", "auto"),
                 )

@@ -31,12 +31,13 @@ from trainer.checkpoint.format import (
 from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
+from trainer.workers.logprobs import forward_logprobs
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
 from trainer.workers.training import (
+    MicroBatching,
     Optimizer,
     add_metrics,
     enable_activation_checkpointing,
-    micro_batches,
 )
 
 __all__ = ["OFFLOAD_METRICS", "PolicyWorker", "RefWorker", "preload_model_code"]
@@ -73,6 +74,7 @@ class RefWorker:
         *,
         temperature: float = 1.0,
         micro_batch_size: int | None = None,
+        micro_batch_max_tokens: int | None = None,
         device: str = "auto",
         dtype: str = "auto",
     ) -> None:
@@ -81,34 +83,29 @@ class RefWorker:
         self.model.eval()
         self.model.requires_grad_(False)
         self.temperature = temperature
-        self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatching(micro_batch_size, micro_batch_max_tokens)
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Logprob of each next token, ``[B, L - 1]``, on the CPU."""
-        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
-
-
-def _forward_logprobs(
-    model: torch.nn.Module, batch: TrainBatch, temperature: float
-) -> torch.Tensor:
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return algorithms.token_logprobs(logits[:, :-1, :], batch.input_ids[:, 1:], temperature)
+        """Logprob of each trained next token, ``[B, L - 1]`` (0 where ``loss_mask`` is), on the CPU."""
+        return _logprobs(self.model, batch, self.temperature, self.micro_batching, self.device)
 
 
 def _logprobs(
     model: torch.nn.Module,
     batch: TrainBatch,
     temperature: float,
-    micro: int | None,
+    plan: MicroBatching,
     device: torch.device,
 ) -> torch.Tensor:
-    """Float32 logprobs on the CPU, computed on ``device`` micro-batch by micro-batch."""
-    parts = [
-        _forward_logprobs(model, batch.select(s).to(device), temperature).float().cpu()
-        for s in micro_batches(len(batch), micro)
-    ]
-    return torch.cat(parts, dim=0)
+    """Float32 logprobs ``[B, L - 1]`` on the CPU (0 where ``loss_mask`` is), computed on
+    ``device`` micro-batch by micro-batch, each padded only to its own longest row."""
+    out = torch.zeros(batch.loss_mask.shape, dtype=torch.float32)
+    for rows, mb in plan.split(batch, model):
+        logprobs = forward_logprobs(model, mb.to(device), temperature).cpu()
+        if rows is not None:
+            out[rows, : logprobs.shape[1]] = logprobs
+    return out
 
 
 class PolicyWorker:
@@ -138,6 +135,7 @@ class PolicyWorker:
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "k3",
         micro_batch_size: int | None = None,
+        micro_batch_max_tokens: int | None = None,
         seed: int = 0,
         off_policy_correction: OffPolicyCorrection = "none",
         tis_cap: float | None = DEFAULT_TIS_CAP,
@@ -173,7 +171,7 @@ class PolicyWorker:
         self.loss_scale_factor = loss_scale_factor
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
-        self.micro_batch_size = micro_batch_size
+        self.micro_batching = MicroBatching(micro_batch_size, micro_batch_max_tokens)
         self.off_policy_correction: OffPolicyCorrection = off_policy_correction
         self.tis_cap = tis_cap
 
@@ -209,9 +207,10 @@ class PolicyWorker:
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The current policy's logprob of each next token, ``[B, L - 1]`` (no grad), on the CPU."""
+        """The current policy's logprob of each trained next token, ``[B, L - 1]`` (no grad; 0
+        where ``loss_mask`` is), on the CPU."""
         self._resident()
-        return _logprobs(self.model, batch, self.temperature, self.micro_batch_size, self.device)
+        return _logprobs(self.model, batch, self.temperature, self.micro_batching, self.device)
 
     def forward_backward(
         self, batch: TrainBatch, counts: BatchCounts | None = None
@@ -243,8 +242,8 @@ class PolicyWorker:
         counts = counts or batch.counts
         num_tokens = max(1, counts.tokens)
         totals: dict[str, float] = {}
-        for s in micro_batches(len(batch), self.micro_batch_size):
-            mb = batch.select(s).to(self.device)
+        for _, part in self.micro_batching.split(batch, self.model):
+            mb = part.to(self.device)
             padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
             loss, metrics, kl_loss = self._micro_batch_loss(mb, counts)
             weight = float(mb.loss_mask.sum()) / num_tokens
@@ -258,7 +257,7 @@ class PolicyWorker:
                 totals,
                 {f"policy/{k}": v for k, v in metrics.items()},
                 weight,
-                summed=("policy/num_tokens",),
+                summed=("policy/num_tokens", "policy/pg_loss"),  # pg_loss: a share, as loss
             )
         return totals
 
@@ -269,7 +268,7 @@ class PolicyWorker:
         the policy loss's metrics with the importance ratio's, and the KL term (None when
         off or the batch has no ``ref_logprobs``)."""
         assert mb.advantages is not None
-        logprobs = _forward_logprobs(self.model, mb, self.temperature)
+        logprobs = forward_logprobs(self.model, mb, self.temperature)
         old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         weights, is_metrics = None, {}
         if mb.rollout_logprobs is not None:

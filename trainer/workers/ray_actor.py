@@ -66,12 +66,14 @@ class RefActor(_Actor):
         micro_batch_size: int | None,
         device: str = "auto",
         dtype: str = "auto",
+        micro_batch_max_tokens: int | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.worker = RefWorker(
             model_dir,
             temperature=temperature,
             micro_batch_size=micro_batch_size,
+            micro_batch_max_tokens=micro_batch_max_tokens,
             device=device,
             dtype=dtype,
         )

@@ -238,6 +238,7 @@ class RayWorkerGroup:
                     policy_kwargs.get("micro_batch_size"),
                     device,
                     str(policy_kwargs.get("dtype", "auto")),
+                    policy_kwargs.get("micro_batch_max_tokens"),
                 )
             )
 

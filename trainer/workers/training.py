@@ -1,18 +1,25 @@
-"""What the policy and critic workers share: micro-batches, AdamW with a linear warm-up,
+"""What the policy and critic workers share: micro-batches (by rows or by a token budget), AdamW with a linear warm-up,
 clipping and stepping, activation checkpointing, and summing a mini-batch's metrics over its micro-batches."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
+import attrs
 import torch
+import torch.distributed as dist
+
+from trainer.workers.batch import TrainBatch
+from trainer.workers.fsdp import is_sharded
 
 __all__ = [
+    "MicroBatching",
     "Optimizer",
     "add_metrics",
     "enable_activation_checkpointing",
     "extreme",
     "micro_batches",
+    "token_budget_micro_batches",
 ]
 
 
@@ -20,6 +27,75 @@ def micro_batches(n: int, size: int | None) -> list[slice]:
     """The slices of ``n`` rows in micro-batches of ``size`` (None: one)."""
     size = size or n
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def token_budget_micro_batches(
+    lengths: Sequence[int], max_tokens: int, max_rows: int | None = None
+) -> list[list[int]]:
+    """The rows of sequences of ``lengths`` packed into micro-batches of at most ``max_tokens``
+    padded tokens each (``rows * its longest length``) and at most ``max_rows`` rows (None:
+    any number): longest first, each micro-batch filled greedily with the next longest, so
+    rows of like lengths share one and little padding is left. A sequence longer than
+    ``max_tokens`` goes alone in its micro-batch. Every row is in exactly one micro-batch;
+    the row order inside each is ascending."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    out: list[list[int]] = []
+    width = 0
+    for i in order:
+        rows = out[-1] if out else []
+        full = (len(rows) + 1) * width > max_tokens or len(rows) == (max_rows or len(lengths))
+        if not rows or full:
+            out.append([i])
+            width = lengths[i]  # the longest of the new micro-batch
+        else:
+            rows.append(i)
+    return [sorted(rows) for rows in out]
+
+
+#: A micro-batch's rows of its batch: a range (by ``micro_batch_size``) or a list (packed by
+#: tokens); None for a pass that only keeps FSDP2's ranks in step.
+Rows = slice | list[int] | None
+
+
+@attrs.frozen
+class MicroBatching:
+    """How a worker cuts a batch into forward (and backward) passes
+    (``trainer.micro_batch_size``, ``trainer.micro_batch_max_tokens``).
+
+    Without ``max_tokens``: ranges of ``size`` rows in order (None: the whole batch in one).
+    With it: :func:`token_budget_micro_batches`, at most ``max_tokens`` padded tokens and at
+    most ``size`` rows each. Either way each micro-batch is padded only to its own longest row
+    (:meth:`TrainBatch.trimmed`). The loss is normalised by the whole mini-batch's counts, so
+    the cut never changes the gradient (beyond float rounding).
+    """
+
+    #: Rows per micro-batch at most (None: no limit).
+    size: int | None = None
+    #: Padded tokens (rows times the longest row) per micro-batch at most (None: off).
+    max_tokens: int | None = None
+
+    def plan(self, batch: TrainBatch) -> list[slice] | list[list[int]]:
+        """The micro-batches' rows of ``batch``."""
+        if self.max_tokens is None:
+            return micro_batches(len(batch), self.size)
+        return token_budget_micro_batches(batch.lengths, self.max_tokens, self.size)
+
+    def split(self, batch: TrainBatch, model: torch.nn.Module) -> Iterator[tuple[Rows, TrainBatch]]:
+        """Each micro-batch of ``batch``, trimmed, with its rows. A sharded ``model`` (FSDP2)
+        needs every rank in every pass, and packing by tokens gives ranks different numbers of
+        passes: the ranks agree on the most (a collective), and one with fewer adds passes of
+        one row whose loss mask is 0 (rows None)."""
+        plan = self.plan(batch)
+        idle = 0
+        if self.max_tokens is not None and is_sharded(model) and len(batch):
+            passes = torch.tensor([len(plan)], device=next(model.parameters()).device)
+            dist.all_reduce(passes, op=dist.ReduceOp.MAX)  # before any pass: they are collectives
+            idle = int(passes) - len(plan)
+        yield from ((rows, batch.select(rows).trimmed()) for rows in plan)
+        for _ in range(idle):
+            one = batch.select([0]).trimmed()
+            one.loss_mask = torch.zeros_like(one.loss_mask)
+            yield None, one
 
 
 class Optimizer:

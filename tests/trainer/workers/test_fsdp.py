@@ -34,23 +34,27 @@ WORLD = 2
 CRITIC = dict(lr=1e-2, max_grad_norm=1e9, seed=0, micro_batch_size=2)
 
 
-def make_batch(model_dir: Path) -> TrainBatch:
+def make_batch(model_dir: Path, *, short_rows: int = 0) -> TrainBatch:
+    """Five rows of ten tokens; the first ``short_rows`` of six (right-padded)."""
     batch = random_batch(model_dir, 5, seed=1)
+    batch.attention_mask[:short_rows, 6:] = 0
+    batch.loss_mask[:short_rows, 5:] = 0.0
     g = torch.Generator().manual_seed(4)
     batch.values = 0.1 * torch.randn(batch.loss_mask.shape, generator=g)
     batch.returns = torch.randn(batch.loss_mask.shape, generator=g) * batch.loss_mask
     return batch
 
 
-def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+def _rank_main(rank: int, port: int, model_dir: str, out: str, budget: int | None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
     )
     try:
-        worker = PolicyWorker(model_dir, **KWARGS)  # type: ignore[arg-type]
+        by_tokens = {"micro_batch_size": None, "micro_batch_max_tokens": budget} if budget else {}
+        worker = PolicyWorker(model_dir, **(KWARGS | by_tokens))  # type: ignore[arg-type]
         worker.shard()
-        batch = make_batch(Path(model_dir))
+        batch = make_batch(Path(model_dir), short_rows=SHORT_ROWS[budget])
         parts = shards(len(batch), WORLD)
         size = max(s.stop - s.start for s in parts)
         logprobs = worker.compute_logprobs(padded_shard(batch, parts[rank], size))
@@ -80,10 +84,16 @@ def _rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+#: Rows of six tokens in the batch of a run by token budget: rank 0's three rows then fit in
+#: one pass of 20 tokens, rank 1's take two, and rank 0 must join the second (an idle pass).
+SHORT_ROWS = {None: 0, 20: 3}
+
+
 @pytest.mark.timeout(600)
-def test_fsdp2_sharded_step_over_gloo_equals_one_unsharded_worker(tmp_path):
+@pytest.mark.parametrize("budget", [None, 20])
+def test_fsdp2_sharded_step_over_gloo_equals_one_unsharded_worker(tmp_path, budget):
     model_dir = resolve_model_path(None)
-    batch = make_batch(model_dir)
+    batch = make_batch(model_dir, short_rows=SHORT_ROWS[budget])
     single = PolicyWorker(model_dir, **KWARGS)  # type: ignore[arg-type]
     expected_logprobs = single.compute_logprobs(batch)
     single.forward_backward(batch, batch.counts)
@@ -94,7 +104,7 @@ def test_fsdp2_sharded_step_over_gloo_equals_one_unsharded_worker(tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(
         _rank_main,
-        args=(free_port("127.0.0.1"), str(model_dir), str(out)),
+        args=(free_port("127.0.0.1"), str(model_dir), str(out), budget),
         nprocs=WORLD,
         start_method="spawn",
     )

@@ -1,0 +1,68 @@
+"""The policy's and the reference's log-probabilities of a batch's sampled tokens, at its
+trained positions only (``loss_mask`` nonzero; ``0.0`` elsewhere), ``[B, L - 1]`` float32.
+
+A causal LM whose structure is recognised (:func:`fused_head`: a ``.model`` body and a linear
+``lm_head``, no logit transform after the head, not FSDP2-sharded) runs its body for the hidden
+states, and the head is applied to the trained positions only, in chunks fused with the
+log-softmax (:func:`trainer.algorithms.head_token_logprobs`): no ``[B, L, V]`` logits tensor,
+in the forward or the backward. Any other model (and a sharded one, whose root parameters are
+gathered only by its own ``forward``) takes the wrapper's full logits, as before; the numbers
+are the same either way, to float rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer import algorithms
+from trainer.workers.batch import TrainBatch
+from trainer.workers.fsdp import is_sharded
+
+__all__ = ["LOGIT_TRANSFORMS", "forward_logprobs", "fused_head"]
+
+#: Config attributes of architectures that transform the logits after the head (Gemma 2's
+#: soft-capping, Cohere's and Granite's scaling): set, the head is not fused.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+    """``(body, lm_head)`` of a causal LM whose logits are ``lm_head(body(...).last_hidden_state)``
+    and nothing more, or None: no ``.model`` body, no linear ``lm_head`` that is the model's
+    output embedding, a logit transform in its config (:data:`LOGIT_TRANSFORMS`), or FSDP2
+    shards (the root's parameters are gathered by its forward only)."""
+    body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+        return None
+    output_embeddings = getattr(model, "get_output_embeddings", lambda: None)()
+    config = getattr(model, "config", None)
+    if output_embeddings is not head or is_sharded(model):
+        return None
+    if any(getattr(config, key, None) is not None for key in LOGIT_TRANSFORMS):
+        return None
+    return body, head
+
+
+def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """Float32 logprob of each trained next token under ``softmax(logits / temperature)``,
+    ``[B, L - 1]`` on the batch's device, ``0.0`` where ``loss_mask`` is 0. Differentiable;
+    a batch without a trained token still gives a result in the graph (zero gradient), so its
+    backward runs as any other's."""
+    trained = batch.loss_mask != 0
+    fused = fused_head(model)
+    if fused is None:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        full = algorithms.token_logprobs(logits[:, :-1, :], batch.input_ids[:, 1:], temperature)
+        return torch.where(trained, full.float(), torch.zeros((), device=full.device))
+    body, head = fused
+    out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    hidden = out.last_hidden_state
+    rows, cols = trained.nonzero(as_tuple=True)
+    picked = algorithms.head_token_logprobs(
+        hidden[rows, cols],
+        head.weight,
+        batch.input_ids[rows, cols + 1],
+        temperature,
+        head_bias=head.bias,
+    )
+    zeros = hidden[:, :-1, 0].float() * 0.0  # in the graph even with nothing picked
+    return zeros.index_put((rows, cols), picked)
