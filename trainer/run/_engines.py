@@ -27,6 +27,7 @@ from engines.launch import (
     ServersSpec,
     open_engine_processes,
 )
+from engines.types import EngineClient
 from engines.vllm.flags import VLLM_TRANSPORTS
 from engines.vllm.inprocess import open_vllm_inprocess_client
 from engines.vllm.serve import VllmServers, check_server_config, gpu_groups
@@ -53,14 +54,14 @@ VLLM_STARTUP_TIMEOUT_S = 900.0
 class Engines:
     """The run's engines: their client, and the servers the trainer started as processes."""
 
-    client: Any
+    client: EngineClient
     #: ``engine.backend=local`` or ``vllm`` with ``placement=process``: the server processes
     #: (restartable); None for every other backend and placement.
     processes: EngineProcesses | None = None
 
 
 @asynccontextmanager
-async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Any]:
+async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[EngineClient]:
     """:func:`open_engines`' client."""
     async with open_engines(cfg, model_dir, run_dir) as engines:
         yield engines.client
