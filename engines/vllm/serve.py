@@ -54,7 +54,6 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 
@@ -217,7 +216,7 @@ class VllmServers:
 
 
 def config_problems(
-    config: Mapping[str, Any],
+    config: Mapping[str, object],
     backend: WeightTransferBackend,
     needs_sleep: bool,
     *,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 import trio
@@ -44,7 +43,7 @@ def _remove_leftovers(directory: Path) -> None:
 
 def write_buckets(
     model: torch.nn.Module, directory: str, bucket_bytes: int
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Rank 0: write the parameters as safetensors buckets; one ``update_info`` (+ ``path``) each."""
     from safetensors.torch import save_file  # only rank 0's process of a disk sync needs it
 

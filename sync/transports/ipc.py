@@ -27,7 +27,6 @@ on a GPU.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import attrs
 import torch
@@ -70,7 +69,9 @@ def _export(transport_id: str, bucket_bytes: int) -> _IpcBuffer:
     return exported
 
 
-def ipc_plan(model: torch.nn.Module, transport_id: str, bucket_bytes: int) -> list[dict[str, Any]]:
+def ipc_plan(
+    model: torch.nn.Module, transport_id: str, bucket_bytes: int
+) -> list[dict[str, object]]:
     """Rank 0: the buckets of this sync; vLLM's packed ``update_info`` of each.
 
     Exports the buffer at the first call (``init``) (``RuntimeError`` without CUDA; ``ValueError`` for

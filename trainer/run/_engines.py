@@ -5,10 +5,9 @@ leaves (:func:`open_engines`); the vLLM server specs built from the config."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -23,6 +22,7 @@ from engines.client import (
 from engines.devices import resolve_device, resolve_dtype
 from engines.launch import (
     EngineProcesses,
+    RayEngine,
     ReferenceServers,
     ServersSpec,
     open_engine_processes,
@@ -195,7 +195,7 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
 
 async def _start_servers(
     stack: AsyncExitStack, cfg: Config, model_dir: Path, log_dir: Path, devices: list[str]
-) -> Sequence[Any]:
+) -> EngineProcesses | list[RayEngine]:
     """Start the servers of ``engine.backend`` (stopped when ``stack`` closes): the processes
     (placement=process) or the Ray-placed servers, each with its ``url``."""
     e = cfg.engine
