@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 
 __all__ = [
+    "JSON",
     "Completion",
     "ControlPlaneClient",
     "EngineClient",
     "FinishReason",
+    "JSONValue",
     "PauseMode",
+    "QueryParams",
+    "QueryValue",
     "SamplingParams",
     "nth_sample_params",
 ]
@@ -20,6 +24,18 @@ __all__ = [
 FinishReason = Literal["stop", "length", "abort"]
 #: What ``pause`` does with requests in flight: freeze them, end them, or let them finish.
 PauseMode = Literal["keep", "abort", "wait"]
+#: A JSON value, read-only (``json.loads`` gives lists and dicts; a ``dict[str, str]`` is one).
+JSONValue: TypeAlias = (
+    "bool | int | float | str | Sequence[JSONValue] | Mapping[str, JSONValue] | None"
+)
+#: A JSON object, read-only (a route's answer).
+JSON: TypeAlias = Mapping[str, JSONValue]
+#: One query parameter's value, as httpx sends it (a sequence: the parameter repeated).
+QueryValue: TypeAlias = (
+    "str | int | float | bool | Sequence[str | int | float | bool | None] | None"
+)
+#: The query parameters of a control request.
+QueryParams: TypeAlias = Mapping[str, QueryValue]
 
 
 @attrs.frozen
@@ -164,20 +180,26 @@ class ControlPlaneClient(EngineClient, Protocol):
         url: str,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> Any:
-        """``method path`` on the engine at ``url`` (operation ``path``); its answer."""
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> JSONValue:
+        """``method path`` on the engine at ``url`` (operation ``path``), ``json`` its body
+        (anything ``json.dumps`` takes); the route's answer, its JSON body decoded (None when
+        empty).
+
+        ``InferenceServerTimeoutError`` past the control-plane timeout;
+        ``InferenceServerError`` (URL, endpoint, status) for a refused call or a malformed body.
+        """
         ...
 
     async def control(
         self,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> list[Any]:
-        """``method path`` on every engine concurrently; their answers, in URL order (the
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> list[JSONValue]:
+        """:meth:`control_one` on every engine concurrently; their answers, in URL order (the
         first failure raised once every call ended, the others as its notes)."""
         ...
 

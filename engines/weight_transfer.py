@@ -101,7 +101,7 @@ def nccl_init_info(
     packed: bool = True,
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The ``init_info`` vLLM's trainer helper sends for ``nccl`` (TCP rendezvous).
 
     As ``nccl_common.worker_init_payload`` writes it: the unset ``nccl_unique_id_b64`` is left
@@ -118,7 +118,7 @@ def nccl_init_info(
     }
 
 
-def tensor_update_info(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+def tensor_update_info(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, object]:
     """The ``nccl`` ``update_info`` of these tensors: ``names``, ``dtype_names``, ``shapes``."""
     pairs = list(named)
     return {
@@ -128,14 +128,14 @@ def tensor_update_info(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, A
     }
 
 
-def ipc_init_info(packed: bool) -> dict[str, Any]:
+def ipc_init_info(packed: bool) -> dict[str, object]:
     """The ``init_info`` vLLM's IPC trainer engine sends: ``{"packed": packed}``."""
     return {"packed": packed}
 
 
 def ipc_update_info(
     named: Iterable[tuple[str, torch.Tensor]], tensor_sizes: list[int], ipc_handles_pickled: str
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """A packed ``ipc`` ``update_info`` as vLLM's HTTP client sends it (handles pickled)."""
     return {
         **tensor_update_info(named),
@@ -146,7 +146,7 @@ def ipc_update_info(
 
 def parse_info(
     info: Any, fields: dict[str, tuple[type, ...]], what: str, required: Sequence[str] = ()
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """``info`` checked as vLLM's dataclass would take it: a dict of known fields, each of
     its type, the ``required`` ones present. Raises ``ValueError`` naming the first problem."""
     if not isinstance(info, dict):

@@ -32,19 +32,18 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, Protocol, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import attrs
 import trio
 
 from engines.types import ControlPlaneClient, EngineClient
+from sync._attempt import Attempt
 from sync.bracket import Cleanups
-from sync.transports.base import Rank0, WeightTransport
+from sync.transports.base import Rank0, WeightTransport, routes_of
 from trainer.errors import EngineUnusableError, StepTimeoutError
 from trainer.vocabulary import (
-    Operation,
     current_deadline,
-    fire_fault,
     fire_fault_sync,
     operation,
     pending_deadline_error,
@@ -63,9 +62,6 @@ log = logging.getLogger("sync.weights")
 T = TypeVar("T")
 
 OP = "broadcast_to_inference_engines"
-#: The trainer-side fault points inside a transfer (once per sync, never in its re-send).
-AFTER_FIRST_BUCKET: Operation = "transfer_after_first_bucket"
-BEFORE_FINISH: Operation = "transfer_before_finish"
 #: Default of ``sync.transfer_grace_s``: how long past its deadline a transfer may still run.
 TRANSFER_GRACE_S = 10.0
 #: Why the bracket's cleanups are skipped.
@@ -80,18 +76,6 @@ def abandoned_detail(grace_s: float) -> str:
         "(sync.transfer_grace_s) and was abandoned; the engines were left paused, since "
         "their weights may be partial"
     )
-
-
-def routes_of(engine: EngineClient) -> ControlPlaneClient:
-    """``engine`` as the route-based transports drive it; ``TypeError`` when it takes no control
-    routes (a transport paired with an engine it cannot reach: ``validate_cfg`` refuses the
-    configurations that would)."""
-    if not isinstance(engine, ControlPlaneClient):
-        raise TypeError(
-            f"{type(engine).__name__} takes no control routes (/start_weight_update, ...): "
-            "use sync.transport=inprocess with it"
-        )
-    return engine
 
 
 class _Abandonable(Protocol):
@@ -110,65 +94,9 @@ class _Rank0DuringTransfer:
         self._workers = workers
 
     async def run_on_rank0(
-        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
     ) -> T:
         return await self._workers.run_on_rank0(fn, *args, abandon_on_cancel=True)
-
-
-class _Attempt:
-    """The engines as one transfer attempt sees them: whether it reached them, how far it got,
-    whether it was abandoned, and the two trainer-side fault points inside it (``fire``: first
-    attempt only)."""
-
-    def __init__(self, engine: EngineClient, *, fire: bool) -> None:
-        self._engine = engine
-        self.fire = fire
-        self._updates = 0
-        #: ``/start_weight_update`` was sent: from then on the engines hold partial weights
-        #: (real vLLM: its layers are reloaded as they arrive) until a finish succeeds.
-        self.started = False
-        self.finished = False
-        #: The engines accepted the start and no update failed there: the update is open
-        #: (real vLLM then refuses a second start, and a layer sent twice).
-        self.open = False
-        #: Every bucket was accepted: the transfer had reached its finish.
-        self.all_sent = False
-        #: :func:`run_transfer` gave up on it at its bound.
-        self.abandoned = False
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
-    async def control(self, method: str, path: str, params: Any = None, json: Any = None) -> Any:
-        if path == "/start_weight_update":
-            self.started = True
-        elif path == "/finish_weight_update":
-            self.all_sent = self.open
-            await self._point(BEFORE_FINISH)
-        try:
-            answer = await routes_of(self._engine).control(method, path, params, json)
-        except BaseException:
-            if path == "/update_weights":
-                self.open = False  # what the engines kept of the update is unknown
-            raise
-        if path == "/start_weight_update":
-            self.open = True
-        elif path == "/update_weights":
-            self._updates += 1
-            if self._updates == 1:
-                await self._point(AFTER_FIRST_BUCKET)
-        elif path == "/finish_weight_update":
-            self.finished, self.open = True, False
-        return answer
-
-    async def _point(self, op: Operation) -> None:
-        if self.fire:
-            with operation(op):
-                await fire_fault(op)
-
-    @property
-    def broken(self) -> bool:
-        return self.started and not self.finished
 
 
 async def run_transfer(
@@ -311,7 +239,7 @@ async def transfer_weights(
     transfer, or partial weights, skip ``cleanups``.
     """
     sync = _Transfer(engine, workers, transport, grace_s, cleanups)
-    first = _Attempt(engine, fire=True)
+    first = Attempt(engine, fire=True)
     try:
         seconds = await _send(sync, first)
     except BaseException as failure:
@@ -345,12 +273,14 @@ def _metrics(*, resends: float, seconds: float | None) -> dict[str, float]:
     return out
 
 
-async def _send(sync: _Transfer, attempt: _Attempt) -> float:
+async def _send(sync: _Transfer, attempt: Attempt) -> float:
     """One attempt, bounded by :func:`run_transfer`; its wall seconds. An abandoned attempt
     skips the bracket's cleanups."""
     try:
         return await run_transfer(
-            functools.partial(sync.transport.transfer, attempt, _Rank0DuringTransfer(sync.workers)),
+            functools.partial(
+                sync.transport.transfer, attempt.engine, _Rank0DuringTransfer(sync.workers)
+            ),
             grace_s=sync.grace_s,
             outcome=attempt,
             fire=attempt.fire,
@@ -371,7 +301,7 @@ class _Resent:
     seconds: float | None = None
 
 
-async def _resend_once(sync: _Transfer, first: _Attempt) -> _Resent:
+async def _resend_once(sync: _Transfer, first: Attempt) -> _Resent:
     """Complete the broken-off transfer (:func:`_resend`), whatever cancels the step, within
     its deadline; any way the re-send itself ends early, the engines hold partial weights."""
     refusal = getattr(sync.transport, "resend_refusal", None)
@@ -385,7 +315,7 @@ async def _resend_once(sync: _Transfer, first: _Attempt) -> _Resent:
     raise AssertionError("unreachable: the re-send returns from inside its scope")
 
 
-async def _resend(sync: _Transfer, first: _Attempt, refusal: object) -> _Resent:
+async def _resend(sync: _Transfer, first: Attempt, refusal: object) -> _Resent:
     """The re-send rules (``refusal``: the transport's ``resend_refusal``):
 
     - every bucket was accepted (it broke off before the finish): the finish alone;
@@ -412,4 +342,4 @@ async def _resend(sync: _Transfer, first: _Attempt, refusal: object) -> _Resent:
     if isinstance(engine, ControlPlaneClient):  # an update an earlier transfer left open
         with contextlib.suppress(Exception):
             await engine.control("POST", "/finish_weight_update", json={})
-    return _Resent(seconds=await _send(sync, _Attempt(engine, fire=False)))
+    return _Resent(seconds=await _send(sync, Attempt(engine, fire=False)))

@@ -18,7 +18,6 @@ from engines.client._control_plane import (
 )
 from engines.client._control_plane import ControlPlane as ControlPlane
 from engines.client._control_plane import bounded_control as bounded_control
-from engines.client._control_plane import digests_checksum as digests_checksum
 from engines.client._control_plane import (
     resolve_control_plane_timeout as resolve_control_plane_timeout,
 )
@@ -32,6 +31,7 @@ from engines.client._rotation import EngineState as EngineState
 from engines.client._rotation import Rotation as Rotation
 from engines.client._rotation import is_engine_failure as is_engine_failure
 from engines.client._route_methods import ControlRoutes as ControlRoutes
+from engines.client._route_methods import digests_checksum as digests_checksum
 from engines.client._routes import DATA_PLANE_ROUTES as DATA_PLANE_ROUTES
 from engines.client._routes import PAUSE_ROUTES as PAUSE_ROUTES
 from engines.client._routes import ROUTE_FLAGS as ROUTE_FLAGS

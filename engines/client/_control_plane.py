@@ -21,11 +21,10 @@ several servers fail one fan-out, every call still runs to its end; then the fir
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Self, TypeVar
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Self, TypeVar
 
 import httpx
 import trio
@@ -34,6 +33,7 @@ from engines.client._requests import CONNECT_ERRORS, DEFAULT_RETRY, RetryPolicy,
 from engines.client._rotation import Rotation
 from engines.client._route_methods import ControlRoutes
 from engines.client._routes import DATA_PLANE_ROUTES, PAUSE_ROUTES, probe
+from engines.types import JSONValue, QueryParams
 from trainer.errors import ConfigError, InferenceServerError, InferenceServerTimeoutError
 from trainer.vocabulary import operation, raise_first
 
@@ -44,7 +44,6 @@ __all__ = [
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
     "ControlPlane",
     "bounded_control",
-    "digests_checksum",
     "resolve_control_plane_timeout",
 ]
 
@@ -78,12 +77,6 @@ def resolve_control_plane_timeout(config_value: float | None) -> float | None:
     if math.isnan(value):
         raise ConfigError("engine.control_plane_timeout_s must be a number, not NaN")
     return value if 0 < value < math.inf else None
-
-
-def digests_checksum(digests: Mapping[str, str]) -> str:
-    """One sha256 over vLLM's per-parameter weight digests (its sorted ``name:digest`` lines)."""
-    pairs = "".join(f"{k}:{v}\n" for k, v in sorted(digests.items()))
-    return hashlib.sha256(pairs.encode()).hexdigest()
 
 
 async def bounded_control(
@@ -162,20 +155,19 @@ class ControlPlane(ControlRoutes):
         url: str,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> httpx.Response:
-        """Send one control-plane request to the server at ``url``; its 2xx response.
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> JSONValue:
+        """Send one control-plane request to the server at ``url``; its 2xx answer's JSON body
+        (None when empty).
 
         Runs in ``operation(path)``, bounded by ``control_plane_timeout_s``
-        (``InferenceServerTimeoutError``); ``InferenceServerError`` for a non-2xx answer or
-        a connection that still fails after the retries.
+        (``InferenceServerTimeoutError``); ``InferenceServerError`` for a non-2xx answer, a
+        body that is not JSON, or a connection that still fails after the retries.
         """
-        return await bounded_control(
-            url,
-            path,
-            self.control_plane_timeout_s,
-            lambda: send(
+
+        async def call() -> JSONValue:
+            response = await send(
                 self._control_http,
                 url,
                 method,
@@ -185,22 +177,26 @@ class ControlPlane(ControlRoutes):
                 retry_on=CONNECT_ERRORS,
                 params=params,
                 json_body=json,
-            ),
-        )
+            )
+            return decode_json(url, path, response)
+
+        return await bounded_control(url, path, self.control_plane_timeout_s, call)
 
     async def control(
         self,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> list[httpx.Response]:
-        """Send one control-plane request to every server concurrently; the 2xx responses, in URL order.
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> list[JSONValue]:
+        """Send one control-plane request to every server concurrently; the 2xx answers' JSON
+        bodies, in URL order.
 
         Each call is a :meth:`control_one`. Every call runs to its end even when another
         fails; then the first failure (URL order) is raised, the others as its notes.
         """
-        results: list[httpx.Response | None] = [None] * len(self.urls)
+        urls = self.urls
+        results: list[JSONValue] = [None] * len(urls)
         errors: dict[int, Exception] = {}
 
         async def one(i: int, url: str) -> None:
@@ -210,18 +206,11 @@ class ControlPlane(ControlRoutes):
                 errors[i] = exc
 
         async with trio.open_nursery() as nursery:
-            for i, url in enumerate(self.urls):
+            for i, url in enumerate(urls):
                 nursery.start_soon(one, i, url)
         if errors:
             raise_first([errors[i] for i in sorted(errors)])
-        return [r for r in results if r is not None]
-
-    async def control_json(
-        self, method: str, path: str, params: Mapping[str, Any] | None = None, json: Any = None
-    ) -> list[Any]:
-        """:meth:`control`, each body decoded as JSON (None when empty)."""
-        responses = await self.control(method, path, params, json)
-        return [decode_json(url, path, r) for url, r in zip(self.urls, responses)]
+        return results
 
     # -- the routes beyond ControlRoutes' -------------------------------------------------------
 
@@ -232,7 +221,7 @@ class ControlPlane(ControlRoutes):
         """
         path = "/v1/models"
         lengths = []
-        for url, body in zip(self.urls, await self.control_json("GET", path)):
+        for url, body in zip(self.urls, await self.control("GET", path)):
             models = body.get("data") if isinstance(body, dict) else None
             if not isinstance(models, list) or not models or not isinstance(models[0], dict):
                 raise InferenceServerError(url, path, 200, f"not a model list: {body!r:.200}")
@@ -240,28 +229,6 @@ class ControlPlane(ControlRoutes):
             if isinstance(length, int) and not isinstance(length, bool):
                 lengths.append(length)
         return min(lengths) if lengths else None
-
-    async def weight_checksums(self) -> list[str]:
-        """One sha256 per server over its loaded weights (``POST /weight_checker`` checksum).
-
-        The reference server's ``checksum`` field equals
-        ``engines.local.model_weights.state_checksum`` of the same state dict; for vLLM (which
-        returns only per-parameter digests) it is a sha256 over the sorted ``name:digest``
-        pairs. vLLM answers 409 while paused or asleep.
-        """
-        path = "/weight_checker"
-        values = await self.control_json("POST", path, json={"action": "checksum"})
-        out = []
-        for url, value in zip(self.urls, values):
-            if isinstance(value, dict) and isinstance(value.get("checksum"), str):
-                out.append(value["checksum"])
-            elif isinstance(value, dict) and isinstance(value.get("checksums"), dict):
-                out.append(digests_checksum(value["checksums"]))
-            else:
-                raise InferenceServerError(
-                    url, path, 200, f"not a weight_checker answer: {value!r:.200}"
-                )
-        return out
 
     async def probe(self, required: Iterable[str] = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES)) -> None:
         """Check that every server serves ``required`` routes; name the vllm flag when one is missing.

@@ -159,7 +159,7 @@ class InferenceClient(ControlPlane):
         """
         if n < 1:
             raise ValueError(f"n must be at least 1, got {n}")
-        body: dict[str, Any] = {
+        body: dict[str, object] = {
             "prompt": list(prompt_ids),
             "max_tokens": sampling.max_tokens,
             "temperature": sampling.temperature,
@@ -183,7 +183,7 @@ class InferenceClient(ControlPlane):
                 return await self._complete_on_a_live_server(trajectory_id, body, prompt_ids, n)
 
     async def _complete_on_a_live_server(
-        self, trajectory_id: str | None, body: dict[str, Any], prompt_ids: list[int], n: int
+        self, trajectory_id: str | None, body: dict[str, object], prompt_ids: list[int], n: int
     ) -> list[Completion]:
         rotation = self.rotation
         while True:
@@ -199,7 +199,7 @@ class InferenceClient(ControlPlane):
             # the server failed or was taken out under the request: send it again
 
     async def _complete(
-        self, url: str, body: dict[str, Any], prompt_ids: list[int], n: int
+        self, url: str, body: dict[str, object], prompt_ids: list[int], n: int
     ) -> list[Completion]:
         path = "/v1/completions"
         response = await send(

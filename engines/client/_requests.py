@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
 import attrs
 import httpx
 import trio
 
+from engines.types import JSONValue, QueryParams
 from trainer.errors import InferenceServerError
 from trainer.vocabulary import current_step
 
@@ -97,8 +97,8 @@ async def send(
     headers: Mapping[str, str],
     retry: RetryPolicy,
     retry_on: tuple[type[Exception], ...] = RETRYABLE_ERRORS,
-    params: Mapping[str, Any] | None = None,
-    json_body: Any = None,
+    params: QueryParams | None = None,
+    json_body: object = None,
 ) -> httpx.Response:
     """``method url+path`` with the step header; the 2xx response.
 
@@ -148,7 +148,7 @@ def _body_excerpt(response: httpx.Response) -> str:
     return text[:BODY_EXCERPT_CHARS] or "(empty body)"
 
 
-def decode_json(url: str, path: str, response: httpx.Response) -> Any:
+def decode_json(url: str, path: str, response: httpx.Response) -> JSONValue:
     """The body as JSON; ``None`` for an empty body; ``InferenceServerError`` when malformed."""
     if not response.content:
         return None

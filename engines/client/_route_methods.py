@@ -1,4 +1,4 @@
-"""vLLM's control routes as methods, written once over ``control`` and ``control_json``.
+"""vLLM's control routes as methods, written once over ``control``.
 
 ``ControlPlane`` (over HTTP) and the in-process vLLM engine (``engines.vllm.inprocess``, the
 routes as ``AsyncLLM`` calls) both derive from :class:`ControlRoutes`: each supplies how one
@@ -9,21 +9,28 @@ of what each answers) are the same for both.
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from engines.types import PauseMode
+from engines.types import JSONValue, PauseMode, QueryParams
 from trainer.errors import InferenceServerError
 
-__all__ = ["ControlRoutes"]
+__all__ = ["ControlRoutes", "digests_checksum"]
 
 T = TypeVar("T")
 
 
+def digests_checksum(digests: Mapping[str, object]) -> str:
+    """One sha256 over vLLM's per-parameter weight digests (its sorted ``name:digest`` lines)."""
+    pairs = "".join(f"{k}:{v}\n" for k, v in sorted(digests.items()))
+    return hashlib.sha256(pairs.encode()).hexdigest()
+
+
 class ControlRoutes(abc.ABC):
     """``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
-    ``reset_prefix_cache`` and ``get_world_size`` on every engine, for a class that can send
-    one control request to all of them (:meth:`control`, :meth:`control_json`)."""
+    ``reset_prefix_cache``, ``get_world_size`` and ``weight_checksums`` on every engine, for a class that can send
+    one control request to all of them (:meth:`control`)."""
 
     @property
     @abc.abstractmethod
@@ -35,16 +42,11 @@ class ControlRoutes(abc.ABC):
         self,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> list[Any]:
-        """``method path`` on every engine concurrently; their answers, in URL order."""
-
-    @abc.abstractmethod
-    async def control_json(
-        self, method: str, path: str, params: Mapping[str, Any] | None = None, json: Any = None
-    ) -> list[Any]:
-        """:meth:`control`, each answer as its decoded JSON body (None when empty)."""
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> list[JSONValue]:
+        """``method path`` on every engine concurrently; their answers (each its JSON body,
+        None when empty), in URL order."""
 
     async def pause(self, mode: PauseMode = "keep") -> None:
         """``POST /pause?mode=...`` on every engine (keep: freeze, abort: end, wait: drain)."""
@@ -59,7 +61,7 @@ class ControlRoutes(abc.ABC):
 
         ``mode`` says what happens to in-flight requests, as for :meth:`pause`; None leaves
         it to the engine (vLLM's default: abort)."""
-        params: dict[str, Any] = {"level": level}
+        params: dict[str, int | str] = {"level": level}
         if mode is not None:
             params["mode"] = mode
         await self.control("POST", "/sleep", params=params)
@@ -88,11 +90,35 @@ class ControlRoutes(abc.ABC):
         """``GET /get_world_size`` of every engine: its weight-receiving ranks."""
         return await self._field("/get_world_size", "world_size", int)
 
+    async def weight_checksums(self) -> list[str]:
+        """One sha256 per server over its loaded weights (``POST /weight_checker`` checksum).
+
+        The reference server's ``checksum`` field equals
+        ``engines.local.model_weights.state_checksum`` of the same state dict; for vLLM (which
+        returns only per-parameter digests) it is a sha256 over the sorted ``name:digest``
+        pairs. vLLM answers 409 while paused or asleep.
+        """
+        path = "/weight_checker"
+        values = await self.control("POST", path, json={"action": "checksum"})
+        out = []
+        for url, value in zip(self.urls, values):
+            body = value if isinstance(value, dict) else {}
+            checksum, digests = body.get("checksum"), body.get("checksums")
+            if isinstance(checksum, str):
+                out.append(checksum)
+            elif isinstance(digests, dict):
+                out.append(digests_checksum(digests))
+            else:
+                raise InferenceServerError(
+                    url, path, 200, f"not a weight_checker answer: {value!r:.200}"
+                )
+        return out
+
     async def _field(self, path: str, key: str, kind: type[T]) -> list[T]:
         """``GET path``'s ``key`` of every engine; ``InferenceServerError`` (naming the engine)
         for an answer that is not a JSON object holding a ``kind`` there."""
         out: list[T] = []
-        for url, value in zip(self.urls, await self.control_json("GET", path)):
+        for url, value in zip(self.urls, await self.control("GET", path)):
             field = value.get(key) if isinstance(value, dict) else None
             if not isinstance(field, kind):
                 raise InferenceServerError(

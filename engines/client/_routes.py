@@ -8,7 +8,7 @@ A plain ``vllm serve`` has the OpenAI routes only. The control plane appears wit
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -59,8 +59,9 @@ class SupportsControlOne(Protocol):
     @property
     def urls(self) -> Sequence[str]: ...
 
-    async def control_one(self, url: str, method: str, path: str) -> Any:
-        """One control-plane request to ``url``; raises ``InferenceServerError`` for a non-2xx."""
+    async def control_one(self, url: str, method: str, path: str) -> object:
+        """One control-plane request to ``url``; raises ``InferenceServerError`` for a non-2xx
+        answer (or a 2xx one whose body is not JSON)."""
         ...
 
 
@@ -90,6 +91,8 @@ async def probe(client: SupportsControlOne, required: Iterable[str]) -> None:
             except InferenceServerError as exc:
                 if exc.status == 404:
                     missing.append(route)
+                elif exc.status is not None and 200 <= exc.status < 300:
+                    continue  # answered, with a body that is not JSON: the route is there
                 elif exc.status == 501:
                     detail = f"the server has {route} but does not implement it: {exc.detail}"
                     errors[i] = InferenceServerError(url, route, 501, detail)

@@ -45,7 +45,7 @@ __all__ = [
 
 #: ``(messages, add_generation_prompt, chat_template_kwargs) -> prompt token ids``; raises
 #: ``ProtocolError`` when the model has no template or the template fails.
-Renderer = Callable[[list[dict[str, Any]], bool, dict[str, Any]], list[int]]
+Renderer = Callable[[list[dict[str, object]], bool, dict[str, object]], list[int]]
 
 #: Chat fields the reference engine does not implement, with the values that mean "off".
 CHAT_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
@@ -113,11 +113,11 @@ def _content(value: Any, i: int) -> str | None:
     )
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any) -> list[dict[str, object]]:
     """The conversation as the chat template sees it (content flattened to a string)."""
     if not isinstance(value, list) or not value:
         raise ProtocolError(400, "messages must be a non-empty list", "messages")
-    out: list[dict[str, Any]] = []
+    out: list[dict[str, object]] = []
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise ProtocolError(400, f"messages[{i}] must be an object with a role", "messages")
@@ -128,7 +128,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
 
 
 def parse_chat_request(
-    body: dict[str, Any],
+    body: dict[str, object],
     *,
     served_model: str,
     render: Renderer,
@@ -174,7 +174,7 @@ def parse_chat_request(
     )
 
 
-def _logprob_entry(token: str, logprob: float) -> dict[str, Any]:
+def _logprob_entry(token: str, logprob: float) -> dict[str, object]:
     return {
         "token": token,
         "logprob": max(logprob, -9999.0),
@@ -187,7 +187,7 @@ def chat_logprobs(
     logprobs: Sequence[float],
     top: Sequence[Sequence[tuple[int, float]]],
     token_text: Callable[[int], str],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}, ...]}``."""
     content = []
     for i, (tok, lp) in enumerate(zip(token_ids, logprobs)):
@@ -205,7 +205,7 @@ def chat_response(
     *,
     decode: Callable[[list[int]], str],
     token_text: Callable[[int], str],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The ``/v1/chat/completions`` response: choice ``j`` is sample ``j``."""
     opts = req.options
     choices = []

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
 
 import trio
 
@@ -112,7 +111,10 @@ class CompletionRoutes:
         return self.engine.tokenizer.decode([token_id])
 
     def _render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, object]],
+        add_generation_prompt: bool,
+        kwargs: dict[str, object],
     ) -> list[int]:
         """The prompt ids of a conversation: the chat template's text, tokenized without
         special tokens (the template writes them), as vLLM renders chat."""

@@ -96,7 +96,7 @@ class TokenRequest:
 
 
 def parse_token_request(
-    body: dict[str, Any], *, served_model: str, vocab_size: int, max_model_len: int
+    body: dict[str, object], *, served_model: str, vocab_size: int, max_model_len: int
 ) -> TokenRequest:
     """Validate a token-in body; raises :class:`ProtocolError` (400, or 404 for another model)."""
     check_model(body, served_model)
@@ -163,7 +163,7 @@ def _logprob_entry(token: int, logprob: float, top: Sequence[tuple[int, float]],
     }
 
 
-def token_response(req: TokenRequest, done: Sequence[Completion]) -> dict[str, Any]:
+def token_response(req: TokenRequest, done: Sequence[Completion]) -> dict[str, object]:
     """The route's answer for ``req``'s ``n`` completions, as vLLM's ``GenerateTokensResponse``."""
     choices = []
     for i, c in enumerate(done):

@@ -29,20 +29,24 @@ Checked against vLLM 0.33.0's source and the shapes recorded from it
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar
 
 import attrs
 
 from engines.client import ROUTE_FLAGS, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.types import JSON, QueryParams, QueryValue
 from trainer.errors import InferenceServerError
 
 __all__ = [
     "PROBE_METHODS",
     "VLLM_ROUTES",
     "VLLM_URL",
+    "AsyncLLMLike",
     "Route",
     "VLLMClasses",
+    "VLLMOutput",
+    "VLLMSample",
     "load_vllm_classes",
     "probe_asyncllm",
 ]
@@ -53,11 +57,55 @@ class VLLMClasses:
     """The vLLM classes the in-process engine builds values of (stand-ins in tests)."""
 
     #: ``vllm.SamplingParams``.
-    sampling_params: Callable[..., Any]
+    sampling_params: Callable[..., object]
     #: ``vllm.distributed.weight_transfer.base.WeightTransferInitRequest``.
-    init_request: Callable[..., Any]
+    init_request: Callable[..., object]
     #: ``vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest``.
-    update_request: Callable[..., Any]
+    update_request: Callable[..., object]
+
+
+class VLLMSample(Protocol):
+    """One sample of a ``vllm.RequestOutput`` (its ``CompletionOutput``), as read here."""
+
+    #: Which of the request's ``n`` samples it is.
+    index: int
+    #: The sampled token ids so far.
+    token_ids: Sequence[int]
+    #: Per sampled token, ``{token_id: Logprob}`` (a ``Logprob`` has ``.logprob``).
+    logprobs: Sequence[Mapping[int, Any]] | None
+    #: ``stop``, ``length``, ``abort``; None while unfinished.
+    finish_reason: str | None
+
+
+class VLLMOutput(Protocol):
+    """A ``vllm.RequestOutput``, as read here."""
+
+    prompt_token_ids: Sequence[int]
+    #: The samples that moved (cumulative output: with ``n`` > 1, not always all of them).
+    outputs: Sequence[VLLMSample]
+
+
+class AsyncLLMLike(Protocol):
+    """What the in-process engine calls of vLLM's ``AsyncLLM`` (a stand-in in tests): the
+    control routes' methods (:data:`VLLM_ROUTES`) and ``generate``. ``vllm_config``, where
+    present, is read with ``getattr``."""
+
+    def generate(self, prompt: JSON, params: object, request_id: str) -> AsyncIterator[VLLMOutput]:
+        """The request's cumulative outputs, the last one final."""
+        ...
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None: ...
+    async def resume_generation(self) -> None: ...
+    async def is_paused(self) -> bool: ...
+    async def sleep(self, level: int, mode: str) -> None: ...
+    async def wake_up(self, tags: Sequence[object] | None) -> object: ...
+    async def is_sleeping(self) -> bool: ...
+    async def reset_prefix_cache(self, running: bool, external: bool, /) -> object: ...
+    async def init_weight_transfer_engine(self, request: object, /) -> None: ...
+    async def start_weight_update(self) -> None: ...
+    async def update_weights(self, *, request: object) -> None: ...
+    async def finish_weight_update(self, weight_version: str | None, /) -> None: ...
+    async def compute_weight_checksums(self) -> list[dict[str, str]]: ...
 
 
 def load_vllm_classes() -> VLLMClasses:
@@ -71,10 +119,13 @@ def load_vllm_classes() -> VLLMClasses:
     return VLLMClasses(SamplingParams, WeightTransferInitRequest, WeightTransferUpdateRequest)
 
 
+T = TypeVar("T")
+
 #: The name the in-process vLLM engine goes by (its ``urls``, its errors).
 VLLM_URL = "inprocess://vllm"
 
-RouteCall = Callable[[Any, VLLMClasses, Mapping[str, Any], Any], Awaitable[Any]]
+#: ``await call(llm, classes, params, body)``: a route's JSON answer.
+RouteCall = Callable[[AsyncLLMLike, VLLMClasses, QueryParams, object], Awaitable[JSON]]
 
 
 @attrs.frozen
@@ -90,7 +141,7 @@ class Route:
     call: RouteCall
 
 
-def _flag(name: str, value: Any) -> bool:
+def _flag(name: str, value: QueryValue) -> bool:
     """A boolean query parameter, as FastAPI reads one (a bool passes unchanged)."""
     if isinstance(value, bool):
         return value
@@ -102,7 +153,14 @@ def _flag(name: str, value: Any) -> bool:
     raise ValueError(f"query parameter {name}={value!r} is not a boolean")
 
 
-def _embedded(body: Any, key: str, kind: type | tuple[type, ...]) -> Any:
+def _int(name: str, value: QueryValue) -> int:
+    """An integer query parameter, as FastAPI reads one."""
+    if not isinstance(value, (str, int, float)):
+        raise ValueError(f"query parameter {name}={value!r} is not an integer")
+    return int(value)
+
+
+def _embedded(body: object, key: str, kind: type[T] | tuple[type[T], ...]) -> T:
     """``body[key]`` of a ``Body(embed=True)`` parameter (FastAPI's 422 when absent or mistyped)."""
     value = body.get(key) if isinstance(body, Mapping) else None
     if not isinstance(value, kind):
@@ -110,7 +168,9 @@ def _embedded(body: Any, key: str, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
-async def _pause(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _pause(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     mode = params.get("mode", "abort")
     if mode not in ("abort", "wait", "keep"):
         raise ValueError(f"mode={mode!r}: one of abort, wait, keep")
@@ -119,17 +179,23 @@ async def _pause(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body
     return {"status": "paused"}
 
 
-async def _resume(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _resume(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     await llm.resume_generation()
     return {"status": "resumed"}
 
 
-async def _is_paused(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _is_paused(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     return {"is_paused": await llm.is_paused()}
 
 
-async def _sleep(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
-    level = int(params.get("level", 1))
+async def _sleep(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
+    level = _int("level", params.get("level", 1))
     mode = params.get("mode", "abort")
     if not 0 <= level <= 2 or mode not in ("abort", "wait", "keep"):
         raise ValueError(f"level={level!r} (0, 1 or 2), mode={mode!r} (abort, wait or keep)")
@@ -137,43 +203,55 @@ async def _sleep(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body
     return {"status": "sleeping", "level": level}
 
 
-async def _wake_up(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
-    raw = params.get("tags")
-    tags = [raw] if isinstance(raw, str) else list(raw or [])
+async def _wake_up(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
+    raw = params.get("tags") or []
+    if not isinstance(raw, (str, Sequence)):
+        raise ValueError(f"query parameter tags={raw!r} is not a list of tags")
+    tags = [raw] if isinstance(raw, str) else list(raw)
     fully_awake = await llm.wake_up(tags or None)  # no tags: None, which wakes everything
     return {"status": "awake" if fully_awake else "sleeping", "tags": tags or None}
 
 
-async def _is_sleeping(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _is_sleeping(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     return {"is_sleeping": await llm.is_sleeping()}
 
 
 async def _reset_prefix_cache(
-    llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any
-) -> Any:
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     running = _flag("reset_running_requests", params.get("reset_running_requests", False))
     external = _flag("reset_external", params.get("reset_external", False))
     return {"success": bool(await llm.reset_prefix_cache(running, external))}
 
 
-async def _init(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _init(llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object) -> JSON:
     init_info = _embedded(body, "init_info", dict)
     await llm.init_weight_transfer_engine(classes.init_request(init_info=init_info))
     return {"message": "Weight transfer initialized"}
 
 
-async def _start(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _start(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     await llm.start_weight_update()
     return {"message": "Weight update started"}
 
 
-async def _update(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _update(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     update_info = _embedded(body, "update_info", (dict, list))
     await llm.update_weights(request=classes.update_request(update_info=update_info))
     return {"message": "Weights updated"}
 
 
-async def _finish(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any) -> Any:
+async def _finish(
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     version = body.get("weight_version") if isinstance(body, Mapping) else None
     if version is not None and not isinstance(version, str):
         raise ValueError(f"weight_version must be a string or null, got {version!r}")
@@ -182,8 +260,8 @@ async def _finish(llm: Any, classes: VLLMClasses, params: Mapping[str, Any], bod
 
 
 async def _weight_checker(
-    llm: Any, classes: VLLMClasses, params: Mapping[str, Any], body: Any
-) -> Any:
+    llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
+) -> JSON:
     action = _embedded(body, "action", str)
     if action != "checksum":
         raise ValueError(f"action={action!r}: the in-process engine answers 'checksum' only")
@@ -219,7 +297,7 @@ PROBE_METHODS: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def probe_asyncllm(llm: Any, required: Iterable[str]) -> None:
+def probe_asyncllm(llm: object, required: Iterable[str]) -> None:
     """Check that ``llm`` has the methods ``required`` routes call, and, where it has vLLM's
     ``vllm_config``, that it started with sleep mode / a weight-transfer backend when those
     routes are required.

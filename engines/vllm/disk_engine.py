@@ -77,7 +77,7 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
         super().finish_weight_update()
         refresh_tied_heads(self.model)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, object]) -> None:
         """The base's, without its ``torch.accelerator.synchronize()`` (a CPU server has no
         accelerator; a GPU's copies are synchronous from a CPU tensor)."""
         self.receive_weights(self.parse_update_info(update_info))

@@ -99,7 +99,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
         super().finish_weight_update()
         refresh_tied_heads(self.model)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, object]) -> None:
         """The base's, without its ``torch.accelerator.synchronize()`` (CPU: nothing to wait
         for once the gloo broadcasts returned)."""
         self.receive_weights(self.parse_update_info(update_info))

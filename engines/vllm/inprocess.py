@@ -46,9 +46,8 @@ import importlib.util
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 import trio
 
@@ -58,17 +57,24 @@ from engines.client import (
     PAUSE_ROUTES,
     ControlRoutes,
     bounded_control,
-    digests_checksum,
     resolve_control_plane_timeout,
 )
-from engines.types import Completion, FinishReason, SamplingParams
+from engines.types import Completion, FinishReason, JSONValue, QueryParams, SamplingParams
 from engines.vllm.async_llm import (
     DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     build_async_llm,
     open_async_llm,
 )
-from engines.vllm.control import VLLM_ROUTES, VLLM_URL, VLLMClasses, probe_asyncllm
+from engines.vllm.control import (
+    VLLM_ROUTES,
+    VLLM_URL,
+    AsyncLLMLike,
+    VLLMClasses,
+    VLLMOutput,
+    VLLMSample,
+    probe_asyncllm,
+)
 from engines.vllm.flags import WeightTransferBackend, engine_argv
 from engines.vllm.serve import cpu_env, require_vllm
 from trainer.errors import EngineStartError, InferenceServerError
@@ -91,7 +97,7 @@ VLLM_AVAILABLE = importlib.util.find_spec("vllm") is not None
 _INSECURE_SERIALIZATION_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
-def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, Any]:
+def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, object]:
     """Keyword arguments of ``vllm.SamplingParams`` for our ``SamplingParams`` and ``n`` samples.
 
     Always asks for the sampled token's logprob (``logprobs=0``). ``output_kind`` stays vLLM's
@@ -110,12 +116,12 @@ def to_vllm_sampling_kwargs(sampling: SamplingParams, n: int = 1) -> dict[str, A
     }
 
 
-def completion_from_output(output: Any) -> Completion:
+def completion_from_output(output: VLLMOutput) -> Completion:
     """Our ``Completion`` from a final ``vllm.RequestOutput`` (its first sample)."""
     return _sample_completion(output, output.outputs[0])
 
 
-def completions_from_output(output: Any) -> list[Completion]:
+def completions_from_output(output: VLLMOutput) -> list[Completion]:
     """Every sample of a final ``vllm.RequestOutput``, ordered by ``CompletionOutput.index``.
 
     Each sample's ``logprobs`` is one ``{token_id: Logprob}`` dict per sampled token; the
@@ -126,7 +132,7 @@ def completions_from_output(output: Any) -> list[Completion]:
     return [_sample_completion(output, sample) for sample in samples]
 
 
-def _sample_completion(output: Any, sample: Any) -> Completion:
+def _sample_completion(output: VLLMOutput, sample: VLLMSample) -> Completion:
     token_ids = [int(t) for t in sample.token_ids]
     logprobs: list[float] = []
     for tok, entry in zip(token_ids, sample.logprobs or []):
@@ -150,7 +156,7 @@ class VLLMInProcessEngine(ControlRoutes):
     def __init__(
         self,
         bridge: Bridge,
-        llm: Any,
+        llm: AsyncLLMLike,
         classes: VLLMClasses,
         *,
         control_plane_timeout_s: float | None = None,
@@ -194,7 +200,8 @@ class VLLMInProcessEngine(ControlRoutes):
         async def final() -> list[Completion]:
             # cumulative outputs: with n > 1 each carries the samples that moved (vLLM's
             # ParentRequest), so each sample's last one is kept, by its index
-            last, samples = None, {}
+            last: VLLMOutput | None = None
+            samples: dict[int, VLLMSample] = {}
             prompt = {"prompt_token_ids": list(prompt_ids)}
             async for out in self.llm.generate(prompt, params, request_id):
                 last = out
@@ -214,9 +221,9 @@ class VLLMInProcessEngine(ControlRoutes):
         url: str,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> Any:
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> JSONValue:
         """The ``AsyncLLM`` call behind ``method path`` (:mod:`engines.vllm.control`); the JSON
         body ``vllm serve``'s route would answer.
 
@@ -237,7 +244,7 @@ class VLLMInProcessEngine(ControlRoutes):
         if method.upper() != route.method:
             raise InferenceServerError(url, path, 405, f"{path} takes {route.method}, not {method}")
 
-        async def call() -> Any:
+        async def call() -> JSONValue:
             if path in OPERATIONS:
                 await fire_fault(path)  # where a server's handler fires it
             try:
@@ -254,21 +261,11 @@ class VLLMInProcessEngine(ControlRoutes):
         self,
         method: str,
         path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> list[Any]:
+        params: QueryParams | None = None,
+        json: object = None,
+    ) -> list[JSONValue]:
         """:meth:`control_one` on the one engine; its answer in a one-element list."""
         return [await self.control_one(self.urls[0], method, path, params, json)]
-
-    async def control_json(
-        self,
-        method: str,
-        path: str,
-        params: Mapping[str, Any] | None = None,
-        json: Any = None,
-    ) -> list[Any]:
-        """:meth:`control`: its answers are already the route's JSON bodies."""
-        return await self.control(method, path, params, json)
 
     async def get_world_size(self) -> list[int]:
         """The engine's ranks (``/get_world_size``'s answer: tensor x pipeline x data
@@ -285,12 +282,6 @@ class VLLMInProcessEngine(ControlRoutes):
         if config is None:
             return None
         return int(config.model_config.max_model_len)
-
-    async def weight_checksums(self) -> list[str]:
-        """One sha256 over ``AsyncLLM.compute_weight_checksums``'s per-parameter digests, as
-        ``ControlPlane.weight_checksums`` computes it from ``vllm serve``'s answer."""
-        (body,) = await self.control("POST", "/weight_checker", json={"action": "checksum"})
-        return [digests_checksum(body["checksums"])]
 
     async def probe(self, required: Iterable[str] = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES)) -> None:
         """Check that the ``AsyncLLM`` has the methods ``required`` routes call, and that it was

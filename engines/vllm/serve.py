@@ -54,11 +54,10 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import attrs
 
-from engines.client import ControlPlane, decode_json
+from engines.client import ControlPlane
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV
@@ -217,7 +216,7 @@ class VllmServers:
 
 
 def config_problems(
-    config: Mapping[str, Any],
+    config: Mapping[str, object],
     backend: WeightTransferBackend,
     needs_sleep: bool,
     *,
@@ -265,14 +264,13 @@ async def check_server_config(
     """
     for url in client.urls:
         try:
-            response = await client.control_one(
+            info = await client.control_one(
                 url, "GET", "/server_info", params={"config_format": "json"}
             )
         except InferenceServerError as exc:
             if exc.status == 404:
                 continue
             raise
-        info = decode_json(url, "/server_info", response)
         config = info.get("vllm_config") if isinstance(info, Mapping) else None
         if not isinstance(config, Mapping):
             continue  # "text" format or an unknown answer: nothing to check against

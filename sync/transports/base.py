@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import attrs
 
-__all__ = ["Rank0", "TransportSettings", "WeightTransport"]
+from engines.types import ControlPlaneClient, EngineClient
+
+__all__ = ["Rank0", "TransportSettings", "WeightTransport", "routes_of"]
 
 T = TypeVar("T")
 
@@ -39,7 +41,7 @@ class Rank0(Protocol):
     async def run_on_rank0(
         self,
         fn: Callable[..., T],
-        *args: Any,
+        *args: object,
         abandon_on_cancel: bool = False,
     ) -> T:
         """``fn(policy_model, *args)`` where policy rank 0 runs (a thread here, or its actor).
@@ -64,8 +66,20 @@ class WeightTransport(Protocol):
     weights once more after a transfer that reached the engines broke off.
     """
 
-    async def init(self, engine: Any, workers: Rank0) -> None: ...
+    async def init(self, engine: EngineClient, workers: Rank0) -> None: ...
 
-    async def transfer(self, engine: Any, workers: Rank0) -> None: ...
+    async def transfer(self, engine: EngineClient, workers: Rank0) -> None: ...
 
     async def close(self, workers: Rank0) -> None: ...
+
+
+def routes_of(engine: EngineClient) -> ControlPlaneClient:
+    """``engine`` as the route-based transports drive it; ``TypeError`` when it takes no control
+    routes (a transport paired with an engine it cannot reach: ``validate_cfg`` refuses the
+    configurations that would)."""
+    if not isinstance(engine, ControlPlaneClient):
+        raise TypeError(
+            f"{type(engine).__name__} takes no control routes (/start_weight_update, ...): "
+            "use sync.transport=inprocess with it"
+        )
+    return engine

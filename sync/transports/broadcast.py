@@ -49,17 +49,17 @@ from __future__ import annotations
 import functools
 import math
 import uuid
-from typing import Any
 
 import httpx
 import trio
 
 from engines.process_group import BACKSTOP_S, GroupBackend
+from engines.types import ControlPlaneClient, EngineClient
 from engines.weight_transfer import (
     nccl_init_info,
 )
 from sync.group import init_group
-from sync.transports.base import Rank0, TransportSettings
+from sync.transports.base import Rank0, TransportSettings, routes_of
 from sync.transports.broadcast_rank0 import (
     GROUP,
     INIT_OP,
@@ -122,7 +122,7 @@ class BroadcastTransport:
         #: it can); ``sync.transfer`` reads it before a re-send.
         self.resend_refusal: str | None = None
 
-    async def init(self, engine: Any, workers: Rank0) -> None:
+    async def init(self, engine: EngineClient, workers: Rank0) -> None:
         """Build the group (policy rank 0, one rank per server) within ``group_init_timeout_s``.
 
         Raises ``CheckpointEngineInitError`` past the bound, or the first participant's own
@@ -131,14 +131,15 @@ class BroadcastTransport:
         """
         if self.initialized:
             return
+        routes = routes_of(engine)
         # one bound for the whole init: the engines' sizes, where rank 0 hosts, every join
         with operation(INIT_OP), trio.move_on_after(self.group_init_timeout_s) as scope:
-            await self._build(engine, workers, list(engine.urls))
+            await self._build(routes, workers, list(routes.urls))
         if scope.cancelled_caught:
             raise CheckpointEngineInitError(GROUP, self.group_init_timeout_s)
         self.initialized = True
 
-    async def _build(self, engine: Any, workers: Rank0, urls: list[str]) -> None:
+    async def _build(self, engine: ControlPlaneClient, workers: Rank0, urls: list[str]) -> None:
         """Rank 0's endpoint, then every participant's join (unbounded here: see ``init``).
 
         Every worker of an engine joins (a vLLM engine of tensor-parallel size N is N ranks,
@@ -188,14 +189,15 @@ class BroadcastTransport:
         joins = [rank0_join, *(server_join(i, u) for i, u in enumerate(urls))]
         await init_group(GROUP, joins, timeout_s=math.inf)  # init() bounds the whole
 
-    async def transfer(self, engine: Any, workers: Rank0) -> None:
+    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
         """One sync: rank 0 sends every bucket while the engines receive them, call by call."""
         if not self.initialized:
             raise RuntimeError("BroadcastTransport.transfer before init")
+        routes = routes_of(engine)
         buckets = await workers.run_on_rank0(
             plan_sync, self.group_id, self.bucket_bytes, self.packed
         )
-        await engine.control("POST", "/start_weight_update", json={})
+        await routes.control("POST", "/start_weight_update", json={})
         left = remaining()
         timeout_s = self.timeout_s if left is None else max(left, 0.001)
         send = functools.partial(
@@ -216,7 +218,7 @@ class BroadcastTransport:
             async with open_owner_nursery() as nursery:
                 nursery.start_soon(send_all)
                 for bucket in buckets:
-                    await engine.control("POST", "/update_weights", json={"update_info": bucket})
+                    await routes.control("POST", "/update_weights", json={"update_info": bucket})
         except BaseException:
             if not sent:  # its thread is given up on, maybe still inside a collective
                 self.resend_refusal = (
@@ -224,7 +226,7 @@ class BroadcastTransport:
                     "still carry its messages"
                 )
             raise
-        await engine.control("POST", "/finish_weight_update", json={})
+        await routes.control("POST", "/finish_weight_update", json={})
 
     async def close(self, workers: Rank0) -> None:
         """Rank 0 leaves the group (the engines' side ends with their servers)."""

@@ -140,7 +140,7 @@ def _state(group_id: str) -> _Rank0State:
 
 def plan_sync(
     model: torch.nn.Module, group_id: str, bucket_bytes: int, packed: bool = True
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Rank 0: the ``update_info`` of each ``/update_weights`` call of one sync (and, kept
     here for :func:`send_buckets`, the parameters' names in each broadcast).
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 
@@ -27,7 +26,7 @@ def plan_buckets(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) 
     return buckets
 
 
-def update_info(bucket: Bucket) -> dict[str, Any]:
+def update_info(bucket: Bucket) -> dict[str, object]:
     """vLLM's ``update_info`` of a bucket: ``names``, ``dtype_names``, ``shapes``."""
     return {
         "names": [name for name, _ in bucket],

@@ -19,12 +19,12 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
 
 import torch
 import trio
 
-from sync.transports.base import Rank0, TransportSettings
+from engines.types import EngineClient
+from sync.transports.base import Rank0, TransportSettings, routes_of
 from sync.transports.buckets import plan_buckets, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
@@ -43,7 +43,7 @@ def _remove_leftovers(directory: Path) -> None:
 
 def write_buckets(
     model: torch.nn.Module, directory: str, bucket_bytes: int
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Rank 0: write the parameters as safetensors buckets; one ``update_info`` (+ ``path``) each."""
     from safetensors.torch import save_file  # only rank 0's process of a disk sync needs it
 
@@ -69,21 +69,22 @@ class DiskTransport:
         self.bucket_bytes = bucket_bytes
         self._version = 0
 
-    async def init(self, engine: Any, workers: Rank0) -> None:
-        await engine.control(
+    async def init(self, engine: EngineClient, workers: Rank0) -> None:
+        await routes_of(engine).control(
             "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
         )
 
-    async def transfer(self, engine: Any, workers: Rank0) -> None:
+    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
+        routes = routes_of(engine)
         self._version += 1
         target = self.directory / f"v{self._version}"
         await trio.to_thread.run_sync(_remove_leftovers, self.directory)
         try:
             buckets = await workers.run_on_rank0(write_buckets, str(target), self.bucket_bytes)
-            await engine.control("POST", "/start_weight_update", json={})
+            await routes.control("POST", "/start_weight_update", json={})
             for bucket in buckets:
-                await engine.control("POST", "/update_weights", json={"update_info": bucket})
-            await engine.control("POST", "/finish_weight_update", json={})
+                await routes.control("POST", "/update_weights", json={"update_info": bucket})
+            await routes.control("POST", "/finish_weight_update", json={})
         finally:
             # shielded, so a failed or cancelled sync removes its files too, but bounded: a
             # disk that does not answer must not hold the sync (the next transfer retries)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from engines.types import EngineClient
 from sync.transports.base import Rank0
 
 __all__ = ["InProcessTransport", "copy_weights"]
@@ -16,13 +17,27 @@ def copy_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+@runtime_checkable
+class _LoadsWeights(Protocol):
+    """An engine in this process that takes the tensors themselves
+    (``engines.local.inprocess.InProcessClient``)."""
+
+    async def load_weights(self, named: dict[str, torch.Tensor]) -> None: ...
+
+
 class InProcessTransport:
     """Copies rank 0's parameters (where rank 0 runs) and loads them into the engine."""
 
-    async def init(self, engine: Any, workers: Rank0) -> None:
+    async def init(self, engine: EngineClient, workers: Rank0) -> None:
         return None
 
-    async def transfer(self, engine: Any, workers: Rank0) -> None:
+    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
+        """``TypeError`` for an engine that does not take tensors (one behind a server)."""
+        if not isinstance(engine, _LoadsWeights):
+            raise TypeError(
+                f"{type(engine).__name__} does not load weights in this process: "
+                "sync.transport=inprocess needs engine.backend=inprocess"
+            )
         await engine.load_weights(await workers.run_on_rank0(copy_weights))
 
     async def close(self, workers: Rank0) -> None:

@@ -27,15 +27,15 @@ on a GPU.
 from __future__ import annotations
 
 import uuid
-from typing import Any
 
 import attrs
 import torch
 import trio
 
 from engines.process_group import require_cuda
+from engines.types import EngineClient
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
-from sync.transports.base import Rank0, TransportSettings
+from sync.transports.base import Rank0, TransportSettings, routes_of
 from sync.transports.buckets import plan_buckets
 
 __all__ = ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"]
@@ -69,7 +69,9 @@ def _export(transport_id: str, bucket_bytes: int) -> _IpcBuffer:
     return exported
 
 
-def ipc_plan(model: torch.nn.Module, transport_id: str, bucket_bytes: int) -> list[dict[str, Any]]:
+def ipc_plan(
+    model: torch.nn.Module, transport_id: str, bucket_bytes: int
+) -> list[dict[str, object]]:
     """Rank 0: the buckets of this sync; vLLM's packed ``update_info`` of each.
 
     Exports the buffer at the first call (``init``) (``RuntimeError`` without CUDA; ``ValueError`` for
@@ -124,15 +126,16 @@ class IpcTransport:
         self.transport_id = f"ipc-{uuid.uuid4().hex[:8]}"
         self.initialized = False
 
-    async def init(self, engine: Any, workers: Rank0) -> None:
+    async def init(self, engine: EngineClient, workers: Rank0) -> None:
         """Export rank 0's buffer, then tell the engines the wire params (``packed``).
 
         Raises ``RuntimeError`` at once where rank 0 has no CUDA, and the engines' 400 where
         they have none.
         """
+        routes = routes_of(engine)
         try:
             await workers.run_on_rank0(ipc_plan, self.transport_id, self.bucket_bytes)
-            await engine.control(
+            await routes.control(
                 "POST", "/init_weight_transfer_engine", json={"init_info": ipc_init_info(True)}
             )
         except BaseException:
@@ -142,15 +145,16 @@ class IpcTransport:
             raise
         self.initialized = True
 
-    async def transfer(self, engine: Any, workers: Rank0) -> None:
+    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
         if not self.initialized:
             raise RuntimeError("IpcTransport.transfer before init")
+        routes = routes_of(engine)
         buckets = await workers.run_on_rank0(ipc_plan, self.transport_id, self.bucket_bytes)
-        await engine.control("POST", "/start_weight_update", json={})
+        await routes.control("POST", "/start_weight_update", json={})
         for k, bucket in enumerate(buckets):
             await workers.run_on_rank0(pack_ipc_bucket, self.transport_id, k)
-            await engine.control("POST", "/update_weights", json={"update_info": bucket})
-        await engine.control("POST", "/finish_weight_update", json={})
+            await routes.control("POST", "/update_weights", json={"update_info": bucket})
+        await routes.control("POST", "/finish_weight_update", json={})
 
     async def close(self, workers: Rank0) -> None:
         if self.initialized:

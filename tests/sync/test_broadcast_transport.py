@@ -6,7 +6,7 @@ import pytest
 import torch
 import trio
 
-from engines.client import InferenceClient
+from engines.client import ControlRoutes, InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.model_weights import state_checksum
 from engines.models import build_tiny_model
@@ -25,7 +25,7 @@ def hosted_group(transport: BroadcastTransport) -> object:
 
 
 async def _checksums(client: InferenceClient) -> list[str]:
-    answers = await client.control_json("POST", "/weight_checker", json={"action": "checksum"})
+    answers = await client.control("POST", "/weight_checker", json={"action": "checksum"})
     return [a["checksum"] for a in answers]
 
 
@@ -91,7 +91,7 @@ class SlowRank0:
         await trio.sleep_forever()
 
 
-class SilentServer:
+class SilentServer(ControlRoutes):
     """An engine whose /init_weight_transfer_engine never answers."""
 
     urls = ("http://127.0.0.1:1",)
@@ -105,6 +105,14 @@ class SilentServer:
     async def control_one(self, url, method, path, params=None, json=None):
         self.calls.append(path)
         await trio.sleep_forever()
+
+    async def control(self, method, path, params=None, json=None):
+        return [await self.control_one(u, method, path, params, json) for u in self.urls]
+
+    async def _unused(self, *args, **kwargs):
+        raise AssertionError("a group init makes control calls only")
+
+    generate = generate_n = max_model_len = _unused
 
 
 async def test_the_whole_group_init_is_bounded_once_and_attempted_once(autojump_clock):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from engines.client import InferenceClient
+from engines.client import ControlRoutes, InferenceClient
 from engines.launch import launch_local_engines
 from engines.local.model_weights import state_checksum
 from engines.models import build_tiny_model
@@ -33,7 +33,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
         async with InferenceClient(urls) as client:
             (before,) = [
                 r["checksum"]
-                for r in await client.control_json(
+                for r in await client.control(
                     "POST", "/weight_checker", json={"action": "checksum"}
                 )
             ]
@@ -44,7 +44,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             result = await save_weights_for_sampler(client, workers, transport)
             (after,) = [
                 r["checksum"]
-                for r in await client.control_json(
+                for r in await client.control(
                     "POST", "/weight_checker", json={"action": "checksum"}
                 )
             ]
@@ -125,15 +125,26 @@ class _Rank0:
         )
 
 
-class _Engine:
+class _Engine(ControlRoutes):
     """Accepts every call of the update protocol, as a server that is up would."""
+
+    urls = ["http://engine"]
 
     def __init__(self) -> None:
         self.paths: list[str] = []
 
-    async def control(self, method, path, json=None):
+    async def control(self, method, path, params=None, json=None):
         self.paths.append(path)
         return [{}]
+
+    async def control_one(self, url, method, path, params=None, json=None):
+        (answer,) = await self.control(method, path, params, json)
+        return answer
+
+    async def _unused(self, *args, **kwargs):
+        raise AssertionError("a transfer makes control calls only")
+
+    generate = generate_n = max_model_len = _unused
 
 
 async def test_a_removal_of_the_bucket_files_that_hangs_is_given_up_on_after_its_bound(

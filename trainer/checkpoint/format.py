@@ -13,7 +13,7 @@ The workers import this module, never the package's face (lint-imports keeps it 
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 from trainer.checkpoint._io import load_model as load_model
 from trainer.checkpoint._io import load_state as load_state
@@ -35,4 +35,4 @@ __all__ = [
 #: ``save(step, write, trainer_state) -> directory``: ``CheckpointManager.save``'s shape.
 #: ``write(tmp)`` puts the worker's files into the checkpoint's temporary directory; the
 #: manager adds the trainer state and the manifest, and installs the directory atomically.
-SaveCheckpoint: TypeAlias = Callable[[int, Callable[[Path], None], dict[str, Any]], Path]
+SaveCheckpoint: TypeAlias = Callable[[int, Callable[[Path], None], dict[str, object]], Path]

@@ -140,7 +140,7 @@ def _is_mapping(tp: Any) -> bool:
 
 
 def _flatten(
-    d: dict[str, Any], prefix: str = "", mappings: frozenset[str] = frozenset()
+    d: dict[str, object], prefix: str = "", mappings: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, Any]]:
     for k, v in d.items():
         key = f"{prefix}{k}"
@@ -150,11 +150,11 @@ def _flatten(
             yield key, v
 
 
-def _build(values: dict[str, Any]) -> Config:
+def _build(values: dict[str, object]) -> Config:
     known = {key: (a, tp) for key, a, tp in iter_fields()}
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
     mappings = frozenset(key for key, (_a, tp) in known.items() if _is_mapping(tp))
-    leaves: dict[str, Any] = {}
+    leaves: dict[str, object] = {}
     for key, value in _flatten(values, mappings=mappings):
         if key.startswith(("+", "~")):  # Hydra's (verl's) syntax to add or delete a key
             bare = key.lstrip("+~")
@@ -191,7 +191,7 @@ def _build(values: dict[str, Any]) -> Config:
     return _assemble(Config, leaves, "")
 
 
-def _assemble(cls: type, leaves: dict[str, Any], prefix: str) -> Any:
+def _assemble(cls: type, leaves: dict[str, object], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for a in attrs.fields(cls):
@@ -233,7 +233,7 @@ def load_config(config_file: str | Path | None = None, overrides: Sequence[str] 
     return cfg
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
+def to_dict(cfg: Any) -> dict[str, object]:
     """The resolved config as plain data (what config.yaml holds)."""
     return attrs.asdict(
         cfg, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v

@@ -282,7 +282,7 @@ class GeneratorConfig:
         "Most response tokens per trajectory across turns (env tokens included).",
         check=at_least(1),
     )
-    kwargs: dict[str, Any] = _field(
+    kwargs: dict[str, object] = _field(
         attrs.Factory(dict),
         "Extra keyword arguments for the generator class's constructor "
         "(generator.kwargs.NAME=VALUE, or a mapping in YAML); a name the constructor does not "

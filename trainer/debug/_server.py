@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -135,7 +134,7 @@ def _remove(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def request_dump(sock_path: Path, timeout_s: float) -> dict[str, Any]:
+def request_dump(sock_path: Path, timeout_s: float) -> dict[str, object]:
     """Ask the trainer listening on ``sock_path`` for a snapshot (blocking: for the CLI).
 
     ``FileNotFoundError``/``ConnectionRefusedError`` when nothing listens there,

@@ -27,7 +27,6 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import attrs
 import trio
@@ -78,7 +77,7 @@ def _at(frames: list[tuple[str, int | None, str]]) -> str | None:
     return _frame_line(*frames[-1]) if frames else None
 
 
-def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) -> dict[str, Any]:
+def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) -> dict[str, object]:
     place = place_of(task.context)
     frames: list[tuple[str, int | None, str]] = [
         (f.f_code.co_filename, lineno, f.f_code.co_name) for f, lineno in task.iter_await_frames()
@@ -98,7 +97,7 @@ def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) ->
     }
 
 
-def task_tree(clock: WaitClock | None = None) -> dict[str, Any]:
+def task_tree(clock: WaitClock | None = None) -> dict[str, object]:
     """The whole trio task tree from the root task; call it on the trio thread.
 
     Each node has the task's name, its :class:`~trainer.vocabulary.Place` fields, how long
@@ -120,11 +119,11 @@ def _idle_pool_thread(stack: traceback.StackSummary) -> bool:
     )
 
 
-def thread_stacks() -> tuple[list[dict[str, Any]], int]:
+def thread_stacks() -> tuple[list[dict[str, object]], int]:
     """(every busy thread but this one with its stack, innermost last; idle pool threads)."""
     frames = sys._current_frames()  # noqa: SLF001 - the documented way to see other threads
     me = threading.get_ident()
-    busy: list[dict[str, Any]] = []
+    busy: list[dict[str, object]] = []
     idle = 0
     for thread in threading.enumerate():
         frame = frames.get(thread.ident or -1)
@@ -167,7 +166,7 @@ class Dumper:
     #: ``(step, seconds it has run)`` of the step in progress, or None between steps.
     running_step: Callable[[], tuple[int, float] | None] = lambda: None
 
-    def local(self) -> dict[str, Any]:
+    def local(self) -> dict[str, object]:
         """Tasks and threads, now, without awaiting (the engines are left out)."""
         threads, idle = thread_stacks()
         running = self.running_step()
@@ -182,7 +181,7 @@ class Dumper:
             "engines": [],
         }
 
-    async def snapshot(self) -> dict[str, Any]:
+    async def snapshot(self) -> dict[str, object]:
         """:meth:`local`, then the state of each engine server (bounded; see ``server_states``).
 
         Cancellation propagates; the tasks and threads are from before the engines were asked.

@@ -25,7 +25,6 @@ import math
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import attrs
 import trio
@@ -54,7 +53,7 @@ class _Step:
     #: The watcher's waits for this step; cancelled when the step ends.
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     #: The snapshot taken just before the step's deadline.
-    last_words: dict[str, Any] | None = None
+    last_words: dict[str, object] | None = None
 
 
 @attrs.define(eq=False)
@@ -162,7 +161,7 @@ class Watchdog:
             current.last_words = await self._snapshot()
         await trio.sleep_forever()
 
-    async def _snapshot(self) -> dict[str, Any] | None:
+    async def _snapshot(self) -> dict[str, object] | None:
         try:
             return await self.dumper.snapshot()
         except Exception:

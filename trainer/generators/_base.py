@@ -44,9 +44,9 @@ class TrajectoryInput:
     #: Seed for this trajectory's sampling (reproducible rollouts).
     seed: int
     #: The data row's fields other than ``prompt`` and ``answer`` (this trajectory's copy).
-    extra: dict[str, Any] = attrs.field(factory=dict)
+    extra: dict[str, object] = attrs.field(factory=dict)
     #: The chat messages of a chat prompt (this trajectory's copy); None for a text prompt.
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, object]] | None = None
 
 
 @attrs.frozen
@@ -194,7 +194,7 @@ class Generator(abc.ABC):
         """Roll out every trajectory of ``batch``; return them in the same order."""
 
 
-def check_generator_kwargs(cls: type[Generator], kwargs: Mapping[str, Any]) -> None:
+def check_generator_kwargs(cls: type[Generator], kwargs: Mapping[str, object]) -> None:
     """ConfigError, before anything starts, for ``generator.kwargs`` that ``cls`` cannot take.
 
     A key the trainer passes itself (:data:`TRAINER_ARGUMENTS`) is refused; so is a key that

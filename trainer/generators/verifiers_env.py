@@ -138,9 +138,9 @@ class VerifiersGenerator(Generator):
     def __init__(
         self,
         *,
-        taskset: Mapping[str, Any] | None = None,
-        harness: Mapping[str, Any] | None = None,
-        runtime: Mapping[str, Any] | None = None,
+        taskset: Mapping[str, object] | None = None,
+        harness: Mapping[str, object] | None = None,
+        runtime: Mapping[str, object] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)

@@ -29,7 +29,7 @@ __all__ = ["LoadedEnvironment", "check_spec", "load_environment", "model_context
 
 #: The runtime a harness program runs in unless ``generator.kwargs.runtime`` says otherwise:
 #: a local subprocess (verifiers' own default is Prime Intellect's remote sandboxes).
-DEFAULT_RUNTIME: Mapping[str, Any] = {"type": "subprocess"}
+DEFAULT_RUNTIME: Mapping[str, object] = {"type": "subprocess"}
 
 
 @attrs.frozen
@@ -40,7 +40,7 @@ class LoadedEnvironment:
     tasks: tuple[Any, ...]
 
 
-def check_spec(name: str, spec: Any, *, required: bool) -> dict[str, Any] | None:
+def check_spec(name: str, spec: Any, *, required: bool) -> dict[str, object] | None:
     """``generator.kwargs.<name>`` as a dict with a string ``id`` (None when absent and not
     required); ConfigError naming the key otherwise."""
     if spec is None and not required:
@@ -65,7 +65,7 @@ def _importable_id(ident: str) -> str:
 def load_environment(
     taskset: Mapping[str, Any],
     harness: Mapping[str, Any] | None,
-    runtime: Mapping[str, Any] | None,
+    runtime: Mapping[str, object] | None,
     max_turns: int,
 ) -> LoadedEnvironment:
     """The single-agent environment of these configs, its tasks listed (blocking).
@@ -81,9 +81,9 @@ def load_environment(
             "pip install -e '.[verifiers]'"
         ) from exc
     os.environ.setdefault(_API_KEY_VAR, "unused")  # read by verifiers' client; the proxy needs none
-    agent: dict[str, Any] = {"runtime": dict(runtime or DEFAULT_RUNTIME), "max_turns": max_turns}
+    agent: dict[str, object] = {"runtime": dict(runtime or DEFAULT_RUNTIME), "max_turns": max_turns}
     try:
-        config: dict[str, Any] = {"taskset": {**taskset, "id": _importable_id(taskset["id"])}}
+        config: dict[str, object] = {"taskset": {**taskset, "id": _importable_id(taskset["id"])}}
         if harness is not None:
             agent["harness"] = {**harness, "id": _importable_id(harness["id"])}
         config["agent"] = agent

@@ -76,8 +76,8 @@ class RunContext:
     #: Greedy rollouts for eval (``None`` when ``trainer.eval_interval`` is 0).
     eval_generator: Generator | None
     eval_examples: list[Example]
-    #: The inference client (``engines.client.InferenceClient`` or the in-process one).
-    engine: Any
+    #: The inference client (``engines.client.InferenceClient`` or an in-process engine).
+    engine: EngineClient
     transport: WeightTransport
     workers: WorkerGroup
     ckpt: CheckpointManager

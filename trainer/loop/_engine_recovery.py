@@ -88,7 +88,7 @@ class EngineRecovery:
         self.restarts = [0] * n
         #: One entry per failure brought back: engine, cause, the step, and the seconds from
         #: the failure to serving again (None while it is not back).
-        self.events: list[dict[str, Any]] = []
+        self.events: list[dict[str, object]] = []
         #: Held by the loop while it trains and syncs, and by a restart's sync.
         self.weights_lock = trio.Lock()
         self._resync: Callable[[], Awaitable[object]] | None = None
@@ -218,7 +218,7 @@ class EngineRecovery:
 
     async def _recover(self, http: httpx.AsyncClient, index: int, cause: str) -> None:
         started = time.monotonic()
-        event: dict[str, Any] = {"engine": index, "cause": cause, "step": self.step}
+        event: dict[str, object] = {"engine": index, "cause": cause, "step": self.step}
         event["seconds"] = None  # until it serves again
         self.events.append(event)
         log_tail = ""

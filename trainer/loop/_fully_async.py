@@ -30,7 +30,6 @@ import logging
 import statistics
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import trio
@@ -78,7 +77,7 @@ async def rolling_out(ctx: RunContext, prompts: PromptStream) -> AsyncIterator[S
         for _ in range(ctx.cfg.generator.num_parallel_workers):
             nursery.start_soon(feed.roll_out_groups)
 
-        async def step(n: int) -> dict[str, Any]:
+        async def step(n: int) -> dict[str, object]:
             return await run_async_step(ctx, feed, n)
 
         yield step
@@ -91,7 +90,7 @@ async def rolling_out(ctx: RunContext, prompts: PromptStream) -> AsyncIterator[S
         nursery.cancel_scope.cancel()
 
 
-async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[str, Any]:
+async def run_async_step(ctx: RunContext, feed: RolloutFeed, step: int) -> dict[str, object]:
     """One step: wait for a batch of groups, score, compute advantages, train, maybe
     checkpoint, maybe sync weights (rollouts continue throughout)."""
     timings: dict[str, float] = {}

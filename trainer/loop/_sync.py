@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any
 
 from sync.weights import save_weights_for_sampler
 from trainer.data import Example
@@ -68,7 +67,7 @@ async def run_training(ctx: RunContext) -> None:
             await eval_if_due(ctx, step)
 
 
-async def run_step(ctx: RunContext, step: int) -> dict[str, Any]:
+async def run_step(ctx: RunContext, step: int) -> dict[str, object]:
     """One step: generate, score, compute advantages, train, maybe checkpoint, sync weights."""
     timings: dict[str, float] = {}
     if ctx.recovery is not None:
@@ -92,7 +91,7 @@ async def train_on(
     prompts: list[Example],
     rollouts: GeneratorOutput,
     timings: dict[str, float],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The stages between rollouts and weight sync, the same in both strategies."""
     with Timer("fwd_logprobs_values_reward", timings):
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)

@@ -5,10 +5,9 @@ leaves (:func:`open_engines`); the vLLM server specs built from the config."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import attrs
 import torch
@@ -23,10 +22,12 @@ from engines.client import (
 from engines.devices import resolve_device, resolve_dtype
 from engines.launch import (
     EngineProcesses,
+    RayEngine,
     ReferenceServers,
     ServersSpec,
     open_engine_processes,
 )
+from engines.types import EngineClient
 from engines.vllm.flags import VLLM_TRANSPORTS
 from engines.vllm.inprocess import open_vllm_inprocess_client
 from engines.vllm.serve import VllmServers, check_server_config, gpu_groups
@@ -53,14 +54,14 @@ VLLM_STARTUP_TIMEOUT_S = 900.0
 class Engines:
     """The run's engines: their client, and the servers the trainer started as processes."""
 
-    client: Any
+    client: EngineClient
     #: ``engine.backend=local`` or ``vllm`` with ``placement=process``: the server processes
     #: (restartable); None for every other backend and placement.
     processes: EngineProcesses | None = None
 
 
 @asynccontextmanager
-async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Any]:
+async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[EngineClient]:
     """:func:`open_engines`' client."""
     async with open_engines(cfg, model_dir, run_dir) as engines:
         yield engines.client
@@ -194,7 +195,7 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
 
 async def _start_servers(
     stack: AsyncExitStack, cfg: Config, model_dir: Path, log_dir: Path, devices: list[str]
-) -> Sequence[Any]:
+) -> EngineProcesses | list[RayEngine]:
     """Start the servers of ``engine.backend`` (stopped when ``stack`` closes): the processes
     (placement=process) or the Ray-placed servers, each with its ``url``."""
     e = cfg.engine

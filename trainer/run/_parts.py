@@ -123,7 +123,7 @@ async def open_transport(
             )
 
 
-def policy_kwargs(cfg: Config) -> dict[str, Any]:
+def policy_kwargs(cfg: Config) -> dict[str, object]:
     """Every policy worker's keyword arguments, all from ``cfg``, built here only: the
     optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
     aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the off-policy correction
@@ -158,7 +158,7 @@ def policy_kwargs(cfg: Config) -> dict[str, Any]:
     }
 
 
-def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, Any] | None:
+def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, object] | None:
     """The critic worker's keyword arguments, all from ``cfg`` (``critic.*``; the micro batch,
     the seed and the device settings as the policy's), built here only; None for a run that
     trains no critic. ``model_dir``: the critic's model, resolved."""

@@ -20,7 +20,7 @@ def _as_is(index: int, error: BaseException) -> BaseException:
 
 
 def get_refs_as_completed(
-    refs: Sequence[Any], timeout: float | None, on_failure: OnFailure = _as_is
+    refs: Sequence[object], timeout: float | None, on_failure: OnFailure = _as_is
 ) -> list[Any]:
     """Blocking ``ray.get`` of every ref, failing on the first error in completion order.
 
@@ -49,7 +49,7 @@ def get_refs_as_completed(
     return results
 
 
-async def wait_refs(refs: Sequence[Any], on_failure: OnFailure = _as_is) -> list[Any]:
+async def wait_refs(refs: Sequence[object], on_failure: OnFailure = _as_is) -> list[Any]:
     """Every ref's value, awaited off the trio thread with ``timeout=remaining()`` (rule 5).
 
     The deadline expiring while a ref is pending raises the deadline's own error (step,

@@ -83,7 +83,7 @@ class WorkerGroup(Protocol):
         ...
 
     async def save_checkpoint(
-        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
+        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, object]
     ) -> Path:
         """Write checkpoint ``step`` through ``save`` (``CheckpointManager.save``, which makes
         it atomic), handing it the writer of the policy's files and the critic's (operation

@@ -141,13 +141,13 @@ class RayWorkerGroup:
         cls,
         model_dir: Path,
         *,
-        policy_kwargs: dict[str, Any],
+        policy_kwargs: dict[str, object],
         with_ref: bool,
         num_workers: int,
         collective_timeout_s: float = 1800.0,
         data_parallel: str = "auto",
         gpus_per_worker: float | None = None,
-        critic_kwargs: dict[str, Any] | None = None,
+        critic_kwargs: dict[str, object] | None = None,
     ) -> RayWorkerGroup:
         """Place and start the actors, then form the data-parallel group (bounded). With
         ``critic_kwargs`` every policy rank holds a critic rank too.
@@ -198,12 +198,12 @@ class RayWorkerGroup:
         wanted: list[dict[str, float]],
         env: dict[str, str],
         *,
-        policy_kwargs: dict[str, Any],
+        policy_kwargs: dict[str, object],
         with_ref: bool,
         num_workers: int,
         data_parallel: str,
         gpus_per_worker: float | None,
-        critic_kwargs: dict[str, Any] | None,
+        critic_kwargs: dict[str, object] | None,
     ) -> None:
         """The placement group (its bundles written into ``wanted`` first) and the actors in
         it: the policy ranks, then the reference actor. Blocking (GCS round-trips): run it in
@@ -406,7 +406,7 @@ class RayWorkerGroup:
             ) from None
 
     async def save_checkpoint(
-        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, Any]
+        self, save: SaveCheckpoint, step: int, trainer_state: dict[str, object]
     ) -> Path:
         """Rank 0 writes the checkpoint (the ranks' states are identical); ``save`` travels
         to its actor (a bound ``CheckpointManager.save`` pickles with its manager)."""

@@ -166,6 +166,26 @@ async def test_non_2xx_and_malformed_bodies_raise_inference_server_error() -> No
         assert info.value.endpoint == "/v1/completions"
 
 
+async def test_a_control_call_answers_the_routes_json_body() -> None:
+    """The body decoded (None when empty), as the in-process vLLM engine answers; the probe
+    still finds a route whose answer is not JSON (a /health that says ``OK``)."""
+
+    async def answers(method: str, path: str, headers: dict[str, str]) -> tuple[int, Any]:
+        if path == "/health":
+            return 200, b"OK"
+        if path == "/resume":
+            return 200, b""
+        return 200, {"is_paused": True}
+
+    async with serve_app(answers) as url, InferenceClient([url]) as client:
+        assert await client.control("GET", "/is_paused") == [{"is_paused": True}]
+        assert await client.control_one(url, "POST", "/resume") is None
+        with pytest.raises(InferenceServerError, match="malformed JSON") as info:
+            await client.control_one(url, "GET", "/health")
+        assert (info.value.endpoint, info.value.status) == ("/health", 200)
+        await client.probe(["/health"])
+
+
 async def test_http_errors_are_never_retried() -> None:
     calls: list[str] = []
 

@@ -232,7 +232,7 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
             async with InferenceClient(urls) as client:
 
                 async def served() -> str:
-                    (answer,) = await client.control_json(
+                    (answer,) = await client.control(
                         "POST", "/weight_checker", json={"action": "checksum"}
                     )
                     return answer["checksum"]
