@@ -11,34 +11,25 @@ import datetime
 import functools
 import json
 import logging
-import os
 import statistics
 import time
 from contextlib import AsyncExitStack
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 import trio
-import yaml
 
-from engines.models import load_tokenizer, resolve_model_path
 from engines.types import EngineClient, SamplingParams
 from engines.vllm.serve import require_vllm
 from sync.transports import WeightTransport
-from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
-from trainer.data import PromptLoader, RewardFunction, load_datasets, open_rewards
+from trainer.data import RewardFunction, open_rewards
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
-from trainer.errors import ConfigError
-from trainer.generators import Generator, check_generator_kwargs
+from trainer.generators import Generator
 from trainer.loop import (
-    PromptStream,
     RunContext,
-    Strategy,
-    make_strategy,
     one_update_per_batch,
     open_engine_recovery,
     run_training,
@@ -63,7 +54,8 @@ from trainer.run._parts import (
     open_workers,
     uses_ray,
 )
-from trainer.run._prompt_budget import FittedPrompts, check_context, fit_prompts
+from trainer.run._prepare import Prepared, prepare, record_config
+from trainer.run._prompt_budget import check_context
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
 from trainer.workers.group import WorkerGroup
 from trainer.workers.policy import preload_model_code
@@ -86,34 +78,6 @@ def _make_run_dir(cfg: Config) -> Path:
     run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
-
-
-def _record_config(cfg: Config, run_dir: Path) -> None:
-    """Write ``RUN_DIR/config.yaml``: the configuration, with the directory the run chose.
-
-    Called once the run is accepted: at once for a fresh run, after the checkpoint has
-    loaded for a resume, so a refused resume leaves the file that its error tells you to
-    resume with. The recorded ``trainer.run_dir`` is never None, so ``--config
-    RUN_DIR/config.yaml trainer.resume_mode=latest`` resumes in the same directory. The file
-    is replaced atomically: a run killed while writing it leaves the old one.
-    """
-    recorded = attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=str(run_dir)))
-    tmp = run_dir / "config.yaml.tmp"
-    tmp.write_text(yaml.safe_dump(to_dict(recorded), sort_keys=False))
-    os.replace(tmp, run_dir / "config.yaml")
-
-
-def _load_generator_cls(spec: str) -> type[Generator]:
-    module_name, _, name = spec.partition(":")
-    try:
-        cls = getattr(import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"config: generator.cls={spec!r} cannot be imported: {exc}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Generator)):
-        raise ConfigError(
-            f"config: generator.cls={spec!r} is not a subclass of trainer.generators.Generator"
-        )
-    return cls
 
 
 class _TeardownClock:
@@ -189,7 +153,7 @@ async def _train(
 
     Whatever starts is entered on one exit stack, so it stops in the reverse order.
     """
-    prepared = await _prepare(cfg, run_dir, progress)
+    prepared = await prepare(cfg, run_dir, progress)
     async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
         # the workers' model code is imported while the servers start (seconds each)
         preloading.start_soon(trio.to_thread.run_sync, preload_model_code, prepared.model_dir)
@@ -211,72 +175,6 @@ async def _train(
 
 
 @attrs.frozen
-class _Prepared:
-    """What the run reads and decides before it starts anything: a generator that does not
-    import, a model or data file that does not load, a prompt too long, or a resume that
-    changes the data order fails here, before any server or worker starts."""
-
-    #: ``generator.cls``, its ``generator.kwargs`` checked.
-    generator_cls: type[Generator]
-    model_dir: Path
-    tokenizer: Any
-    #: ``data``'s reward (bound to its worker processes when the run opens them).
-    reward_fn: RewardFunction
-    #: The training prompts, then the eval prompts, rendered with ``tokenizer`` and bounded.
-    fitted: tuple[FittedPrompts, FittedPrompts]
-    #: ``trainer.strategy``, decided here once.
-    strategy: Strategy
-    last_step: int
-    ckpt: CheckpointManager
-    #: The checkpoint the run resumes from (None: a fresh run) and its trainer state.
-    resume_from: Path | None
-    state: dict[str, Any]
-
-
-async def _prepare(cfg: Config, run_dir: Path, progress: StepProgress) -> _Prepared:
-    """Load and check what the run needs before it starts anything (see :class:`_Prepared`);
-    a fresh run records its ``config.yaml`` here (a resume once its checkpoint has loaded)."""
-    t = cfg.trainer
-    # a generator that does not import, or kwargs it cannot take, fail before any model loads
-    generator_cls = _load_generator_cls(cfg.generator.cls)
-    check_generator_kwargs(generator_cls, cfg.generator.kwargs)
-    with progress.phase("model"):
-        model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
-        tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
-    data = await trio.to_thread.run_sync(load_datasets, cfg.data, t.seed)
-    # every prompt rendered with this tokenizer (or it fails here), measured and bounded
-    train, evals = [
-        await trio.to_thread.run_sync(fit_prompts, tokenizer, checked, source, cfg.data)
-        for source, checked in (
-            (cfg.data.train or f"data.task={cfg.data.task}", data.train),
-            (cfg.data.eval or f"data.task={cfg.data.task} (eval)", data.eval),
-        )
-    ]
-    strategy = make_strategy(cfg, train.examples)  # trainer.strategy, decided here once
-    last_step = strategy.loader.batches_per_epoch * t.epochs
-    if t.max_steps is not None:
-        last_step = min(last_step, t.max_steps)
-    # each checkpoint's policy/ gets the tokenizer too: a model directory to serve as it is
-    ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep, tokenizer_from=model_dir)
-    # a resume that changes the data order is refused here, before anything starts
-    resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
-    if resume_from is None:
-        await trio.to_thread.run_sync(_record_config, cfg, run_dir)
-    return _Prepared(
-        generator_cls=generator_cls,
-        model_dir=model_dir,
-        tokenizer=tokenizer,
-        reward_fn=data.reward_fn,
-        fitted=(train, evals),
-        strategy=strategy,
-        last_step=last_step,
-        ckpt=ckpt,
-        resume_from=resume_from,
-        state=state,
-    )
-
-
-@attrs.frozen
 class _Parts:
     """The run's services, engines, workers and weight transport, each on the run's exit stack."""
 
@@ -292,7 +190,7 @@ async def _open_parts(
     stack: AsyncExitStack,
     cfg: Config,
     run_dir: Path,
-    prepared: _Prepared,
+    prepared: Prepared,
     dumper: Dumper,
     progress: StepProgress,
 ) -> _Parts:
@@ -344,7 +242,7 @@ async def _open_run_context(
     stack: AsyncExitStack,
     cfg: Config,
     run_dir: Path,
-    prepared: _Prepared,
+    prepared: Prepared,
     parts: _Parts,
     watchdog: Watchdog,
     progress: StepProgress,
@@ -386,7 +284,7 @@ async def _open_run_context(
 
 
 async def _resume_policy(
-    cfg: Config, run_dir: Path, prepared: _Prepared, workers: WorkerGroup, progress: StepProgress
+    cfg: Config, run_dir: Path, prepared: Prepared, workers: WorkerGroup, progress: StepProgress
 ) -> int:
     """The step the run resumes after (0: a fresh run). On resume, the checkpoint's policy is
     loaded into ``workers``, then the run is accepted: ``config.yaml`` is recorded."""
@@ -395,13 +293,13 @@ async def _resume_policy(
     with progress.phase("resume"):
         await workers.load_checkpoint(prepared.resume_from)
         start = int(prepared.state["step"])
-    await trio.to_thread.run_sync(_record_config, cfg, run_dir)
+    await trio.to_thread.run_sync(record_config, cfg, run_dir)
     log.info("resumed from %s at step %d", prepared.resume_from, start)
     return start
 
 
 async def _open_metrics(
-    stack: AsyncExitStack, run_dir: Path, start: int, prepared: _Prepared
+    stack: AsyncExitStack, run_dir: Path, start: int, prepared: Prepared
 ) -> MetricsLogger:
     """``metrics.jsonl`` holding steps up to ``start`` only (:func:`restore_metrics`, with the
     resumed checkpoint's row), open for the steps' rows and closed by ``stack``."""
@@ -413,7 +311,7 @@ async def _open_metrics(
 async def _open_generators(
     stack: AsyncExitStack,
     cfg: Config,
-    prepared: _Prepared,
+    prepared: Prepared,
     reward_fn: RewardFunction,
     engine: EngineClient,
 ) -> tuple[Generator, Generator | None, Generator | None]:
@@ -440,7 +338,7 @@ async def _open_generators(
 
 def _make_generator(
     cfg: Config,
-    prepared: _Prepared,
+    prepared: Prepared,
     reward_fn: RewardFunction,
     engine: EngineClient,
     sampling: SamplingParams,
@@ -455,30 +353,6 @@ def _make_generator(
         max_response_tokens=cfg.generator.max_response_tokens,
         **cfg.generator.kwargs,
     )
-
-
-async def _read_resume_state(
-    cfg: Config, ckpt: CheckpointManager, order: PromptLoader | PromptStream
-) -> tuple[Path | None, dict[str, Any]]:
-    """The checkpoint to resume from and its trainer state, or ``(None, {})`` for a fresh run.
-
-    The data position is loaded into ``order`` now, so a resume whose data order differs
-    from the checkpoint's (another seed, another prompt count, the other strategy) raises
-    ``ConfigError`` before the run starts anything or rewrites ``config.yaml``.
-    """
-    t = cfg.trainer
-    resume_from = await trio.to_thread.run_sync(ckpt.resolve, t.resume_mode, t.resume_path)
-    if resume_from is None:
-        if t.resume_mode != "none":
-            log.warning(
-                "resume_mode=%s but no checkpoint under %s: starting fresh",
-                t.resume_mode,
-                ckpt.root,
-            )
-        return None, {}
-    state = await trio.to_thread.run_sync(ckpt.read_trainer_state, resume_from)
-    order.load_state_dict(state["loader"])
-    return resume_from, state
 
 
 def _summarize(
