@@ -29,7 +29,7 @@ class TransportSpec:
     """One weight transport: its name (as vLLM's ``--weight-transfer-config`` backend), where
     its trainer half lives, and what it needs."""
 
-    name: str
+    name: TransportName
     #: ``module:Class`` of the trainer half (a :class:`~sync.transports.base.WeightTransport`).
     trainer_half: str
     #: It joins the engines in a process group (``init_process_group``: gloo, nccl).

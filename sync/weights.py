@@ -4,7 +4,7 @@
 (:mod:`sync.bracket`: pause/resume, sleep/wake, or both, around the transfer; its cleanups run
 with what is left of the step's budget) around a *transfer* (:mod:`sync.transfer`: shielded,
 bounded by the step's deadline plus ``sync.transfer_grace_s``, sent again once when it broke off
-after reaching the engines). The bracket is a run's :attr:`~trainer.config.Config.sync_bracket`,
+after reaching the engines). The bracket is a run's :attr:`~trainer.config.RunPlan.bracket`,
 decided by :meth:`sync.bracket.Bracket.of`.
 
 A transfer abandoned at its bound, or one that left the engines with partial weights, skips the

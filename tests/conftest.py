@@ -14,7 +14,7 @@ import torch
 
 #: Two test workers share this machine's cores: each run the suite starts (in process or as
 #: a subprocess) takes one core's share, as before runs took every core in their turn
-#: (``trainer.run._parts.cpu_threads``). A shell that sets it keeps its own.
+#: (``trainer.config.cpu_threads``, the run plan's ``threads``). A shell that sets it keeps its own.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from trainer.vocabulary import FAULTS_ENV, FAULTS_FIRED_ENV, install_faults, release_hangs

@@ -20,11 +20,9 @@ Usage in a worker::
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-from trainer.algorithms import LOG_RATIO_CLAMP
+from trainer.algorithms import LOG_RATIO_CLAMP, OFF_POLICY_CORRECTIONS, OffPolicyCorrection
 
 __all__ = [
     "DEFAULT_TIS_CAP",
@@ -32,31 +30,14 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "OffPolicyCorrection",
     "importance_weights",
-    "resolve_correction",
 ]
 
-OffPolicyCorrection = Literal["none", "tis"]
-
-#: The corrections a policy worker applies; ``algorithm.off_policy_correction`` also takes
-#: ``"auto"`` (:func:`resolve_correction`).
-OFF_POLICY_CORRECTIONS: tuple[str, ...] = ("none", "tis")
 #: The default truncation of the importance weight (``algorithm.tis_cap``), as in verl's
 #: ``tis_imp_ratio_cap`` examples.
 DEFAULT_TIS_CAP = 2.0
 #: The metrics ``importance_weights`` returns with correction ``"none"``; ``"tis"`` adds
 #: ``is_truncated_frac``.
 IS_RATIO_METRICS: tuple[str, ...] = ("is_ratio_mean", "is_ratio_max", "is_ratio_min")
-
-
-def resolve_correction(setting: str, strategy: str) -> OffPolicyCorrection:
-    """``algorithm.off_policy_correction`` for a run of ``trainer.strategy``: ``"auto"`` is
-    ``"tis"`` under ``fully_async`` (its samples lag the trainer) and ``"none"`` under
-    ``sync`` (the engine samples with the trained weights)."""
-    if setting == "auto":
-        return "tis" if strategy == "fully_async" else "none"
-    if setting not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(f"unknown off-policy correction {setting!r}")
-    return "tis" if setting == "tis" else "none"
 
 
 def importance_weights(

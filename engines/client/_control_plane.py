@@ -57,11 +57,13 @@ CONTROL_PLANE_TIMEOUT_ENV = "TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S"
 def resolve_control_plane_timeout(config_value: float | None) -> float | None:
     """The control-plane timeout in seconds, or None for unbounded.
 
-    ``TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S`` (when set and non-empty) overrides
-    ``config_value``; with neither, 600 s. A value <= 0 (or infinite) disables the bound.
-    Raises ``ConfigError`` when the environment variable is not a number.
+    ``config_value`` as given; unset (None), ``TRAINER_INFERENCE_CONTROL_PLANE_TIMEOUT_S``
+    when set and non-empty, else 600 s. A value <= 0 (or infinite) disables the bound. The
+    trainer passes the run plan's value, the environment already applied there once (by the
+    config loader, ``engine.control_plane_timeout_s``'s override). Raises ``ConfigError`` when
+    the environment variable is read and is not a number.
     """
-    raw = os.environ.get(CONTROL_PLANE_TIMEOUT_ENV, "").strip()
+    raw = os.environ.get(CONTROL_PLANE_TIMEOUT_ENV, "").strip() if config_value is None else ""
     if raw:
         try:
             value = float(raw)

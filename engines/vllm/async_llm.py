@@ -2,12 +2,12 @@
 
 ::
 
-    argv = engine_argv("/models/qwen", tensor_parallel_size=2, weight_transfer_backend="nccl",
-                       extra_args=["--max-model-len", "4096"])
+    argv = VllmSettings("/models/qwen", tensor_parallel_size=2, weight_transfer_backend="nccl",
+                        extra_args=("--max-model-len", "4096")).argv()
     async with open_async_llm(functools.partial(build_async_llm, argv)) as (llm, classes):
         ...
 
-:func:`~engines.vllm.flags.engine_argv` writes the engine's settings as ``vllm serve`` flags,
+:meth:`~engines.vllm.flags.VllmSettings.argv` writes the engine's settings as ``vllm serve`` flags,
 and :func:`build_async_llm` parses them with vLLM's own engine-args parser
 (``AsyncEngineArgs.add_cli_args`` on vLLM's ``FlexibleArgumentParser``, then
 ``AsyncEngineArgs.from_cli_args``), so ``extra_args`` means exactly what it means on

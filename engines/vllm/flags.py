@@ -1,12 +1,17 @@
-"""The engine's settings as ``vllm serve`` flags: one builder for the servers the trainer starts
-(:mod:`engines.vllm.serve`) and the in-process engine (:mod:`engines.vllm.inprocess`).
+"""The engine's settings as one value (:class:`VllmSettings`) and as ``vllm serve`` flags: one
+builder for the servers the trainer starts (:mod:`engines.vllm.serve`) and the in-process
+engine (:mod:`engines.vllm.inprocess`).
 
 ::
 
-    engine_argv("/models/qwen", tensor_parallel_size=2, weight_transfer_backend="nccl",
-                extra_args=["--max-model-len", "4096"])
+    VllmSettings("/models/qwen", tensor_parallel_size=2, weight_transfer_backend="nccl",
+                 extra_args=("--max-model-len", "4096")).argv()
     # ['--model', '/models/qwen', '--tensor-parallel-size', '2', '--seed', '0',
     #  '--weight-transfer-config', '{"backend": "nccl"}', '--max-model-len', '4096']
+
+A new engine setting is a field here with its flag in :meth:`VllmSettings.argv` (and in
+:data:`ENGINE_ARG_FLAGS`), the config key it comes from, and the run plan's line that reads
+it (docs/architecture.md's worked example).
 
 ``extra_args`` (``engine.extra_args``) come last, as given, and may not set a field the
 trainer sets (:data:`ENGINE_ARG_FLAGS`, vLLM 0.33.0's ``AsyncEngineArgs.add_cli_args``):
@@ -20,12 +25,14 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
+import attrs
+
 __all__ = [
     "ENGINE_ARG_FLAGS",
     "VLLM_SERVE_MODULE",
     "VLLM_TRANSPORTS",
+    "VllmSettings",
     "WeightTransferBackend",
-    "engine_argv",
     "flag_clashes",
 ]
 
@@ -37,7 +44,7 @@ WeightTransferBackend = Literal["nccl", "ipc", "gloo", "disk"]
 VLLM_TRANSPORTS: tuple[str, ...] = typing.get_args(WeightTransferBackend)
 
 #: ``AsyncEngineArgs`` field -> its ``vllm serve`` flags (vLLM 0.33.0's ``add_cli_args``):
-#: the fields :func:`engine_argv` sets, which ``extra_args`` may therefore not set.
+#: the fields :class:`VllmSettings` sets, which ``extra_args`` may therefore not set.
 ENGINE_ARG_FLAGS: Mapping[str, tuple[str, ...]] = {
     "model": ("--model",),
     "tensor_parallel_size": ("--tensor-parallel-size", "-tp"),
@@ -65,19 +72,9 @@ def flag_clashes(extra_args: Sequence[str]) -> list[str]:
     return sorted({owners[f] for t in extra_args if (f := _flag_of(t)) in owners})
 
 
-def engine_argv(
-    model: str,
-    *,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-    seed: int = 0,
-    enable_sleep_mode: bool = False,
-    weight_transfer_backend: WeightTransferBackend | None = "nccl",
-    extra_args: Sequence[str] = (),
-    dtype: str | None = None,
-    cpu: bool = False,
-) -> list[str]:
-    """``vllm serve``'s engine flags for these settings, ``--model`` first, ``extra_args`` last.
+@attrs.frozen
+class VllmSettings:
+    """A vLLM engine's settings: what the trainer sets of ``vllm serve``'s engine arguments.
 
     ``gpu_memory_utilization`` None keeps vLLM's default; ``weight_transfer_backend`` None
     leaves the weight-transfer routes off (as ``vllm serve`` without
@@ -85,29 +82,46 @@ def engine_argv(
     (:mod:`engines.vllm`). ``dtype``: ``--dtype`` unless ``extra_args`` sets one (None:
     vLLM's ``auto``, which serves a float32 checkpoint in bfloat16 on the CPU). ``cpu``:
     vLLM's CPU build, started with ``--enforce-eager`` (torch.compile's warm-up: 64 s to start
-    against 37 s, no faster after) unless ``extra_args`` says ``--no-enforce-eager``. Raises
-    ``ValueError`` for an unknown backend, and for ``extra_args`` that set a field these
-    arguments set (:func:`flag_clashes`), naming it.
+    against 37 s, no faster after) unless ``extra_args`` says ``--no-enforce-eager``.
     """
-    if weight_transfer_backend is not None and weight_transfer_backend not in VLLM_TRANSPORTS:
-        raise ValueError(
-            f"weight_transfer_backend={weight_transfer_backend!r}: one of {VLLM_TRANSPORTS} or None"
-        )
-    if clashes := flag_clashes(extra_args):
-        raise ValueError(
-            f"extra_args {list(extra_args)} set {', '.join(clashes)}, which the engine's own "
-            "settings set: use those instead"
-        )
-    argv = ["--model", str(model), "--tensor-parallel-size", str(tensor_parallel_size)]
-    if gpu_memory_utilization is not None:
-        argv += ["--gpu-memory-utilization", repr(float(gpu_memory_utilization))]
-    argv += ["--seed", str(seed)]
-    if enable_sleep_mode:
-        argv.append("--enable-sleep-mode")
-    if weight_transfer_backend is not None:
-        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer_backend})]
-    if dtype is not None and "--dtype" not in {_flag_of(t) for t in extra_args}:
-        argv += ["--dtype", dtype]
-    if cpu and "--no-enforce-eager" not in extra_args:
-        argv.append("--enforce-eager")
-    return [*argv, *extra_args]
+
+    model: str
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float | None = None
+    seed: int = 0
+    enable_sleep_mode: bool = False
+    weight_transfer_backend: WeightTransferBackend | None = "nccl"
+    extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    dtype: str | None = None
+    cpu: bool = False
+
+    def argv(self, seed_offset: int = 0) -> list[str]:
+        """``vllm serve``'s engine flags, ``--model`` first, ``extra_args`` last (``--seed``
+        is ``seed + seed_offset``: server ``I`` of several samples its own stream).
+
+        Raises ``ValueError`` for an unknown backend, and for ``extra_args`` that set a field
+        these settings set (:func:`flag_clashes`), naming it.
+        """
+        backend, extra = self.weight_transfer_backend, self.extra_args
+        if backend is not None and backend not in VLLM_TRANSPORTS:
+            raise ValueError(
+                f"weight_transfer_backend={backend!r}: one of {VLLM_TRANSPORTS} or None"
+            )
+        if clashes := flag_clashes(extra):
+            raise ValueError(
+                f"extra_args {list(extra)} set {', '.join(clashes)}, which the engine's own "
+                "settings set: use those instead"
+            )
+        argv = ["--model", self.model, "--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.gpu_memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", repr(float(self.gpu_memory_utilization))]
+        argv += ["--seed", str(self.seed + seed_offset)]
+        if self.enable_sleep_mode:
+            argv.append("--enable-sleep-mode")
+        if backend is not None:
+            argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
+        if self.dtype is not None and "--dtype" not in {_flag_of(t) for t in extra}:
+            argv += ["--dtype", self.dtype]
+        if self.cpu and "--no-enforce-eager" not in extra:
+            argv.append("--enforce-eager")
+        return [*argv, *extra]

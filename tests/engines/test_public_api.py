@@ -160,8 +160,8 @@ PUBLIC_API: dict[str, list[str]] = {
         "ENGINE_ARG_FLAGS",
         "VLLM_SERVE_MODULE",
         "VLLM_TRANSPORTS",
+        "VllmSettings",
         "WeightTransferBackend",
-        "engine_argv",
         "flag_clashes",
     ],
     "engines.vllm.async_llm": [

@@ -1,5 +1,5 @@
-"""A run's weight-sync bracket is decided once (Bracket.of, read as Config.sync_bracket): the
-sync, the servers' sleep mode and the check of which routes a run calls all read it."""
+"""A run's weight-sync bracket is decided once (Bracket.of, held by the run plan): the sync,
+the servers' sleep mode and the check of which routes a run calls all read it."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 from sync.bracket import Bracket
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.run._engines import sleeps_engines
 
 CASES = [
     ([], Bracket.PAUSE),
@@ -26,8 +25,7 @@ CASES = [
 @pytest.mark.parametrize(("overrides", "bracket"), CASES)
 def test_the_config_names_one_bracket_and_everything_reads_it(overrides, bracket):
     cfg = load_config(None, overrides)
-    assert cfg.sync_bracket is bracket
-    assert sleeps_engines(cfg) is bracket.sleeps
+    assert cfg.plan.bracket is bracket
     # a route fault is accepted exactly when the bracket calls that route
     calls = {
         "/sleep": bracket.sleeps,

@@ -20,7 +20,6 @@ from trainer.off_policy import (
     IS_RATIO_METRICS,
     OFF_POLICY_CORRECTIONS,
     importance_weights,
-    resolve_correction,
 )
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
@@ -248,11 +247,15 @@ def test_config_keys_default_to_auto_and_check_their_values():
     # the config's choices are the loss's plus auto (the schema does not import torch)
     hints = typing.get_type_hints(AlgorithmConfig)
     assert typing.get_args(hints["off_policy_correction"]) == ("auto", *OFF_POLICY_CORRECTIONS)
-    # auto: corrected where the sampler lags (fully-async), plain where it does not
-    assert resolve_correction("auto", "sync") == "none"
-    assert resolve_correction("auto", "fully_async") == "tis"
-    assert resolve_correction("none", "fully_async") == "none"
-    assert resolve_correction("tis", "sync") == "tis"
+    # auto: corrected where the sampler lags (fully-async), plain where it does not; the run
+    # plan decides it once
+    for overrides, correction in [
+        ([], "none"),
+        (["trainer.strategy=fully_async"], "tis"),
+        (["trainer.strategy=fully_async", "algorithm.off_policy_correction=none"], "none"),
+        (["algorithm.off_policy_correction=tis"], "tis"),
+    ]:
+        assert load_config(None, overrides).plan.correction == correction
     cfg = load_config(None, ["algorithm.off_policy_correction=tis", "algorithm.tis_cap=null"])
     assert (cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap) == ("tis", None)
     with pytest.raises(ConfigError, match=r"choose one of 'auto', 'none', 'tis'"):

@@ -28,10 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
+from trainer.algorithms._registry import OFF_POLICY_CORRECTIONS as OFF_POLICY_CORRECTIONS
 from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
 from trainer.algorithms._registry import VALUE_ESTIMATORS as VALUE_ESTIMATORS
 from trainer.algorithms._registry import AdvantageEstimatorName as AdvantageEstimatorName
 from trainer.algorithms._registry import LossAggModeName as LossAggModeName
+from trainer.algorithms._registry import OffPolicyCorrection as OffPolicyCorrection
 from trainer.algorithms._registry import PolicyLossName as PolicyLossName
 from trainer.algorithms._registry import Registry as Registry
 from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_agg_mode
@@ -65,6 +67,7 @@ __all__ = [
     "LOGPROB_CHUNK_ELEMENTS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "POLICY_LOSS_METRICS",
     "VALUE_ESTIMATORS",
@@ -72,6 +75,7 @@ __all__ = [
     "AdvantageEstimatorName",
     "BatchCounts",
     "LossAggModeName",
+    "OffPolicyCorrection",
     "PolicyLossName",
     "Registry",
     "aggregate",

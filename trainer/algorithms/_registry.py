@@ -14,14 +14,21 @@ import attrs
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "VALUE_ESTIMATORS",
     "AdvantageEstimatorName",
     "LossAggModeName",
+    "OffPolicyCorrection",
     "PolicyLossName",
     "Registry",
     "resolve_loss_agg_mode",
 ]
+
+#: The off-policy corrections a policy worker applies (:mod:`trainer.off_policy`);
+#: ``algorithm.off_policy_correction`` also takes ``auto``, which the run plan decides.
+OffPolicyCorrection = Literal["none", "tis"]
+OFF_POLICY_CORRECTIONS: tuple[OffPolicyCorrection, ...] = ("none", "tis")
 
 
 @attrs.frozen

@@ -21,9 +21,9 @@ import attrs
 import yaml
 from omegaconf import OmegaConf
 
+from trainer.config._config import Config
 from trainer.config._schema import (
     RENAMED_VALUES,
-    Config,
 )
 from trainer.config._validate import validate_cfg
 from trainer.errors import ConfigError

@@ -13,7 +13,6 @@ from typing import Any, Literal
 
 import attrs
 
-from sync.bracket import Bracket
 from trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -28,14 +27,13 @@ from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
-from trainer.config._models import CriticConfig, ModelConfig, OptimConfig
+from trainer.config._models import ModelConfig, OptimConfig
 from trainer.config._workers import WorkersConfig
 
 __all__ = [
     "BUILTIN_REWARDS",
     "RENAMED_VALUES",
     "AlgorithmConfig",
-    "Config",
     "ConfigWarning",
     "DataConfig",
     "DynamicSamplingConfig",
@@ -415,35 +413,3 @@ class AlgorithmConfig:
     def trains_critic(self) -> bool:
         """Whether the run has a critic: its advantage estimator reads values (``gae``)."""
         return self.advantage_estimator in VALUE_ESTIMATORS
-
-
-@attrs.define
-class Config:
-    trainer: TrainerConfig = _section(TrainerConfig, "The step loop.")
-    generator: GeneratorConfig = _section(GeneratorConfig, "Rollout generation.")
-    engine: EngineConfig = _section(EngineConfig, "Inference engines.")
-    sync: SyncConfig = _section(SyncConfig, "Weight sync from the policy to the engines.")
-    workers: WorkersConfig = _section(WorkersConfig, "Policy and reference workers.")
-    model: ModelConfig = _section(ModelConfig, "The policy model.")
-    algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
-    optim: OptimConfig = _section(OptimConfig, "Optimizer.")
-    critic: CriticConfig = _section(
-        CriticConfig, "The critic (value model) of algorithm.advantage_estimator=gae."
-    )
-    data: DataConfig = _section(DataConfig, "Prompts and rewards.")
-    faults: str = _field(
-        "",
-        "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",
-        env="TRAINER_FAULTS",
-    )
-
-    @property
-    def sync_bracket(self) -> Bracket:
-        """The engine bracket of this run's weight syncs (:class:`sync.bracket.Bracket`),
-        decided there from engine.colocated, engine.offload_kv_for_weight_sync and whether
-        rollouts go on during a sync (trainer.strategy=fully_async)."""
-        return Bracket.of(
-            colocated=self.engine.colocated,
-            offload_kv=self.engine.offload_kv_for_weight_sync,
-            rollouts_continue=self.trainer.strategy == "fully_async",
-        )

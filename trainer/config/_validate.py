@@ -11,10 +11,11 @@ import warnings
 from engines.vllm.flags import flag_clashes
 from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
+from trainer.config._config import Config
 from trainer.config._models import CriticConfig
+from trainer.config._plan import EngineBackend, RunPlan, Strategy, WorkerBackend
 from trainer.config._reasoning_gym import check_reasoning_gym
 from trainer.config._schema import (
-    Config,
     ConfigWarning,
 )
 from trainer.errors import ConfigError
@@ -23,21 +24,23 @@ from trainer.vocabulary import Fault, parse_faults
 __all__ = ["validate_cfg"]
 
 
-def _unreachable(fault: Fault, cfg: Config) -> str | None:
-    """Why ``fault`` can never fire in a run configured as ``cfg`` (and what would reach it)."""
+def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
+    """Why ``fault`` can never fire in a run configured as ``cfg`` and planned as ``plan``
+    (and what would reach it)."""
     e, t = cfg.engine, cfg.trainer
+    backend, bracket = plan.engine_backend, plan.bracket
     op = fault.op
     if fault.steps is not None and t.max_steps is not None and fault.steps[0] > t.max_steps:
         return f"the run ends at trainer.max_steps={t.max_steps}; raise it to reach step {fault.steps[0]}"
     if op == "init_process_group" and (
-        not TRANSPORTS[cfg.sync.transport].group or e.backend == "inprocess"
+        not plan.transport.group or backend is EngineBackend.INPROCESS
     ):
         return (
             f"this run builds no weight-sync process group (sync.transport={cfg.sync.transport}, "
             f"engine.backend={e.backend}); set sync.transport=gloo (or nccl) to reach it"
         )
     if fault.action.signals_engine:
-        if e.backend not in ("local", "vllm") or e.placement != "process":
+        if not backend.starts_servers or e.placement != "process":
             return (
                 f"it signals an engine server the trainer started, and engine.backend={e.backend} "
                 f"with engine.placement={e.placement} starts none as its child; use "
@@ -45,19 +48,19 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
             )
         if fault.engine is not None and fault.engine >= e.num_engines:
             return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
-    if op.startswith("critic_") and not cfg.algorithm.trains_critic:
+    if op.startswith("critic_") and not plan.trains_critic:
         return (
             f"this run trains no critic (algorithm.advantage_estimator="
             f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
         )
-    if op == "forward" and t.one_update_per_batch and not cfg.algorithm.use_kl_loss:
+    if op == "forward" and plan.one_update_per_batch and not cfg.algorithm.use_kl_loss:
         return (
             "with one update per batch (trainer.update_epochs=1, one mini-batch) the old "
             "logprobs come from the update's own forward_backward, and without "
             "algorithm.use_kl_loss there is no reference model to run; target forward_backward, "
             "or set trainer.update_epochs=2 (or trainer.policy_mini_batch_size) to reach it"
         )
-    if op.startswith("/") and e.backend in ("vllm", "remote"):
+    if op.startswith("/") and backend in (EngineBackend.VLLM, EngineBackend.REMOTE):
         return (
             f"route faults fire inside the engine servers the project runs (the reference "
             f"engine, or vLLM in process), and engine.backend={e.backend} talks to a vLLM "
@@ -66,13 +69,12 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
         )
     if op == "save_checkpoint" and t.ckpt_interval <= 0:
         return "this run saves no checkpoint; set trainer.ckpt_interval=N to reach it"
-    bracket = cfg.sync_bracket
     if op in ("/sleep", "/wake_up") and not bracket.sleeps:
         return (
             "weight syncs pause the engines instead of sleeping them; set "
             "engine.offload_kv_for_weight_sync=true or engine.colocated=true to reach it"
         )
-    if op == "wait_for_batch" and t.strategy != "fully_async":
+    if op == "wait_for_batch" and plan.strategy is not Strategy.FULLY_ASYNC:
         return (
             "only trainer.strategy=fully_async waits for a batch of rollouts; the synchronous "
             "loop generates its own (target generate instead)"
@@ -94,15 +96,15 @@ def _unreachable(fault: Fault, cfg: Config) -> str | None:
         "/update_weights",
         "/finish_weight_update",
     )
-    if op in transfer_routes and e.backend == "inprocess":
+    if op in transfer_routes and backend is EngineBackend.INPROCESS:
         return (
             "engine.backend=inprocess takes weights in memory; use engine.backend=local to reach it"
         )
     return None
 
 
-def _check_reachable(fault: Fault, cfg: Config) -> None:
-    reason = _unreachable(fault, cfg)
+def _check_reachable(fault: Fault, cfg: Config, plan: RunPlan) -> None:
+    reason = _unreachable(fault, cfg, plan)
     if reason is not None:
         raise ConfigError(f"config: faults={str(fault)!r} can never fire: {reason}")
 
@@ -275,12 +277,6 @@ def validate_cfg(cfg: Config) -> None:
             "workers.backend='local' runs exactly 1 policy worker (use workers.backend=ray for "
             "data parallel)"
         )
-    if w.data_parallel == "fsdp2" and (t.ckpt_interval > 0 or t.resume_mode != "none"):
-        raise ConfigError(
-            "config: workers.data_parallel='fsdp2' cannot save or resume checkpoints yet "
-            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
-            "use workers.data_parallel=replicate for a run with checkpoints"
-        )
     if t.resume_mode == "path" and not t.resume_path:
         raise ConfigError("config: trainer.resume_mode='path' needs trainer.resume_path=DIR")
     if cfg.data.overlong_prompts == "drop" and cfg.data.max_prompt_length is None:
@@ -289,12 +285,20 @@ def validate_cfg(cfg: Config) -> None:
             "data.max_prompt_length, which is unset: set data.max_prompt_length=TOKENS"
         )
     check_reasoning_gym(cfg.data.reasoning_gym, cfg.data.task)
+    plan = cfg.plan  # the decisions this machine cannot honour fail here, at load
+    if plan.sharded and (t.ckpt_interval > 0 or t.resume_mode != "none"):
+        why = "'fsdp2'" if w.data_parallel == "fsdp2" else "'auto', which shards on CUDA,"
+        raise ConfigError(
+            f"config: workers.data_parallel={why} cannot save or resume checkpoints yet "
+            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
+            "use workers.data_parallel=replicate for a run with checkpoints"
+        )
     if cfg.faults:
         for fault in parse_faults(cfg.faults):
-            _check_reachable(fault, cfg)
-    collective = cfg.workers.collective_timeout_s
-    uses_collectives = cfg.workers.backend == "ray" or (
-        TRANSPORTS[cfg.sync.transport].group and cfg.engine.backend != "inprocess"
+            _check_reachable(fault, cfg, plan)
+    collective = plan.timeouts.collective_s
+    uses_collectives = plan.worker_backend is WorkerBackend.RAY or (
+        plan.transport.group and plan.engine_backend is not EngineBackend.INPROCESS
     )
     for key, budget in (
         ("trainer.step_timeout_s", t.step_timeout_s),

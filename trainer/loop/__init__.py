@@ -7,7 +7,6 @@ from trainer.loop._context import Strategy as Strategy
 from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
 from trainer.loop._prompt_stream import PromptStream as PromptStream
 from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
-from trainer.loop._stages import one_update_per_batch as one_update_per_batch
 from trainer.loop._strategy import FullyAsyncStrategy as FullyAsyncStrategy
 from trainer.loop._strategy import SyncStrategy as SyncStrategy
 from trainer.loop._strategy import make_strategy as make_strategy
@@ -24,7 +23,6 @@ __all__ = [
     "VersionedEngine",
     "WeightVersions",
     "make_strategy",
-    "one_update_per_batch",
     "open_engine_recovery",
     "resync_engines",
     "run_training",

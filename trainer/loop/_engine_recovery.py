@@ -44,7 +44,7 @@ import trio
 from engines.client import InferenceClient
 from engines.launch import EngineProcesses
 from sync.transports import WeightTransport
-from trainer.config import EngineConfig
+from trainer.config import Config, EngineBackend
 from trainer.errors import (
     EngineFailedError,
     EngineStartError,
@@ -71,13 +71,15 @@ class EngineRecovery:
 
     def __init__(
         self,
-        cfg: EngineConfig,
+        cfg: Config,
         client: InferenceClient,
         processes: EngineProcesses | None,
         transport: WeightTransport,
         workers: Any,
     ) -> None:
-        self.cfg = cfg
+        self.engine = cfg.engine
+        #: How long a restarted (or, remote, restarted by someone else) engine may take.
+        self.startup_timeout_s = cfg.plan.timeouts.engine_startup_s
         self.client = client
         self.rotation = client.rotation
         self.processes = processes
@@ -186,9 +188,9 @@ class EngineRecovery:
     # -- watching -----------------------------------------------------------------------------
 
     async def _watch(self, http: httpx.AsyncClient, index: int) -> None:
-        interval = self.cfg.health_check_interval_s
+        interval = self.engine.health_check_interval_s
         while True:
-            first = self._up_since[index] + self.cfg.health_check_first_wait_s
+            first = self._up_since[index] + self.engine.health_check_first_wait_s
             await trio.sleep(max(interval, first - time.monotonic()))
             if self.rotation.states[index] != "live":
                 continue
@@ -202,7 +204,7 @@ class EngineRecovery:
             code = self.processes[index].process.poll()
             if code is not None:
                 return f"its server exited ({_how(code)})"
-        timeout_s = self.cfg.health_check_timeout_s
+        timeout_s = self.engine.health_check_timeout_s
         url = self.rotation.urls[index]
         with trio.move_on_after(timeout_s):
             try:
@@ -223,12 +225,12 @@ class EngineRecovery:
         self.events.append(event)
         log_tail = ""
         while True:
-            if self.restarts[index] >= self.cfg.max_restarts:
+            if self.restarts[index] >= self.engine.max_restarts:
                 raise EngineFailedError(
                     index,
                     self.rotation.urls[index],
                     self.restarts[index],
-                    self.cfg.max_restarts,
+                    self.engine.max_restarts,
                     cause,
                     log_tail or await self._log_tail(index),
                 )
@@ -237,7 +239,7 @@ class EngineRecovery:
                 "engine %d: restart %d of %d (engine.max_restarts)",
                 index,
                 self.restarts[index],
-                self.cfg.max_restarts,
+                self.engine.max_restarts,
             )
             try:
                 url = await self._bring_back(http, index)
@@ -269,7 +271,7 @@ class EngineRecovery:
         if self.processes is not None:
             return (await self.processes.restart(index)).url
         url = self.rotation.urls[index]  # remote: someone else restarts it; wait for it
-        bound = self.cfg.startup_timeout_s or 180.0
+        bound = self.startup_timeout_s
         with trio.move_on_after(bound):
             while True:
                 try:
@@ -292,7 +294,7 @@ def _how(code: int) -> str:
 
 @asynccontextmanager
 async def open_engine_recovery(
-    cfg: EngineConfig,
+    cfg: Config,
     client: Any,
     processes: EngineProcesses | None,
     transport: WeightTransport,
@@ -304,10 +306,10 @@ async def open_engine_recovery(
     if processes is not None:
         set_engine_signaller(processes.signal)
     try:
-        if cfg.max_restarts == 0 or not isinstance(client, InferenceClient):
+        if cfg.engine.max_restarts == 0 or not isinstance(client, InferenceClient):
             yield None
             return
-        if processes is None and cfg.backend != "remote":
+        if processes is None and cfg.plan.engine_backend is not EngineBackend.REMOTE:
             yield None  # placed by Ray: its actors own the servers
             return
         recovery = EngineRecovery(cfg, client, processes, transport, workers)

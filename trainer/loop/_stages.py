@@ -17,7 +17,6 @@ from trainer.algorithms import (
     masked_mean,
     overlong_penalty,
 )
-from trainer.config import Config
 from trainer.data import Example
 from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
 from trainer.generators.chat import render_prompt
@@ -32,7 +31,6 @@ __all__ = [
     "generator_input",
     "group_inputs",
     "make_batch",
-    "one_update_per_batch",
     "rollout_metrics",
     "save_checkpoint",
     "shaped_rewards",
@@ -201,12 +199,6 @@ def advantages_for(
     return advantages.float(), returns, metrics
 
 
-def one_update_per_batch(cfg: Config) -> bool:
-    """Whether each batch gets exactly one optimizer step (decided by
-    :attr:`~trainer.config.TrainerConfig.one_update_per_batch`, which validation reads too)."""
-    return cfg.trainer.one_update_per_batch
-
-
 async def train_critic_and_policy(
     ctx: RunContext, step: int, batch: TrainBatch, group_ids: list[int]
 ) -> dict[str, float]:
@@ -310,13 +302,13 @@ async def verify_weights(
     )
     if not due:
         return {}
-    if cfg.workers.backend == "ray" and cfg.workers.num_policy_workers > 1:
-        _log.info("sync.verify skipped: the policy may be sharded over its Ray workers")
+    if cfg.plan.sharded:
+        _log.info("sync.verify skipped: the policy is sharded over its Ray workers")
         return {}
     return await verify_sync(
         ctx.engine,
         ctx.workers,
         PROBE_PROMPT,
-        tolerance=cfg.sync.verify_tolerance,
+        tolerance=cfg.plan.verify_tolerance,
         weight_version=weight_version,
     )

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any, ClassVar, cast
 
 from engines.types import EngineClient
-from trainer.config import Config
+from trainer.config import Config, Strategy
 from trainer.data import Example, PromptLoader
 from trainer.loop._context import RunContext, StepFn
 from trainer.loop._fully_async import rolling_out
@@ -87,6 +87,6 @@ def make_strategy(cfg: Config, examples: list[Example]) -> SyncStrategy | FullyA
     """``trainer.strategy``'s strategy over the training prompts."""
     t = cfg.trainer
     loader = PromptLoader(examples, t.train_batch_size, t.seed)
-    if t.strategy == "fully_async":
+    if cfg.plan.strategy is Strategy.FULLY_ASYNC:
         return FullyAsyncStrategy(loader, PromptStream(examples, t.seed, t.epochs))
     return SyncStrategy(loader)

@@ -95,7 +95,7 @@ async def train_on(
     """The stages between rollouts and weight sync, the same in both strategies."""
     with Timer("fwd_logprobs_values_reward", timings):
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
-        if not stages.one_update_per_batch(ctx.cfg):  # else the update's own forward has them
+        if not ctx.cfg.plan.one_update_per_batch:  # else the update's own forward has them
             batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         batch.values = await ctx.workers.compute_values(batch)  # None without a critic
@@ -136,7 +136,7 @@ async def sync_weights(
                     ctx.engine,
                     ctx.workers,
                     ctx.transport,
-                    bracket=ctx.cfg.sync_bracket,
+                    bracket=ctx.cfg.plan.bracket,
                     pause_mode=e.pause_mode,
                     grace_s=ctx.cfg.sync.transfer_grace_s,
                 )

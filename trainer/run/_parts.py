@@ -1,5 +1,5 @@
 """The parts of a run that are started and always stopped: Ray cluster, workers, weight
-transport (the engines are :mod:`trainer.run._engines`); the CPU cores they share.
+transport (the engines are :mod:`trainer.run._engines`), each as the run plan has it.
 
 Each is an async context manager that :func:`trainer.run._train.train` enters in this order
 (cluster, engines, workers, weight transport) and so leaves in reverse, whatever the
@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 from engines.models import resolve_model_path
@@ -26,21 +24,17 @@ from sync import registry
 from sync.transports import InProcessTransport, WeightTransport
 from sync.transports.base import TransportSettings
 from trainer.algorithms import resolve_loss_agg_mode
-from trainer.config import Config
-from trainer.off_policy import resolve_correction
+from trainer.config import Config, EngineBackend, EnginePlacement, WorkerBackend
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 
 __all__ = [
-    "CpuThreads",
-    "cpu_threads",
     "critic_kwargs",
     "make_transport",
     "open_ray_cluster",
     "open_transport",
     "open_workers",
     "policy_kwargs",
-    "uses_ray",
 ]
 
 log = logging.getLogger("trainer.run")
@@ -48,54 +42,21 @@ log = logging.getLogger("trainer.run")
 TRANSPORT_CLOSE_TIMEOUT_S = 30.0
 
 
-@attrs.frozen
-class CpuThreads:
-    """torch's intra-op threads on a machine without CUDA: the trainer's, and each reference
-    engine server's (``engine.backend=local``)."""
-
-    trainer: int
-    server: int
-
-
-def cpu_threads(cfg: Config, cores: int | None = None) -> CpuThreads:
-    """Share the cores between the trainer and the reference engine servers it starts.
-
-    ``trainer.strategy=sync``: generation and training take turns, so the trainer gets every
-    core while the servers idle, and the servers split the cores while the trainer waits (a
-    135M-parameter model trains 1.7x faster on two threads than on one here). Fully-async:
-    the servers roll out while the trainer trains, so each server keeps one thread and the
-    trainer the rest (a thread that must wait for a core makes each small forward pass many
-    times slower). Other backends: the servers are not the trainer's to size.
-
-    The cores to share are ``OMP_NUM_THREADS`` where it is set (a machine shared with other
-    jobs, or the test suite's two workers: set it), else every core of the machine.
-    """
-    cores = cores or _omp_threads() or os.cpu_count() or 1
-    servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
-    if cfg.trainer.strategy == "sync":
-        return CpuThreads(trainer=cores, server=max(1, cores // max(1, servers)))
-    return CpuThreads(trainer=max(1, cores - servers), server=1)
-
-
-def _omp_threads() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None
-
-
 def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
     """``sync.transport``: safetensors files, a gloo/NCCL broadcast group, or CUDA IPC.
 
     ``engine.backend=inprocess`` hands the tensors over in memory.
     """
-    if cfg.engine.backend == "inprocess":
+    plan = cfg.plan
+    if plan.engine_backend is EngineBackend.INPROCESS:
         return InProcessTransport()
     s = cfg.sync
     settings = TransportSettings(
-        s.transport,
+        plan.transport.name,
         s.bucket_size_mb * 2**20,
         run_dir / "weight_sync",
-        group_init_timeout_s=s.group_init_timeout_s,
-        timeout_s=cfg.workers.collective_timeout_s,
+        group_init_timeout_s=plan.timeouts.group_init_s,
+        timeout_s=plan.timeouts.collective_s,
         master_address=s.master_address,
         packed=s.packed is not False,
     )
@@ -149,10 +110,10 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "micro_batch_max_tokens": cfg.trainer.micro_batch_max_tokens,
         "seed": cfg.trainer.seed,
-        "off_policy_correction": resolve_correction(a.off_policy_correction, cfg.trainer.strategy),
+        "off_policy_correction": cfg.plan.correction,
         "tis_cap": a.tis_cap,
-        "device": w.device,
-        "dtype": w.dtype,
+        "device": cfg.plan.policy.device,
+        "dtype": cfg.plan.policy.dtype,
         "gradient_checkpointing": w.gradient_checkpointing,
         "offload": cfg.engine.colocated,  # free the GPU for an engine that shares it
     }
@@ -175,8 +136,8 @@ def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, object] | None:
         "value_clip": c.value_clip,
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "seed": cfg.trainer.seed,
-        "device": w.device,
-        "dtype": w.dtype,
+        "device": cfg.plan.policy.device,
+        "dtype": cfg.plan.policy.dtype,
         "gradient_checkpointing": w.gradient_checkpointing,
     }
 
@@ -199,7 +160,7 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
         else await trio.to_thread.run_sync(resolve_model_path, critic_path)
     )
     critic = critic_kwargs(cfg, critic_dir)
-    if w.backend == "local":
+    if cfg.plan.worker_backend is WorkerBackend.LOCAL:
         workers = await LocalWorkerGroup.create(
             model_dir, policy_kwargs=kwargs, with_ref=with_ref, critic_kwargs=critic
         )
@@ -211,8 +172,8 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
             policy_kwargs=kwargs,
             with_ref=with_ref,
             num_workers=w.num_policy_workers,
-            collective_timeout_s=w.collective_timeout_s,
-            data_parallel=w.data_parallel,
+            collective_timeout_s=cfg.plan.timeouts.collective_s,
+            sharded=cfg.plan.sharded,
             gpus_per_worker=w.gpus_per_worker,
             critic_kwargs=critic,
         )
@@ -221,13 +182,6 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
     finally:
         with trio.CancelScope(shield=True):
             await workers.shutdown()
-
-
-def uses_ray(cfg: Config) -> bool:
-    """Whether the run needs a Ray cluster (Ray workers, or engines placed by Ray)."""
-    return cfg.workers.backend == "ray" or (
-        cfg.engine.backend == "local" and cfg.engine.placement == "ray"
-    )
 
 
 @asynccontextmanager
@@ -240,9 +194,9 @@ async def open_ray_cluster(cfg: Config) -> AsyncIterator[None]:
     """
     from trainer.workers.ray_cluster import open_cluster
 
-    w, e = cfg.workers, cfg.engine
-    cpus = w.num_policy_workers + 1 if w.backend == "ray" else 0
-    if e.placement == "ray":
+    w, e, plan = cfg.workers, cfg.engine, cfg.plan
+    cpus = w.num_policy_workers + 1 if plan.worker_backend is WorkerBackend.RAY else 0
+    if plan.engine_placement is EnginePlacement.RAY:
         cpus += math.ceil(e.num_engines * e.ray_num_cpus)
     async with open_cluster(w.ray_address, retries=w.ray_init_retries, num_cpus=cpus):
         yield

@@ -30,7 +30,6 @@ from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
 from trainer.generators import Generator
 from trainer.loop import (
     RunContext,
-    one_update_per_batch,
     open_engine_recovery,
     run_training,
 )
@@ -47,13 +46,7 @@ from trainer.metrics import (
 )
 from trainer.run._engines import Engines, open_engines
 from trainer.run._interrupt import stop_on_interrupt
-from trainer.run._parts import (
-    cpu_threads,
-    open_ray_cluster,
-    open_transport,
-    open_workers,
-    uses_ray,
-)
+from trainer.run._parts import open_ray_cluster, open_transport, open_workers
 from trainer.run._prepare import Prepared, prepare, record_config
 from trainer.run._prompt_budget import check_context
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
@@ -96,7 +89,7 @@ class _TeardownClock:
 
 async def train(cfg: Config) -> dict[str, Any]:
     """Run training as configured; returns the summary (also written to ``summary.json``)."""
-    if cfg.engine.backend in ("vllm", "vllm_inprocess"):  # before any work: one line
+    if cfg.plan.engine_backend.runs_vllm:  # before any work: one line
         require_vllm(f"engine.backend={cfg.engine.backend}")
     # the run's own files are made, read and written in threads (DESIGN 3 rule 1): a slow
     # or network disk stalls a worker thread, never the loop
@@ -121,7 +114,7 @@ async def train(cfg: Config) -> dict[str, Any]:
             async with open_debug_services(dumper) as services:
                 await services.start(watchdog.run)
                 with StepProgress(
-                    enabled=cfg.trainer.progress, one_update_per_batch=one_update_per_batch(cfg)
+                    enabled=cfg.trainer.progress, one_update_per_batch=cfg.plan.one_update_per_batch
                 ) as progress:
                     summary = await _train(cfg, run_dir, dumper, watchdog, progress)
         return summary
@@ -141,9 +134,9 @@ async def train(cfg: Config) -> dict[str, Any]:
 
 
 def _limit_torch_threads(cfg: Config) -> None:
-    """On a CPU-only machine, the trainer's share of the cores (:func:`trainer.run._parts.cpu_threads`)."""
-    if not torch.cuda.is_available():
-        torch.set_num_threads(cpu_threads(cfg).trainer)
+    """On a CPU-only machine, the trainer's share of the cores (the plan's ``threads``)."""
+    if cfg.plan.threads is not None:
+        torch.set_num_threads(cfg.plan.threads.trainer)
 
 
 async def _train(
@@ -199,7 +192,7 @@ async def _open_parts(
     # the reward's worker processes (data.reward_workers) live as long as the run
     reward_fn = await stack.enter_async_context(open_rewards(cfg.data, prepared.reward_fn))
     trackers = await _open_trackers(stack, cfg, run_dir, progress)
-    if uses_ray(cfg):
+    if cfg.plan.uses_ray:
         with progress.phase("ray"):
             await stack.enter_async_context(open_ray_cluster(cfg))
     with progress.phase("engines"):
@@ -251,9 +244,7 @@ async def _open_run_context(
     policy resumed, ``metrics.jsonl`` open and the generators running, each on ``stack``."""
     engine = parts.engines.client
     recovery = await stack.enter_async_context(
-        open_engine_recovery(
-            cfg.engine, engine, parts.engines.processes, parts.transport, parts.workers
-        )
+        open_engine_recovery(cfg, engine, parts.engines.processes, parts.transport, parts.workers)
     )
     start = await _resume_policy(cfg, run_dir, prepared, parts.workers, progress)
     metrics = await _open_metrics(stack, run_dir, start, prepared)

@@ -8,11 +8,11 @@ the operation really runs: a ``hang`` really blocks this actor.
 Data parallelism: the driver gives each rank its shard of a batch together with the
 *global* token count, so each rank's loss is its share of the global token mean and the sum
 of the ranks' gradients is exactly the single-worker gradient of the whole batch. Two ways
-(``workers.data_parallel``):
+(``workers.data_parallel``, decided by the run plan: ``auto`` shards on CUDA):
 
 - replicate: every rank holds the full model; ``optim_step`` all-reduces (SUM) the
   gradients, then every rank clips and steps the same gradient, so weights stay identical;
-- fsdp2 (``auto`` on CUDA): the model is sharded with FSDP2 (:mod:`trainer.workers.fsdp`),
+- fsdp2: the model is sharded with FSDP2 (:mod:`trainer.workers.fsdp`),
   gradients are reduce-scattered (summed) in the backward pass, each rank steps its shard.
   Reading the weights (``run``) gathers them, a collective every rank joins
   (``gather_weights`` on the others). Checkpoints of a sharded policy are not supported yet.
@@ -92,14 +92,15 @@ class PolicyActor(_Actor):
         rank: int,
         world_size: int,
         policy_kwargs: dict[str, Any],
-        data_parallel: str = "replicate",
+        sharded: bool = False,
         critic_kwargs: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.rank = rank
         self.world_size = world_size
-        self.data_parallel = data_parallel
-        #: Whether the models are FSDP2-sharded (decided in ``init_group``).
+        #: Whether the models are to be FSDP2-sharded (the run plan's decision); they are
+        #: once ``init_group`` has formed the group (never at world size 1).
+        self.to_shard = sharded
         self.sharded = False
         #: The models whose gradients this optimizer step has summed over the ranks.
         self._reduced: set[str] = set()
@@ -113,8 +114,8 @@ class PolicyActor(_Actor):
 
     def init_group(self, host: str, port: int, timeout_s: float) -> bool:
         """Join the data-parallel group (a collective; all ranks): NCCL when the model is on
-        CUDA, gloo on the CPU. Shards the model with FSDP2 for ``data_parallel=fsdp2`` (or
-        ``auto`` on CUDA). Returns whether it did; never at world size 1."""
+        CUDA, gloo on the CPU. Shards the model with FSDP2 when the plan says so. Returns
+        whether it did; never at world size 1."""
         if self.world_size == 1:
             return False
         device = self.worker.device
@@ -127,8 +128,7 @@ class PolicyActor(_Actor):
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-        mode = self.data_parallel
-        if mode == "fsdp2" or (mode == "auto" and device.type == "cuda"):
+        if self.to_shard:
             self.worker.shard()
             if self.critic is not None:
                 self.critic.shard()

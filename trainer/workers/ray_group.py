@@ -145,7 +145,7 @@ class RayWorkerGroup:
         with_ref: bool,
         num_workers: int,
         collective_timeout_s: float = 1800.0,
-        data_parallel: str = "auto",
+        sharded: bool = False,
         gpus_per_worker: float | None = None,
         critic_kwargs: dict[str, object] | None = None,
     ) -> RayWorkerGroup:
@@ -153,7 +153,9 @@ class RayWorkerGroup:
         ``critic_kwargs`` every policy rank holds a critic rank too.
 
         ``policy_kwargs["device"]`` (default ``auto``) decides, with ``gpus_per_worker``,
-        the GPUs each actor asks for (:func:`gpus_for`).
+        the GPUs each actor asks for (:func:`gpus_for`). ``sharded``: the ranks shard the
+        policy with FSDP2 (the run plan's decision, ``workers.data_parallel``); never at one
+        rank.
         """
         group = cls()
         group.with_critic = critic_kwargs is not None
@@ -166,7 +168,7 @@ class RayWorkerGroup:
             policy_kwargs=policy_kwargs,
             with_ref=with_ref,
             num_workers=num_workers,
-            data_parallel=data_parallel,
+            sharded=sharded,
             gpus_per_worker=gpus_per_worker,
             critic_kwargs=critic_kwargs,
         )
@@ -201,7 +203,7 @@ class RayWorkerGroup:
         policy_kwargs: dict[str, object],
         with_ref: bool,
         num_workers: int,
-        data_parallel: str,
+        sharded: bool,
         gpus_per_worker: float | None,
         critic_kwargs: dict[str, object] | None,
     ) -> None:
@@ -222,9 +224,7 @@ class RayWorkerGroup:
                     scheduling_strategy=_in_bundle(pg, rank),
                     runtime_env={"env_vars": env},
                 )
-                .remote(
-                    str(model_dir), rank, num_workers, policy_kwargs, data_parallel, critic_kwargs
-                )
+                .remote(str(model_dir), rank, num_workers, policy_kwargs, sharded, critic_kwargs)
             )
         if with_ref:
             # on GPUs, in its own bundle of the group; on the CPU, beside the policy

@@ -98,10 +98,13 @@ def test_control_plane_timeout_resolution(monkeypatch: pytest.MonkeyPatch) -> No
     assert resolve_control_plane_timeout(0) is None
     assert resolve_control_plane_timeout(-1) is None
     monkeypatch.setenv(CONTROL_PLANE_TIMEOUT_ENV, "2.5")
-    assert resolve_control_plane_timeout(30) == 2.5  # the env var wins
-    assert InferenceClient(["http://x"], control_plane_timeout_s=30).control_plane_timeout_s == 2.5
+    assert resolve_control_plane_timeout(None) == 2.5  # unset: the environment's
+    # given (the trainer gives the run plan's, the environment applied once at load): as given
+    assert resolve_control_plane_timeout(30) == 30.0
+    assert InferenceClient(["http://x"], control_plane_timeout_s=30).control_plane_timeout_s == 30
+    assert InferenceClient(["http://x"]).control_plane_timeout_s == 2.5
     monkeypatch.setenv(CONTROL_PLANE_TIMEOUT_ENV, "0")
-    assert resolve_control_plane_timeout(30) is None
+    assert resolve_control_plane_timeout(None) is None
     monkeypatch.setenv(CONTROL_PLANE_TIMEOUT_ENV, "soon")
     with pytest.raises(ConfigError, match=CONTROL_PLANE_TIMEOUT_ENV):
         resolve_control_plane_timeout(None)

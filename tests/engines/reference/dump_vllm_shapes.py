@@ -49,7 +49,7 @@ ASYNC_LLM_METHODS = (
     "compute_weight_checksums",
     "shutdown",
 )
-#: ``AsyncEngineArgs`` fields that ``engines.vllm.flags.engine_argv`` sets by their flags.
+#: ``AsyncEngineArgs`` fields that ``engines.vllm.flags.VllmSettings`` sets by their flags.
 ENGINE_ARG_FIELDS = (
     "model",
     "tensor_parallel_size",

@@ -29,6 +29,7 @@ from engines.vllm.async_llm import (
     open_async_llm,
 )
 from engines.vllm.control import VLLM_URL, load_vllm_classes
+from engines.vllm.flags import VllmSettings
 from tests.engines.vllm.stand_in import (
     SHAPES,
     OutputClasses,
@@ -197,7 +198,8 @@ def test_the_recorded_shapes_are_those_of_the_installed_vllm() -> None:
 async def test_without_vllm_the_opener_says_in_one_line_what_to_install() -> None:
     t0 = trio.current_time()
     with pytest.raises(ConfigError) as info:
-        async with vllm_inprocess.open_vllm_inprocess_client("any", extra_args=["--seed", "1"]):
+        settings = VllmSettings("any", extra_args=("--seed", "1"))
+        async with vllm_inprocess.open_vllm_inprocess_client(settings):
             pytest.fail("opened vLLM without vLLM")
     message = str(info.value)
     assert "\n" not in message

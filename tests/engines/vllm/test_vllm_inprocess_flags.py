@@ -11,7 +11,7 @@ import pytest
 
 from engines.vllm.flags import (
     ENGINE_ARG_FLAGS,
-    engine_argv,
+    VllmSettings,
 )
 from tests.engines.vllm.stand_in import SHAPES
 
@@ -48,16 +48,16 @@ def _parse_like_vllm(argv: list[str]) -> argparse.Namespace:
     return namespace  # fmt: skip
 
 
-def test_engine_argv_sets_each_field_by_its_vllm_flag() -> None:
-    argv = engine_argv(
+def test_vllm_settings_argv_sets_each_field_by_its_vllm_flag() -> None:
+    argv = VllmSettings(
         "/models/qwen",
         tensor_parallel_size=2,
         gpu_memory_utilization=0.5,
         seed=7,
         enable_sleep_mode=True,
         weight_transfer_backend="ipc",
-        extra_args=["--max-model-len", "4096"],
-    )
+        extra_args=("--max-model-len", "4096"),
+    ).argv()
     parsed = _parse_like_vllm(argv)
     assert (parsed.model, parsed.tensor_parallel_size, parsed.gpu_memory_utilization) == (
         "/models/qwen",
@@ -69,8 +69,8 @@ def test_engine_argv_sets_each_field_by_its_vllm_flag() -> None:
     assert parsed.rest == ["--max-model-len", "4096"]  # left to vLLM's parser
 
 
-def test_engine_argv_defaults_are_vllms_where_it_sets_none() -> None:
-    parsed = _parse_like_vllm(engine_argv("m", weight_transfer_backend=None))
+def test_vllm_settings_argv_defaults_are_vllms_where_it_sets_none() -> None:
+    parsed = _parse_like_vllm(VllmSettings("m", weight_transfer_backend=None).argv())
     defaults = {f: e["default"] for f, e in ENGINE_ARGS["fields"].items()}
     assert parsed.gpu_memory_utilization == defaults["gpu_memory_utilization"]
     assert parsed.enable_sleep_mode is defaults["enable_sleep_mode"] is False
@@ -82,16 +82,16 @@ def test_engine_argv_defaults_are_vllms_where_it_sets_none() -> None:
 )  # fmt: skip
 def test_extra_args_may_not_set_what_the_engine_sets(extra: list[str]) -> None:
     with pytest.raises(ValueError, match="the engine's own settings") as info:
-        engine_argv("m", extra_args=extra)
+        VllmSettings("m", extra_args=tuple(extra)).argv()
     field = next(f for f, flags in ENGINE_ARG_FLAGS.items() if f in str(info.value))
     assert field in ENGINE_ARG_FLAGS
 
 
 def test_on_the_cpu_the_engine_serves_the_policys_dtype_eagerly_unless_told_otherwise() -> None:
-    argv = engine_argv("m", dtype="float32", cpu=True)
+    argv = VllmSettings("m", dtype="float32", cpu=True).argv()
     assert argv[argv.index("--dtype") + 1] == "float32" and "--enforce-eager" in argv
-    theirs = engine_argv(
-        "m", dtype="float32", cpu=True, extra_args=["--dtype=bfloat16", "--no-enforce-eager"]
-    )
+    theirs = VllmSettings(
+        "m", dtype="float32", cpu=True, extra_args=("--dtype=bfloat16", "--no-enforce-eager")
+    ).argv()
     assert "--dtype" not in theirs and "--enforce-eager" not in theirs  # the user's own flags win
-    assert "--enforce-eager" not in engine_argv("m", dtype="float32")  # a GPU compiles
+    assert "--enforce-eager" not in VllmSettings("m", dtype="float32").argv()  # a GPU compiles

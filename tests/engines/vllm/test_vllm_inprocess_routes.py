@@ -239,8 +239,10 @@ async def test_the_timeout_resolves_like_controlplanes(monkeypatch: pytest.Monke
     async with open_stand_in_engine(timeout_s=0) as (engine, _):
         assert engine.control_plane_timeout_s is None
     monkeypatch.setenv(CONTROL_PLANE_TIMEOUT_ENV, "7")
+    async with open_stand_in_engine(timeout_s=None) as (engine, _):
+        assert engine.control_plane_timeout_s == 7.0  # unset: the environment's
     async with open_stand_in_engine(timeout_s=0) as (engine, _):
-        assert engine.control_plane_timeout_s == 7.0
+        assert engine.control_plane_timeout_s is None  # given: as given
 
 
 async def test_a_vllm_exception_becomes_an_inference_server_error_naming_the_route() -> None:

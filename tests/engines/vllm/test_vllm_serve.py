@@ -19,9 +19,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
+import torch
 import trio
 
 from engines.client import InferenceClient
@@ -29,7 +31,7 @@ from engines.launch import ServerSpec, open_engine_processes
 from engines.process_group import free_port
 from engines.types import SamplingParams
 from engines.vllm._plugin import BACKENDS
-from engines.vllm.flags import VLLM_SERVE_MODULE
+from engines.vllm.flags import VLLM_SERVE_MODULE, VllmSettings, WeightTransferBackend
 from engines.vllm.serve import (
     TOKEN_IN_FLAG,
     VllmServers,
@@ -37,10 +39,10 @@ from engines.vllm.serve import (
     config_problems,
     gpu_groups,
 )
-from trainer.config import load_config
+from trainer.config import load_config, plan_run
 from trainer.errors import ConfigError
 from trainer.run import train
-from trainer.run._engines import refuse_sleep_on_the_cpu, vllm_servers
+from trainer.run._engines import vllm_servers
 
 REFERENCE = Path(__file__).parents[1] / "reference"
 DUMP = json.loads((REFERENCE / "vllm_serve_flags.json").read_text())
@@ -85,19 +87,26 @@ def flag_problems(args: list[str]) -> list[str]:
     return problems
 
 
+def _servers(
+    backend: WeightTransferBackend, gpu_groups: tuple[tuple[int, ...], ...] = (), **settings: Any
+) -> VllmServers:
+    return VllmServers(
+        VllmSettings("/m", weight_transfer_backend=backend, **settings), gpu_groups=gpu_groups
+    )
+
+
 CASES = {
-    "nccl, one GPU each": VllmServers("/m", "nccl", gpu_groups=((1,), (2,))),
-    "ipc, colocated, sleep": VllmServers(
-        "/m", "ipc", gpu_memory_utilization=0.4, enable_sleep_mode=True, gpu_groups=((0,),)
+    "nccl, one GPU each": _servers("nccl", ((1,), (2,))),
+    "ipc, colocated, sleep": _servers(
+        "ipc", ((0,),), gpu_memory_utilization=0.4, enable_sleep_mode=True
     ),
-    "tensor parallel with extra flags": VllmServers(
-        "/m",
+    "tensor parallel with extra flags": _servers(
         "nccl",
+        ((1, 2),),
         tensor_parallel_size=2,
-        gpu_groups=((1, 2),),
         extra_args=("--max-model-len", "4096", "--enforce-eager"),
     ),
-    "gloo on the CPU, float32": VllmServers("/m", "gloo", dtype="float32", cpu=True),
+    "gloo on the CPU, float32": _servers("gloo", dtype="float32", cpu=True),
 }
 
 
@@ -108,7 +117,7 @@ def test_the_command_uses_only_flags_the_pinned_vllm_serve_accepts(case: str) ->
     assert flag_problems(args) == []
     assert args[0] == "/m"
     backend = json.loads(args[args.index("--weight-transfer-config") + 1])
-    assert backend == {"backend": CASES[case].weight_transfer_backend}
+    assert backend == {"backend": CASES[case].settings.weight_transfer_backend}
     assert args[args.index("--port") + 1] == str(spec.port)
 
 
@@ -118,7 +127,7 @@ def test_every_server_serves_the_token_in_route_once() -> None:
     for case in CASES.values():
         assert serve_args(case(0, "127.0.0.1").argv).count(TOKEN_IN_FLAG) == 1
     for given in (TOKEN_IN_FLAG, "--tokens-only", "--no-enable-scale-out"):
-        servers = VllmServers("/m", "gloo", extra_args=(given,))
+        servers = _servers("gloo", extra_args=(given,))
         args = serve_args(servers(0, "127.0.0.1").argv)
         assert args.count(given) == 1
         assert given == TOKEN_IN_FLAG or TOKEN_IN_FLAG not in args
@@ -136,7 +145,7 @@ def test_the_flag_check_refuses_what_vllm_would() -> None:
 
 
 def test_each_server_gets_its_gpus_its_seed_and_the_dev_routes() -> None:
-    servers = VllmServers("/m", "ipc", seed=7, gpu_groups=((0, 1), (2, 3)))
+    servers = _servers("ipc", ((0, 1), (2, 3)), seed=7)
     second = servers(1, "127.0.0.1")
     assert second.env == {
         "VLLM_SERVER_DEV_MODE": "1",  # vLLM 0.33 serves pause/sleep/weight transfer only then
@@ -147,13 +156,13 @@ def test_each_server_gets_its_gpus_its_seed_and_the_dev_routes() -> None:
     assert args[args.index("--seed") + 1] == "8"
     assert "--enable-sleep-mode" not in args
     # placed by Ray: the actor's own GPUs, so nothing set here
-    assert "CUDA_VISIBLE_DEVICES" not in VllmServers("/m", "nccl")(0, "127.0.0.1").env
+    assert "CUDA_VISIBLE_DEVICES" not in _servers("nccl")(0, "127.0.0.1").env
 
 
 def test_a_cpu_server_gets_kv_cache_space_and_the_policys_dtype(monkeypatch) -> None:
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("TRAINER_VLLM_BUSY_LOOP_S", raising=False)
-    spec = VllmServers("/m", "gloo", dtype="float32", cpu=True)(0, "127.0.0.1")
+    spec = _servers("gloo", dtype="float32", cpu=True)(0, "127.0.0.1")
     assert spec.env == {
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -164,15 +173,23 @@ def test_a_cpu_server_gets_kv_cache_space_and_the_policys_dtype(monkeypatch) -> 
     assert "--enforce-eager" in args  # no torch.compile warm-up on the CPU
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")  # the user's own settings are kept
     monkeypatch.setenv("TRAINER_VLLM_BUSY_LOOP_S", "1")
-    assert VllmServers("/m", "gloo", cpu=True).env(0) == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert _servers("gloo", cpu=True).env(0) == {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 @pytest.mark.parametrize("key", ["engine.colocated", "engine.offload_kv_for_weight_sync"])
-def test_a_run_that_sleeps_vllm_on_the_cpu_is_refused_before_it_starts(tmp_path, key) -> None:
-    cfg = load_config(None, ["engine.backend=vllm", "sync.transport=gloo", f"{key}=true"])
-    with pytest.raises(ConfigError, match=rf"{key}=true .* vLLM on the CPU has no sleep mode"):
-        refuse_sleep_on_the_cpu(cfg, cpu=True)
-    refuse_sleep_on_the_cpu(cfg, cpu=False)  # on a GPU it sleeps
+def test_a_run_that_sleeps_vllm_on_the_cpu_is_refused_at_load(tmp_path, key) -> None:
+    """The run plan refuses it (vLLM's CPU build has no sleep mode), so ``load_config`` does
+    where this process sees no CUDA; on a GPU the plan's vLLM sleeps."""
+    cfg = load_config(None, ["engine.backend=vllm", "sync.transport=gloo"])
+    cfg = attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, **{key.split(".")[1]: True}))
+    refusal = rf"{key}=true .* vLLM on the CPU has no sleep mode"
+    with pytest.raises(ConfigError, match=refusal):
+        plan_run(cfg, cuda=False)
+    on_a_gpu = plan_run(cfg, cuda=True).vllm
+    assert on_a_gpu is not None and on_a_gpu.enable_sleep_mode and not on_a_gpu.cpu
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=refusal):
+            load_config(None, ["engine.backend=vllm", "sync.transport=gloo", f"{key}=true"])
 
 
 def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:
@@ -183,19 +200,24 @@ def test_gpu_groups_hand_out_tensor_parallel_gpus_server_by_server() -> None:
 
 
 def test_the_run_config_becomes_the_servers_it_starts(tmp_path: Path) -> None:
+    """The plan's vLLM settings as a GPU machine plans them (colocated engines sleep, which
+    vLLM's CPU build cannot)."""
     cfg = load_config(
         None,
         [
             "engine.backend=vllm",
             "sync.transport=ipc",
-            "engine.colocated=true",
             "engine.gpu_memory_utilization=0.5",
             "engine.extra_args=[--enforce-eager]",
         ],
     )
+    cfg = attrs.evolve(cfg, engine=attrs.evolve(cfg.engine, colocated=True))
+    cfg.plan = plan_run(cfg, cuda=True)
     servers = vllm_servers(cfg, tmp_path)
     assert servers.gpu_groups == ((0,),)  # ipc: the trainer's GPU
-    assert servers.enable_sleep_mode and servers.extra_args == ("--enforce-eager",)
+    settings = servers.settings
+    assert settings.enable_sleep_mode and settings.extra_args == ("--enforce-eager",)
+    assert (settings.model, settings.gpu_memory_utilization) == (str(tmp_path), 0.5)
     assert flag_problems(serve_args(servers(0, "127.0.0.1").argv)) == []
     nccl = load_config(None, ["engine.backend=vllm", "sync.transport=nccl", "engine.num_engines=2"])
     assert vllm_servers(nccl, tmp_path).gpu_groups == ((1,), (2,))  # GPU 0 trains

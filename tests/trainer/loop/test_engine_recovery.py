@@ -235,7 +235,7 @@ async def test_an_engine_that_dies_while_the_transport_is_built_is_left_out_not_
     from trainer.loop._engine_recovery import EngineRecovery
 
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # nothing listens there
-    cfg = load_config(None, []).engine
+    cfg = load_config(None, [])
     async with InferenceClient(dead, retry=RetryPolicy(max_retries=1, backoff_s=0.01)) as client:
         recovery = EngineRecovery(cfg, client, None, DiskTransport(tmp_path, 1 << 20), None)
         client.rotation.on_failure = recovery.failed

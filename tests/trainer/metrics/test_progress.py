@@ -93,9 +93,8 @@ def test_with_one_update_per_batch_the_bar_shows_the_grad_norm_not_a_zero_approx
 )
 def test_one_update_per_batch_is_the_default_and_what_changes_it(overrides, one):
     from trainer.config import load_config
-    from trainer.loop import one_update_per_batch
 
-    assert one_update_per_batch(load_config(None, overrides)) is one
+    assert load_config(None, overrides).plan.one_update_per_batch is one
 
 
 EVAL = {

@@ -17,7 +17,6 @@ from engines.models import resolve_model_path
 from tests.trainer.helpers import random_batch
 from trainer.config import load_config
 from trainer.errors import ConfigError
-from trainer.run._engines import open_engine
 from trainer.workers.batch import TrainBatch
 from trainer.workers.device import collective_backend
 from trainer.workers.offload import (
@@ -214,12 +213,11 @@ def test_the_reference_engine_refuses_device_cuda_without_cuda():
 
 
 @NO_CUDA
-async def test_engine_device_cuda_refuses_before_any_server_starts(model_dir, tmp_path):
-    cfg = load_config(None, ["engine.device=cuda", "engine.gpu_ids=[0,1]"])
+def test_engine_device_cuda_is_refused_at_load():
+    """The run plan resolves the reference engines' devices, so a device this machine lacks
+    is refused before anything starts."""
     with pytest.raises(ConfigError, match=r"config: engine.device='cuda:0' but "):
-        async with open_engine(cfg, model_dir, tmp_path):
-            pytest.fail("engines started on a device this machine lacks")
-    assert not (tmp_path / "engines").exists()
+        load_config(None, ["engine.device=cuda", "engine.gpu_ids=[0,1]"])
 
 
 def test_the_device_keys_default_to_auto_and_validate_their_values():
@@ -234,7 +232,12 @@ def test_the_device_keys_default_to_auto_and_validate_their_values():
 
 
 def test_fsdp2_with_checkpoints_is_refused_until_sharded_checkpoints_exist():
+    ray = ["workers.backend=ray", "workers.num_policy_workers=2", "workers.data_parallel=fsdp2"]
     with pytest.raises(ConfigError, match=r"workers\.data_parallel='fsdp2' cannot save or resume"):
-        load_config(None, ["workers.data_parallel=fsdp2", "trainer.ckpt_interval=2"])
-    cfg = load_config(None, ["workers.data_parallel=fsdp2"])
-    assert cfg.workers.data_parallel == "fsdp2"
+        load_config(None, [*ray, "trainer.ckpt_interval=2"])
+    cfg = load_config(None, ray)
+    assert cfg.workers.data_parallel == "fsdp2" and cfg.plan.sharded
+    # one rank (or local workers) shards nothing: its checkpoints work
+    assert not load_config(
+        None, ["workers.data_parallel=fsdp2", "trainer.ckpt_interval=2"]
+    ).plan.sharded
