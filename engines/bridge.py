@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from contextlib import asynccontextmanager
 from typing import Any, ParamSpec, TypeVar, cast
 
@@ -146,7 +147,9 @@ def _accept_any_executor(loop: trio_asyncio.TrioEventLoop) -> None:
     """
     own = loop.run_in_executor
 
-    def run_in_executor(executor: Any, func: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    def run_in_executor(
+        executor: Executor | None, func: Callable[..., T], *args: object
+    ) -> asyncio.Future[T]:
         if executor is None or isinstance(executor, trio_asyncio.TrioExecutor):
             return own(executor, func, *args)
         return asyncio.wrap_future(executor.submit(func, *args), loop=loop)

@@ -145,7 +145,7 @@ def ipc_update_info(
 
 
 def parse_info(
-    info: Any, fields: dict[str, tuple[type, ...]], what: str, required: Sequence[str] = ()
+    info: object, fields: dict[str, tuple[type, ...]], what: str, required: Sequence[str] = ()
 ) -> dict[str, object]:
     """``info`` checked as vLLM's dataclass would take it: a dict of known fields, each of
     its type, the ``required`` ones present. Raises ``ValueError`` naming the first problem."""
@@ -183,7 +183,7 @@ def packed_chunks(sizes: Sequence[int], buffer_size_bytes: int) -> list[range]:
     return chunks
 
 
-def pickle_ipc_handles(handles: Any) -> str:
+def pickle_ipc_handles(handles: object) -> str:
     """``ipc_handles_pickled``: base64 of the pickled handles (vLLM's HTTP client's encoding)."""
     return base64.b64encode(pickle.dumps(handles)).decode("utf-8")
 

@@ -22,7 +22,7 @@ are, so the trainer's own process groups (if any) are untouched.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 import trio
 
@@ -33,18 +33,20 @@ __all__ = ["init_group"]
 
 OP = "init_process_group"
 
+T = TypeVar("T")
+
 
 async def init_group(
-    name: str, joins: Sequence[Callable[[], Awaitable[Any]]], *, timeout_s: float
-) -> list[Any]:
+    name: str, joins: Sequence[Callable[[], Awaitable[T]]], *, timeout_s: float
+) -> list[T]:
     """Wait for every participant's init, all within ``timeout_s``; their results in order.
 
     Raises :class:`CheckpointEngineInitError` when they have not all finished in time (the
     participants are left to the caller's teardown), or the first init error unchanged.
     """
-    results: list[Any] = [None] * len(joins)
+    results: dict[int, T] = {}
 
-    async def wait_one(i: int, join: Callable[[], Awaitable[Any]]) -> None:
+    async def wait_one(i: int, join: Callable[[], Awaitable[T]]) -> None:
         results[i] = await join()
 
     with operation(OP):
@@ -54,4 +56,4 @@ async def init_group(
                     nursery.start_soon(wait_one, i, join)
         if scope.cancelled_caught:
             raise CheckpointEngineInitError(name, timeout_s)
-    return results
+    return [results[i] for i in range(len(joins))]

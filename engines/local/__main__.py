@@ -31,7 +31,6 @@ import signal
 import sys
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
 
 import torch
 import trio
@@ -236,7 +235,7 @@ async def serve(args: argparse.Namespace) -> bool:
                 )
             async with trio.open_nursery() as server_nursery:
                 binds = await server_nursery.start(
-                    partial(hypercorn_serve, cast(Any, app), config, shutdown_trigger=shutdown.wait)
+                    partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)
                 )
                 port = int(binds[0].rsplit(":", 1)[1])
                 print(ready_line(host, port), flush=True)

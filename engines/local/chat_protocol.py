@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 
@@ -48,7 +47,7 @@ __all__ = [
 Renderer = Callable[[list[dict[str, object]], bool, dict[str, object]], list[int]]
 
 #: Chat fields the reference engine does not implement, with the values that mean "off".
-CHAT_UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+CHAT_UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
     **{k: v for k, v in UNSUPPORTED_DEFAULTS.items() if k not in ("best_of", "suffix")},
     "continue_final_message": (False, None),
     "chat_template": (None,),
@@ -89,7 +88,7 @@ class ChatRequest:
         return nth_sample_params(self.params, i)
 
 
-def _content(value: Any, i: int) -> str | None:
+def _content(value: object, i: int) -> str | None:
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, list):
@@ -113,7 +112,7 @@ def _content(value: Any, i: int) -> str | None:
     )
 
 
-def _messages(value: Any) -> list[dict[str, object]]:
+def _messages(value: object) -> list[dict[str, object]]:
     """The conversation as the chat template sees it (content flattened to a string)."""
     if not isinstance(value, list) or not value:
         raise ProtocolError(400, "messages must be a non-empty list", "messages")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 from engines.client import STEP_HEADER
 from engines.local.validation import error_body
+
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable
 
 __all__ = [
     "MAX_BODY_BYTES",
@@ -22,14 +25,15 @@ __all__ = [
 ]
 
 
-async def answer_lifespan(receive: Any, send: Any) -> None:
+async def answer_lifespan(receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
     """An ASGI app's ``lifespan`` scope for an app with nothing to start or stop: completes
     the startup and the shutdown messages, and returns after the shutdown."""
     while True:
         message = await receive()
-        kind = message["type"].split(".")[-1]
-        await send({"type": f"lifespan.{kind}.complete"})
-        if kind == "shutdown":
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
             return
 
 
@@ -77,7 +81,7 @@ class Response:
     stream: StreamBody | None = None
 
 
-def json_response(payload: Any, status: int = 200) -> Response:
+def json_response(payload: object, status: int = 200) -> Response:
     """A JSON response."""
     return Response(status, json.dumps(payload).encode())
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypedDict
 
 import attrs
 
@@ -34,6 +34,7 @@ from engines.local.validation import (
 from engines.types import Completion, SamplingParams, nth_sample_params
 
 __all__ = [
+    "CompletionLogprobs",
     "CompletionRequest",
     "ProtocolError",
     "completion_logprobs",
@@ -50,7 +51,7 @@ DEFAULT_MAX_TOKENS = 16
 
 #: Sampling fields vLLM knows that the reference engine does not implement, with the value
 #: that means "off". Any other value is refused rather than silently ignored.
-UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
+UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
     "echo": (False, None),
     "best_of": (None, 1),
     "presence_penalty": (None, 0, 0.0),
@@ -67,7 +68,8 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 
 
-def _token_ids(value: list[Any], vocab_size: int, what: str) -> list[int]:
+def _token_ids(value: list[object], vocab_size: int, what: str) -> list[int]:
+    ids: list[int] = []
     for tok in value:
         if not is_int(tok):
             raise ProtocolError(400, f"{what} must hold integer token ids, got {tok!r}", "prompt")
@@ -75,13 +77,14 @@ def _token_ids(value: list[Any], vocab_size: int, what: str) -> list[int]:
             raise ProtocolError(
                 400, f"token id {tok} in {what} is out of vocabulary [0, {vocab_size})", "prompt"
             )
-    return list(value)
+        ids.append(tok)
+    return ids
 
 
-def _prompts(value: Any, encode: Callable[[str], list[int]], vocab_size: int) -> list[list[int]]:
+def _prompts(value: object, encode: Callable[[str], list[int]], vocab_size: int) -> list[list[int]]:
     """``prompt`` as vLLM accepts it: a string, token ids, or a list of either."""
     if isinstance(value, str):
-        batch: list[Any] = [value]
+        batch: list[object] = [value]
     elif isinstance(value, list) and value and all(is_int(t) for t in value):
         batch = [value]
     elif isinstance(value, list) and value:
@@ -102,6 +105,17 @@ def _prompts(value: Any, encode: Callable[[str], list[int]], vocab_size: int) ->
             raise ProtocolError(400, f"prompt[{i}] is empty", "prompt")
         prompts.append(ids)
     return prompts
+
+
+class CompletionLogprobs(TypedDict):
+    """The OpenAI completions ``logprobs`` of a choice (or of a streamed chunk's tokens)."""
+
+    #: Where each token's string starts in the text (approximate for spacing).
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    #: Per token: the sampled token's string and its alternatives', to their logprobs.
+    top_logprobs: list[dict[str, float]]
 
 
 @attrs.frozen
@@ -135,7 +149,7 @@ class CompletionRequest:
 
 
 def parse_completion_request(
-    body: dict[str, Any],
+    body: dict[str, object],
     *,
     served_model: str,
     encode: Callable[[str], list[int]],
@@ -181,7 +195,7 @@ def completion_logprobs(
     top: Sequence[Sequence[tuple[int, float]]],
     convert: Callable[[list[int]], list[str]],
     offset: int = 0,
-) -> dict[str, Any]:
+) -> CompletionLogprobs:
     """OpenAI completions ``logprobs`` of some tokens: their strings, logprobs, text offsets
     (from ``offset``) and per token a dict of the sampled token and its alternatives."""
     tokens = convert(list(token_ids))
@@ -220,7 +234,7 @@ def completion_response(
     *,
     decode: Callable[[list[int]], str],
     convert_ids_to_tokens: Callable[[list[int]], list[str]],
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The ``/v1/completions`` response: choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
     choices = []
     completion_tokens = 0
@@ -228,7 +242,7 @@ def completion_response(
     for i, per_prompt in enumerate(results):
         for j, c in enumerate(per_prompt):
             completion_tokens += len(c.token_ids)
-            choice: dict[str, Any] = {
+            choice: dict[str, object] = {
                 "index": i * req.n + j,
                 "text": visible_text(decode(c.token_ids), req.params.stop, opts.include_stop_str),
                 "logprobs": None

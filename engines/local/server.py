@@ -28,7 +28,7 @@ import hmac
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 from urllib.parse import parse_qs, urlencode
 
 import trio
@@ -55,9 +55,13 @@ from engines.local.weight_routes import (
 )
 from trainer.vocabulary import fire_fault
 
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
+
 __all__ = [
     "CONTROL_LOG_SIZE",
     "CONTROL_PLANE_PATHS",
+    "EngineStats",
     "Request",
     "Response",
     "ServerApp",
@@ -78,6 +82,18 @@ SLEEP_MODE_OFF = (
     "sleep mode is off: start the server with --enable-sleep-mode (vLLM's CPU build has no "
     "sleep mode: there, /sleep answers 200, sleeps nothing, and completions wait until /wake_up)"
 )
+
+
+class EngineStats(TypedDict):
+    """``GET /engine_stats``: the engine's state, for a debugger and the benchmarks."""
+
+    #: Decode steps run, by batch size (the JSON keys are the sizes as strings).
+    batch_size_counts: dict[str, int]
+    num_requests_running: int
+    num_requests_waiting: int
+    is_paused: bool
+    is_sleeping: bool
+    weight_version: int
 
 
 class ServerApp(CompletionRoutes):
@@ -111,7 +127,9 @@ class ServerApp(CompletionRoutes):
 
     # -- ASGI -----------------------------------------------------------------------------------
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
             return
@@ -125,7 +143,7 @@ class ServerApp(CompletionRoutes):
             headers.append((b"content-length", str(len(response.body)).encode()))
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         if response.stream is None:
-            await send({"type": "http.response.body", "body": response.body})
+            await send({"type": "http.response.body", "body": response.body, "more_body": False})
             return
 
         async def write(chunk: bytes) -> None:
@@ -137,9 +155,9 @@ class ServerApp(CompletionRoutes):
             return response
 
         if await self._until_disconnect(stream, receive) is not None:
-            await send({"type": "http.response.body", "body": b""})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    async def _handle(self, scope: dict[str, Any], receive: Any) -> Response | None:
+    async def _handle(self, scope: HTTPScope, receive: ASGIReceiveCallable) -> Response | None:
         body = bytearray()
         while True:
             message = await receive()
@@ -208,7 +226,7 @@ class ServerApp(CompletionRoutes):
         return handler
 
     async def _until_disconnect(
-        self, handler: Callable[[], Awaitable[Response]], receive: Any
+        self, handler: Callable[[], Awaitable[Response]], receive: ASGIReceiveCallable
     ) -> Response | None:
         """Run ``handler()``; if the client disconnects first, cancel it (its requests leave
         the batch) and return None. The handler's own errors propagate unwrapped."""
@@ -254,7 +272,7 @@ class ServerApp(CompletionRoutes):
 
     # -- ours -------------------------------------------------------------------------------------
 
-    def _stats(self) -> dict[str, Any]:
+    def _stats(self) -> EngineStats:
         e = self.engine
         return {
             "batch_size_counts": {str(k): v for k, v in sorted(e.batch_size_counts.items())},

@@ -21,7 +21,7 @@ import math
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import trio
@@ -48,7 +48,7 @@ __all__ = [
 Generate = Callable[..., Awaitable[Completion]]
 
 
-def sse(payload: Any) -> bytes:
+def sse(payload: object) -> bytes:
     """One server-sent event: ``data: <json>\\n\\n``."""
     return f"data: {json.dumps(payload)}\n\n".encode()
 
@@ -69,15 +69,15 @@ class Piece:
 class ChunkFormat(Protocol):
     """The route's chunk shapes."""
 
-    def opening(self, index: int) -> dict[str, Any] | None:
+    def opening(self, index: int) -> dict[str, object] | None:
         """The chunk a choice starts with, if the route sends one."""
         ...
 
-    def piece(self, piece: Piece) -> dict[str, Any]:
+    def piece(self, piece: Piece) -> dict[str, object]:
         """A chunk of new tokens (the last one with its finish reason)."""
         ...
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
         """The usage chunk (no choices)."""
         ...
 
@@ -89,7 +89,7 @@ class _Envelope:
     id: str
     created: int = attrs.field(factory=lambda: int(time.time()))
 
-    def wrap(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    def wrap(self, choices: list[dict[str, object]], **extra: object) -> dict[str, object]:
         return {
             "id": self.id,
             "object": self.object,
@@ -117,10 +117,10 @@ class CompletionChunks:
     def __attrs_post_init__(self) -> None:
         self._envelope = _Envelope("text_completion", self.model, f"cmpl-{uuid.uuid4().hex}")
 
-    def opening(self, index: int) -> dict[str, Any] | None:
+    def opening(self, index: int) -> dict[str, object] | None:
         return None
 
-    def piece(self, piece: Piece) -> dict[str, Any]:
+    def piece(self, piece: Piece) -> dict[str, object]:
         logprobs = None
         if self.logprobs is not None:
             logprobs = completion_logprobs(
@@ -134,7 +134,7 @@ class CompletionChunks:
                 self._offsets[piece.index] = logprobs["text_offset"][-1] + len(
                     logprobs["tokens"][-1]
                 )
-        choice: dict[str, Any] = {
+        choice: dict[str, object] = {
             "index": piece.index,
             "text": piece.text,
             "logprobs": logprobs,
@@ -148,7 +148,7 @@ class CompletionChunks:
             choice["token_ids"] = list(piece.token_ids)
         return self._envelope.wrap([choice])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
         return self._envelope.wrap([], usage=usage(prompt_tokens, completion_tokens))
 
 
@@ -168,7 +168,7 @@ class ChatChunks:
             "chat.completion.chunk", self.model, f"chatcmpl-{uuid.uuid4().hex}"
         )
 
-    def opening(self, index: int) -> dict[str, Any] | None:
+    def opening(self, index: int) -> dict[str, object] | None:
         choice = {
             "index": index,
             "delta": {"role": "assistant", "content": ""},
@@ -179,8 +179,8 @@ class ChatChunks:
             [choice], prompt_token_ids=list(self.prompt_ids) if self.return_token_ids else None
         )
 
-    def piece(self, piece: Piece) -> dict[str, Any]:
-        choice: dict[str, Any] = {
+    def piece(self, piece: Piece) -> dict[str, object]:
+        choice: dict[str, object] = {
             "index": piece.index,
             "delta": {"content": piece.text},
             "logprobs": chat_logprobs(piece.token_ids, piece.logprobs, piece.top, self.token_text)
@@ -193,7 +193,7 @@ class ChatChunks:
             choice["stop_reason"] = piece.stop_reason
         return self._envelope.wrap([choice])
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, object]:
         return self._envelope.wrap([], usage=usage(prompt_tokens, completion_tokens))
 
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
 
 import attrs
 
@@ -65,7 +64,7 @@ __all__ = ["GENERATE_PATH", "TokenRequest", "parse_token_request", "token_respon
 #: Where vLLM serves the route (at the server's root, not under ``/v1``).
 GENERATE_PATH = "/inference/v1/generate"
 #: Top-level fields the reference refuses unless "off".
-_UNSUPPORTED_TOP: dict[str, tuple[Any, ...]] = {
+_UNSUPPORTED_TOP: dict[str, tuple[object, ...]] = {
     "stream": (None, False),
     "output_mode": (None, "tokens"),
     "features": (None,),

@@ -11,7 +11,8 @@ which the server turns into a 4xx with vLLM's error body::
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import NoReturn, TypedDict, TypeGuard
 
 import attrs
 
@@ -21,6 +22,8 @@ from engines.types import SamplingParams
 __all__ = [
     "MAX_CHOICES",
     "MAX_LOGPROBS",
+    "ErrorBody",
+    "ErrorInfo",
     "GenerationOptions",
     "ProtocolError",
     "bool_field",
@@ -52,6 +55,22 @@ _ERROR_TYPES = {
 }
 
 
+class ErrorInfo(TypedDict):
+    """vLLM's ``ErrorInfo``."""
+
+    message: str
+    type: str
+    param: str | None
+    #: The HTTP status.
+    code: int
+
+
+class ErrorBody(TypedDict):
+    """vLLM's ``ErrorResponse``: the body of every 4xx and 5xx."""
+
+    error: ErrorInfo
+
+
 class ProtocolError(Exception):
     """A request the server refuses: HTTP ``status`` with a vLLM-style error body."""
 
@@ -64,11 +83,11 @@ class ProtocolError(Exception):
     def __str__(self) -> str:
         return f"{self.status}: {self.message}"
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> ErrorBody:
         return error_body(self.status, self.message, self.param)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+def error_body(status: int, message: str, param: str | None = None) -> ErrorBody:
     """vLLM's ``ErrorResponse`` JSON for an HTTP status."""
     err_type = _ERROR_TYPES.get(
         status, "BadRequestError" if status < 500 else "InternalServerError"
@@ -82,11 +101,11 @@ def refusal(exc: EngineAsleepError | EngineDeadError) -> ProtocolError:
     return ProtocolError(500 if isinstance(exc, EngineDeadError) else 409, str(exc))
 
 
-def _reject_constant(name: str) -> Any:
+def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_json_object(body: bytes) -> dict[str, Any]:
+def parse_json_object(body: bytes) -> dict[str, object]:
     """Decode a request body that must be a JSON object (NaN/Infinity refused)."""
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
@@ -111,13 +130,17 @@ def parse_bool(raw: str | None, name: str, default: bool) -> bool:
     raise ProtocolError(400, f"query parameter {name}={raw!r} is not a boolean", name)
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     """An int that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def int_field(
-    body: dict[str, Any], name: str, default: int | None, lo: int | None, hi: int | None = None
+    body: Mapping[str, object],
+    name: str,
+    default: int | None,
+    lo: int | None,
+    hi: int | None = None,
 ) -> int | None:
     """``body[name]`` as an int in ``[lo, hi]``; ``default`` when absent or null."""
     value = body.get(name)
@@ -132,7 +155,7 @@ def int_field(
     return value
 
 
-def _float_field(body: dict[str, Any], name: str, default: float) -> float:
+def _float_field(body: Mapping[str, object], name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -141,7 +164,7 @@ def _float_field(body: dict[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
+def bool_field(body: Mapping[str, object], name: str, default: bool) -> bool:
     """``body[name]`` as a bool; ``default`` when absent or null."""
     value = body.get(name)
     if value is None:
@@ -151,7 +174,7 @@ def bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def check_model(body: dict[str, Any], served_model: str) -> None:
+def check_model(body: Mapping[str, object], served_model: str) -> None:
     """``model`` absent or the served one; 404 for another, as vLLM answers."""
     model = body.get("model")
     if model is not None and model != served_model:
@@ -160,7 +183,9 @@ def check_model(body: dict[str, Any], served_model: str) -> None:
         raise ProtocolError(404, f"The model `{model}` does not exist.", "model")
 
 
-def refuse_unsupported(body: dict[str, Any], defaults: dict[str, tuple[Any, ...]]) -> None:
+def refuse_unsupported(
+    body: Mapping[str, object], defaults: Mapping[str, tuple[object, ...]]
+) -> None:
     """400 for a field the reference engine does not implement set to anything but "off"."""
     for name, allowed in defaults.items():
         if name in body and not any(
@@ -172,7 +197,7 @@ def refuse_unsupported(body: dict[str, Any], defaults: dict[str, tuple[Any, ...]
             )
 
 
-def _stop_strings(value: Any) -> tuple[str, ...]:
+def _stop_strings(value: object) -> tuple[str, ...]:
     """``stop`` as vLLM accepts it: null, a string, or a list of strings."""
     if value is None:
         return ()
@@ -205,7 +230,7 @@ class GenerationOptions:
 
 
 def parse_options(
-    body: dict[str, Any], *, max_tokens: int, top_logprobs: int, prompts: int = 1
+    body: Mapping[str, object], *, max_tokens: int, top_logprobs: int, prompts: int = 1
 ) -> GenerationOptions:
     """Validate the shared fields of a completions or chat body (see :class:`GenerationOptions`)."""
     n = int_field(body, "n", 1, 1, MAX_CHOICES)

@@ -15,7 +15,7 @@ none holds the trio thread. The ``nccl`` and ``ipc`` parts need CUDA and refuse 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import attrs
@@ -24,6 +24,7 @@ import trio
 
 from engines.local.engine import LocalEngine
 from engines.local.protocol import ProtocolError
+from engines.process_group import GroupHandle
 from engines.weight_transfer import (
     IPC_UPDATE_FIELDS,
     NCCL_UPDATE_FIELDS,
@@ -40,7 +41,9 @@ class StagingPools:
     """Two sets of reusable receive buffers, by key; one is written per sync."""
 
     #: The two pools: key -> buffer.
-    pools: tuple[dict[Any, torch.Tensor], dict[Any, torch.Tensor]] = attrs.Factory(lambda: ({}, {}))
+    pools: tuple[dict[Hashable, torch.Tensor], dict[Hashable, torch.Tensor]] = attrs.Factory(
+        lambda: ({}, {})
+    )
     #: The pool the parameters adopted at the last finish (never written); None: neither.
     live: int | None = None
     #: The pool this sync writes.
@@ -55,7 +58,7 @@ class StagingPools:
         self.live = self.current if adopted else None
 
     def buffer(
-        self, key: Any, shape: Sequence[int], dtype: torch.dtype, device: Any
+        self, key: Hashable, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
     ) -> torch.Tensor:
         """This sync's buffer ``key`` (reused when its shape, dtype and device still fit)."""
         pool = self.pools[self.current]
@@ -107,7 +110,7 @@ def check_names(engine: LocalEngine, names: list[Any], shapes: list[Any]) -> Non
             )
 
 
-def _receive_all(group: Any, buffers: list[torch.Tensor]) -> None:
+def _receive_all(group: GroupHandle, buffers: list[torch.Tensor]) -> None:
     """Blocking: receive every buffer from rank 0, in order (the broadcasts pipeline)."""
     works = [group.broadcast_async(buf, 0) for buf in buffers]
     for work in works:
@@ -117,14 +120,14 @@ def _receive_all(group: Any, buffers: list[torch.Tensor]) -> None:
 
 async def receive_collective(
     engine: LocalEngine,
-    group: Any,
+    group: GroupHandle,
     pools: StagingPools,
-    info: Any,
+    info: object,
     *,
     packed: bool,
     buffer_size_bytes: int,
-    last: dict[str, Any] | None,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    last: dict[str, object] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
     """Receive one ``nccl``-shaped ``update_info`` from rank 0's broadcasts; the staged
     tensors and the update's metadata (empty lists: ``last``'s, as vLLM reuses them).
 
@@ -132,11 +135,11 @@ async def receive_collective(
     The receive comes before the name check, so a bad announcement still takes part in the
     collective and leaves the group in step with rank 0; the 400 follows.
     """
-    info, names, dtypes, shapes = _announced(info, NCCL_UPDATE_FIELDS)
+    update, names, dtypes, shapes = _announced(info, NCCL_UPDATE_FIELDS)
     if not names:
         if last is None:
             raise ProtocolError(400, "update_info: empty names with no earlier update", "names")
-        info, names, dtypes, shapes = _announced(last, NCCL_UPDATE_FIELDS)
+        update, names, dtypes, shapes = _announced(last, NCCL_UPDATE_FIELDS)
     device = group.device if group.device is not None else "cpu"
     sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
     out: dict[str, torch.Tensor] = {}
@@ -155,7 +158,7 @@ async def receive_collective(
             out[name] = pools.buffer(name, shape, dtype, device)
         await trio.to_thread.run_sync(_receive_all, group, list(out.values()))
     check_names(engine, names, shapes)
-    return out, info
+    return out, update
 
 
 #: A CUDA IPC handle's args: index of the device index (vLLM overwrites it with the receiver's).
@@ -204,7 +207,12 @@ def _map_and_copy(
 
 
 async def receive_ipc(
-    engine: LocalEngine, pools: StagingPools, info: Any, *, packed: bool, mapped: dict[tuple, Any]
+    engine: LocalEngine,
+    pools: StagingPools,
+    info: object,
+    *,
+    packed: bool,
+    mapped: dict[tuple, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """Copy one ``ipc`` ``update_info``'s tensors out of the trainer's CUDA IPC buffers.
 
@@ -213,25 +221,25 @@ async def receive_ipc(
     mapping is kept while the trainer sends the same handle (mapped once, reused by every
     sync).
     """
-    info, names, dtypes, shapes = _announced(
+    update, names, dtypes, shapes = _announced(
         info, IPC_UPDATE_FIELDS, ("names", "dtype_names", "shapes")
     )
     check_names(engine, names, shapes)
-    handles = info.get("ipc_handles")
-    if info.get("ipc_handles_pickled") is not None:
+    handles = update.get("ipc_handles")
+    if update.get("ipc_handles_pickled") is not None:
         if handles is not None:
             raise ProtocolError(
                 400, "give ipc_handles or ipc_handles_pickled, not both", "ipc_handles"
             )
         try:
-            handles = load_ipc_handles(info["ipc_handles_pickled"])
+            handles = load_ipc_handles(update["ipc_handles_pickled"])
         except ValueError as exc:
             raise ProtocolError(400, str(exc), "ipc_handles_pickled") from None
     if handles is None:
         raise ProtocolError(
             400, "update_info needs ipc_handles or ipc_handles_pickled", "ipc_handles"
         )
-    tensor_sizes = info.get("tensor_sizes")
+    tensor_sizes = update.get("tensor_sizes")
     if packed and (not isinstance(handles, dict) or tensor_sizes is None):
         raise ProtocolError(
             400, "packed ipc needs one handle dict and tensor_sizes", "tensor_sizes"

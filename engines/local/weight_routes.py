@@ -56,7 +56,7 @@ from engines.local.http import Request, Response, json_response
 from engines.local.protocol import ProtocolError, parse_json_object
 from engines.local.requests import EngineAsleepError
 from engines.local.weight_receive import StagingPools, check_names, receive_collective, receive_ipc
-from engines.process_group import join_group, require_cuda
+from engines.process_group import GroupHandle, join_group, require_cuda
 from engines.weight_transfer import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     IPC_INIT_FIELDS,
@@ -102,16 +102,16 @@ class WeightReceiver:
     #: One of :data:`BACKENDS` once ``/init_weight_transfer_engine`` succeeded; None before.
     backend: str | None = None
     #: The weight-sync group (``gloo``/``nccl``), joined once.
-    group: Any = None
+    group: GroupHandle | None = None
     #: vLLM's must-agree wire params, from ``init_info``.
     packed: bool = False
     packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
     #: The last non-empty ``nccl`` ``update_info`` (an empty one reuses it, as in vLLM).
-    last_update: dict[str, Any] | None = None
+    last_update: dict[str, object] | None = None
     #: Reused receive buffers (see :mod:`engines.local.weight_receive`).
     pools: StagingPools = attrs.Factory(StagingPools)
     #: The trainer's IPC buffer, mapped once (``ipc``).
-    ipc_mapped: dict[tuple, Any] = attrs.Factory(dict)
+    ipc_mapped: dict[tuple, torch.Tensor] = attrs.Factory(dict)
     #: Tensors received since ``/start_weight_update``; None outside an open update.
     staged: dict[str, torch.Tensor] | None = None
     #: Updates applied by ``/finish_weight_update`` so far.
@@ -245,6 +245,7 @@ async def _receive(
 ) -> dict[str, torch.Tensor]:
     """One ``update_info``'s tensors, by the backend's channel."""
     if rx.backend in ("gloo", "nccl"):
+        assert rx.group is not None  # joined by the init that set the backend
         bucket, rx.last_update = await receive_collective(
             engine,
             rx.group,
@@ -260,7 +261,7 @@ async def _receive(
     return await _read_bucket(engine, info)
 
 
-async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> Any:
+async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> GroupHandle:
     if info.get("master_address") is None or info.get("master_port") is None:
         raise ValueError(
             "init_info needs master_address and master_port (the reference server does not "
@@ -286,7 +287,7 @@ async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float
     )
 
 
-async def _read_bucket(engine: LocalEngine, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+async def _read_bucket(engine: LocalEngine, info: dict[str, object]) -> dict[str, torch.Tensor]:
     names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
         raise ProtocolError(

@@ -21,7 +21,6 @@ exactly as to the reference server (``engines/local/weight_routes.py``, backend 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import (
@@ -64,11 +63,11 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
     init_info_cls = DiskInitInfo  # type: ignore[assignment]
     update_info_cls = DiskUpdateInfo
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         mend_cpu_seeded_rewind()  # vLLM constructs this in its worker: engines.vllm.cpu_sampling
 
-    def init_transfer_engine(self, init_info: Any) -> None:
+    def init_transfer_engine(self, init_info: object) -> None:
         """Nothing to join: the trainer writes files this server reads."""
 
     def finish_weight_update(self) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict
-from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.nccl_engine import (
@@ -62,7 +61,7 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
     init_info_cls = NCCLWeightTransferInitInfo
     update_info_cls = NCCLWeightTransferUpdateInfo
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         mend_cpu_seeded_rewind()  # vLLM constructs this in its worker: engines.vllm.cpu_sampling
         #: This worker's membership in the trainer's group; None before init.

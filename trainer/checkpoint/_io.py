@@ -213,7 +213,7 @@ def load_model(model: torch.nn.Module, directory: Path) -> None:
     model.load_state_dict(full, strict=True)
 
 
-def save_state(obj: Any, path: Path) -> None:
+def save_state(obj: object, path: Path) -> None:
     """``torch.save`` a state dict (optimizer, scheduler, RNG) to ``path``; blocking.
 
     ``obj`` must hold only tensors, numbers, strings, ``None`` and lists/tuples/dicts of them

@@ -45,7 +45,7 @@ class _Worker:
     buffer: bytearray = attrs.field(factory=bytearray)
     killed: bool = False
 
-    async def send(self, message: Any) -> None:
+    async def send(self, message: object) -> None:
         assert self.process.stdin is not None
         await self.process.stdin.send_all(frame(message))
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any
 
 __all__ = ["HEADER", "frame"]
 
 HEADER = struct.Struct("!I")
 
 
-def frame(message: Any) -> bytes:
+def frame(message: object) -> bytes:
     """``message`` as the bytes one write puts on the pipe."""
     data = pickle.dumps(message)
     return HEADER.pack(len(data)) + data

@@ -18,7 +18,7 @@ from typing import Any, BinaryIO
 from trainer.data._reward_wire import HEADER, frame
 
 
-def _write(out: BinaryIO, message: Any) -> None:
+def _write(out: BinaryIO, message: object) -> None:
     out.write(frame(message))
     out.flush()
 

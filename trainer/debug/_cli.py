@@ -76,7 +76,7 @@ def _dump(args: argparse.Namespace) -> int:
         print(f"debug: trainer pid {pid} is not running", file=sys.stderr)
         return 1
     try:
-        snapshot: dict[str, object] = request_dump(sock, args.timeout)
+        snapshot = request_dump(sock, args.timeout)
     except (OSError, ValueError) as exc:  # TimeoutError and ConnectionRefusedError are OSErrors
         reason = f"{type(exc).__name__}: {exc}"
     else:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.tree import Tree
+
+from trainer.debug._snapshot import Snapshot, TaskNode
 
 __all__ = ["innermost_place", "render", "tree_of", "where_line"]
 
@@ -21,19 +22,19 @@ __all__ = ["innermost_place", "render", "tree_of", "where_line"]
 _COLLAPSE_AT = 4
 
 
-def _walk(node: dict[str, Any], depth: int = 0) -> Iterator[tuple[int, dict[str, Any]]]:
+def _walk(node: TaskNode, depth: int = 0) -> Iterator[tuple[int, TaskNode]]:
     yield depth, node
     for child in node["children"]:
         yield from _walk(child, depth + 1)
 
 
-def innermost_place(snapshot: dict[str, Any]) -> dict[str, Any] | None:
+def innermost_place(snapshot: Snapshot) -> TaskNode | None:
     """The deepest task with an operation open (else with a stage, else a step), or None.
 
     That is where the run is waiting: the loop's task names the stage, the task it waits on
     (a worker call, one server's ``/pause``) names the operation.
     """
-    best: tuple[int, int, dict[str, Any]] | None = None
+    best: tuple[int, int, TaskNode] | None = None
     for depth, node in _walk(snapshot["tasks"]):
         rank = 3 if node["operation"] else 2 if node["stage"] else 1 if node["step"] else 0
         if rank and (best is None or (rank, depth) > best[:2]):
@@ -41,7 +42,7 @@ def innermost_place(snapshot: dict[str, Any]) -> dict[str, Any] | None:
     return None if best is None else best[2]
 
 
-def where_line(snapshot: dict[str, Any]) -> str:
+def where_line(snapshot: Snapshot) -> str:
     """``step N (stage='...', operation='...')``, or ``startup`` before the first step."""
     node = innermost_place(snapshot)
     if node is None or (node["step"] is None and node["stage"] is None):
@@ -54,7 +55,7 @@ def _seconds(value: float | None) -> str:
     return "?" if value is None else f"{value:.1f}s"
 
 
-def _task_label(node: dict[str, Any], count: int = 1) -> str:
+def _task_label(node: TaskNode, count: int = 1) -> str:
     parts = [
         f"[bold]{escape(node['name'])}[/bold]" + (f" [dim]x{count}[/dim]" if count > 1 else "")
     ]
@@ -76,13 +77,13 @@ def _task_label(node: dict[str, Any], count: int = 1) -> str:
     return "  ".join(parts)
 
 
-def _signature(node: dict[str, Any]) -> tuple[Any, ...]:
+def _signature(node: TaskNode) -> tuple[object, ...]:
     return (node["stage"], node["operation"], node["step"], node["at"], bool(node["children"]))
 
 
-def _add_tasks(tree: Tree, node: dict[str, Any], count: int = 1) -> None:
+def _add_tasks(tree: Tree, node: TaskNode, count: int = 1) -> None:
     branch = tree.add(_task_label(node, count))
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    groups: dict[tuple[object, ...], list[TaskNode]] = {}
     for child in node["children"]:
         groups.setdefault(_signature(child), []).append(child)
     for members in groups.values():
@@ -93,14 +94,15 @@ def _add_tasks(tree: Tree, node: dict[str, Any], count: int = 1) -> None:
                 _add_tasks(branch, child)
 
 
-def _engine_label(engine: dict[str, Any]) -> str:
+def _engine_label(engine: dict[str, object]) -> str:
+    url = escape(str(engine["url"]))
     if "error" in engine:
-        return f"{escape(engine['url'])}  [red]{escape(engine['error'])}[/red]"
+        return f"{url}  [red]{escape(str(engine['error']))}[/red]"
     fields = "  ".join(f"{k}={v}" for k, v in engine.items() if k != "url")
-    return f"{escape(engine['url'])}  {escape(fields)}"
+    return f"{url}  {escape(fields)}"
 
 
-def tree_of(snapshot: dict[str, Any]) -> Tree:
+def tree_of(snapshot: Snapshot) -> Tree:
     """The snapshot as a rich ``Tree``: tasks, busy threads with stacks, engine servers."""
     step = snapshot.get("step")
     running = (
@@ -128,7 +130,7 @@ def tree_of(snapshot: dict[str, Any]) -> Tree:
     return root
 
 
-def render(snapshot: dict[str, Any], *, width: int = 1000) -> str:
+def render(snapshot: Snapshot, *, width: int = 1000) -> str:
     """The tree of :func:`tree_of` as plain text (no colour), for logs and pipes; lines are
     cut at ``width`` characters."""
     buffer = io.StringIO()

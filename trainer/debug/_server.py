@@ -26,10 +26,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import trio
 
-from trainer.debug._snapshot import Dumper
+from trainer.debug._snapshot import Dumper, Snapshot
 
 __all__ = [
     "DEBUG_FILE",
@@ -134,7 +135,7 @@ def _remove(*paths: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def request_dump(sock_path: Path, timeout_s: float) -> dict[str, object]:
+def request_dump(sock_path: Path, timeout_s: float) -> Snapshot:
     """Ask the trainer listening on ``sock_path`` for a snapshot (blocking: for the CLI).
 
     ``FileNotFoundError``/``ConnectionRefusedError`` when nothing listens there,
@@ -159,4 +160,5 @@ def request_dump(sock_path: Path, timeout_s: float) -> dict[str, object]:
     answer = json.loads(b"".join(chunks) or b"null")
     if not isinstance(answer, dict):
         raise ValueError("the trainer's debug socket closed without a dump")
-    return answer
+    # the JSON of the trainer's Dumper.snapshot (the same code at both ends of the socket)
+    return cast(Snapshot, answer)

@@ -27,6 +27,7 @@ import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import attrs
 import trio
@@ -35,7 +36,15 @@ from engines.client import server_states
 from trainer.debug._waits import WaitClock
 from trainer.vocabulary import place_of
 
-__all__ = ["Dumper", "task_tree", "thread_stacks"]
+__all__ = [
+    "Dumper",
+    "RunningStep",
+    "Snapshot",
+    "TaskNode",
+    "ThreadInfo",
+    "task_tree",
+    "thread_stacks",
+]
 
 #: Frames from these directories are the machinery, not the place a task waits at.
 _MACHINERY = tuple(
@@ -44,6 +53,54 @@ _MACHINERY = tuple(
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+
+
+class TaskNode(TypedDict):
+    """One trio task of :func:`task_tree`: its :class:`~trainer.vocabulary.Place`, its wait."""
+
+    name: str
+    step: int | None
+    stage: str | None
+    operation: str | None
+    budget_s: float | None
+    remaining_s: float | None
+    deadline_error: str | None
+    #: Seconds since the task last ran (None without a wait clock).
+    waiting_s: float | None
+    #: The first frame of ours the task waits in (``file:line in name``), or None.
+    at: str | None
+    stack: list[str]
+    children: list[TaskNode]
+
+
+class ThreadInfo(TypedDict):
+    """One busy thread of :func:`thread_stacks`, its stack innermost last."""
+
+    name: str
+    ident: int | None
+    daemon: bool
+    stack: list[str]
+
+
+class RunningStep(TypedDict):
+    """The step in progress when the snapshot was taken."""
+
+    step: int
+    running_s: float
+
+
+class Snapshot(TypedDict):
+    """What :meth:`Dumper.snapshot` returns (the module docstring shows one)."""
+
+    pid: int
+    run_dir: str
+    taken_at: str
+    step: RunningStep | None
+    tasks: TaskNode
+    threads: list[ThreadInfo]
+    idle_threads: int
+    #: One per engine server, as ``engines.client.server_states`` answers.
+    engines: list[dict[str, object]]
 
 
 def _frame_line(filename: str, lineno: int | None, name: str) -> str:
@@ -77,7 +134,7 @@ def _at(frames: list[tuple[str, int | None, str]]) -> str | None:
     return _frame_line(*frames[-1]) if frames else None
 
 
-def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) -> dict[str, object]:
+def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) -> TaskNode:
     place = place_of(task.context)
     frames: list[tuple[str, int | None, str]] = [
         (f.f_code.co_filename, lineno, f.f_code.co_name) for f, lineno in task.iter_await_frames()
@@ -89,7 +146,12 @@ def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) ->
     ]
     return {
         "name": task.name,
-        **attrs.asdict(place),
+        "step": place.step,
+        "stage": place.stage,
+        "operation": place.operation,
+        "budget_s": place.budget_s,
+        "remaining_s": place.remaining_s,
+        "deadline_error": place.deadline_error,
         "waiting_s": clock.waited_s(task, now) if clock is not None else None,
         "at": _at(frames),
         "stack": [_frame_line(*f) for f in frames],
@@ -97,7 +159,7 @@ def _task_node(task: trio.lowlevel.Task, clock: WaitClock | None, now: float) ->
     }
 
 
-def task_tree(clock: WaitClock | None = None) -> dict[str, object]:
+def task_tree(clock: WaitClock | None = None) -> TaskNode:
     """The whole trio task tree from the root task; call it on the trio thread.
 
     Each node has the task's name, its :class:`~trainer.vocabulary.Place` fields, how long
@@ -119,11 +181,11 @@ def _idle_pool_thread(stack: traceback.StackSummary) -> bool:
     )
 
 
-def thread_stacks() -> tuple[list[dict[str, object]], int]:
+def thread_stacks() -> tuple[list[ThreadInfo], int]:
     """(every busy thread but this one with its stack, innermost last; idle pool threads)."""
     frames = sys._current_frames()  # noqa: SLF001 - the documented way to see other threads
     me = threading.get_ident()
-    busy: list[dict[str, object]] = []
+    busy: list[ThreadInfo] = []
     idle = 0
     for thread in threading.enumerate():
         frame = frames.get(thread.ident or -1)
@@ -166,7 +228,7 @@ class Dumper:
     #: ``(step, seconds it has run)`` of the step in progress, or None between steps.
     running_step: Callable[[], tuple[int, float] | None] = lambda: None
 
-    def local(self) -> dict[str, object]:
+    def local(self) -> Snapshot:
         """Tasks and threads, now, without awaiting (the engines are left out)."""
         threads, idle = thread_stacks()
         running = self.running_step()
@@ -181,7 +243,7 @@ class Dumper:
             "engines": [],
         }
 
-    async def snapshot(self) -> dict[str, object]:
+    async def snapshot(self) -> Snapshot:
         """:meth:`local`, then the state of each engine server (bounded; see ``server_states``).
 
         Cancellation propagates; the tasks and threads are from before the engines were asked.

@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from trainer.debug._render import render, where_line
-from trainer.debug._snapshot import Dumper
+from trainer.debug._snapshot import Dumper, Snapshot
 from trainer.errors import StepTimeoutError
 
 __all__ = ["DEFAULT_FACTOR", "DEFAULT_MIN_S", "LAST_WORDS_MARGIN_S", "Watchdog"]
@@ -53,7 +53,7 @@ class _Step:
     #: The watcher's waits for this step; cancelled when the step ends.
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     #: The snapshot taken just before the step's deadline.
-    last_words: dict[str, object] | None = None
+    last_words: Snapshot | None = None
 
 
 @attrs.define(eq=False)
@@ -161,7 +161,7 @@ class Watchdog:
             current.last_words = await self._snapshot()
         await trio.sleep_forever()
 
-    async def _snapshot(self) -> dict[str, object] | None:
+    async def _snapshot(self) -> Snapshot | None:
         try:
             return await self.dumper.snapshot()
         except Exception:

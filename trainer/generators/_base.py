@@ -156,7 +156,7 @@ class Generator(abc.ABC):
         sampling: SamplingParams,
         max_turns: int = 1,
         max_response_tokens: int = 64,
-        **unused: Any,
+        **unused: object,
     ) -> None:
         if unused:
             raise _unknown_kwarg(type(self), next(iter(unused)))

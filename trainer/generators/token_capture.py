@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote
 
 import attrs
@@ -63,9 +63,11 @@ from trainer.generators.token_in import (
 from trainer.generators.turns import CapturedTurn
 from trainer.vocabulary import at_step, current_step, fire_fault, open_owner_nursery, operation
 
+if TYPE_CHECKING:
+    from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
+
 __all__ = ["ENGINE_KEEPALIVE_S", "PROXY_KEEPALIVE_S", "CaptureProxy", "open_capture_proxy"]
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 _CHAT, _COMPLETIONS, _MODELS = "/v1/chat/completions", "/v1/completions", "/v1/models"
 #: Seconds the proxy keeps an agent's idle connection open: far longer than the clients'
 #: own keep-alive (httpx: 5 s), so a client never sends a request on a connection the proxy
@@ -146,7 +148,9 @@ class CaptureProxy:
 
     # -- ASGI -------------------------------------------------------------------------------------
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Send) -> None:
+    async def __call__(
+        self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
+    ) -> None:
         if scope["type"] == "lifespan":
             await answer_lifespan(receive, send)
             return
@@ -221,7 +225,7 @@ class CaptureProxy:
         return call
 
     async def _token_in(
-        self, key: str, request: dict[str, Any], send: Send, route_key: str
+        self, key: str, request: dict[str, Any], send: ASGISendCallable, route_key: str
     ) -> None:
         """``POST .../inference/v1/generate`` (:mod:`trainer.generators.token_in`), to the
         engine of ``route_key`` (the client's ``X-Session-ID`` when it sends one: verifiers
@@ -245,7 +249,7 @@ class CaptureProxy:
         await _send_json(send, 200, json.dumps(as_renderers_reads(data, wanted)).encode())
 
     async def _whole(
-        self, key: str, call: _Call, url: str, request: dict[str, Any], send: Send
+        self, key: str, call: _Call, url: str, request: dict[str, Any], send: ASGISendCallable
     ) -> None:
         response = await self._http.post(url, json=request, headers=self.engine.headers)
         if response.status_code != 200:
@@ -265,7 +269,7 @@ class CaptureProxy:
         await _send_json(send, 200, json.dumps(_as_asked(data, call)).encode())
 
     async def _stream(
-        self, key: str, call: _Call, url: str, request: dict[str, Any], send: Send
+        self, key: str, call: _Call, url: str, request: dict[str, Any], send: ASGISendCallable
     ) -> None:
         choices: dict[int, _Choice] = {}
         prompt_ids: list[int] = []
@@ -298,7 +302,7 @@ class CaptureProxy:
             self._turns[key].append(
                 CapturedTurn(c.prompt_ids or prompt_ids, c.token_ids, c.logprobs, c.finish_reason)
             )
-        await send({"type": "http.response.body", "body": b""})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
     def _record_piece(choices: dict[int, _Choice], choice: dict[str, Any], chat: bool) -> None:
@@ -339,7 +343,7 @@ def _error(status: int, message: str) -> bytes:
     ).encode()
 
 
-async def _send_json(send: Send, status: int, body: bytes) -> None:
+async def _send_json(send: ASGISendCallable, status: int, body: bytes) -> None:
     await send(
         {
             "type": "http.response.start",
@@ -347,7 +351,7 @@ async def _send_json(send: Send, status: int, body: bytes) -> None:
             "headers": [(b"content-type", b"application/json")],
         }
     )
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 @asynccontextmanager
@@ -366,7 +370,7 @@ async def open_capture_proxy(
     try:
         async with open_owner_nursery() as nursery:
             binds = await nursery.start(
-                partial(serve, cast(Any, proxy), config, shutdown_trigger=shutdown.wait)
+                partial(serve, proxy, config, shutdown_trigger=shutdown.wait)
             )
             proxy.url = str(binds[0])
             try:

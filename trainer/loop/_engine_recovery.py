@@ -173,7 +173,7 @@ class EngineRecovery:
         await self.transport.init(self.client, self.workers)
         self._transport_changes = changes
 
-    async def run(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Watch every engine and restart the failed ones, one at a time, until cancelled;
         ``EngineFailedError`` once one fails past ``engine.max_restarts``."""
         # no timeout of its own: each check is bounded by engine.health_check_timeout_s

@@ -9,11 +9,11 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypedDict
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -73,14 +73,16 @@ def teardown_run_logging(handlers: list[logging.Handler]) -> None:
     logging.captureWarnings(False)
 
 
-def jsonable_row(metrics: dict[str, Any]) -> dict[str, Any]:
+def jsonable_row(metrics: Mapping[str, object]) -> dict[str, object]:
     """``metrics`` as strict JSON takes it: a non-finite float (``nan``, ``inf``) becomes None."""
     return {
         k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()
     }
 
 
-def restore_metrics(path: Path, step: int, checkpoint_row: dict[str, Any] | None = None) -> None:
+def restore_metrics(
+    path: Path, step: int, checkpoint_row: Mapping[str, object] | None = None
+) -> None:
     """Make ``metrics.jsonl`` hold steps up to ``step`` only, as a resume from ``step`` needs.
 
     Lines of later steps are dropped (they run again); so is a line that is not JSON (the
@@ -121,7 +123,7 @@ class MetricsLogger:
         self.path = path
         self._file = path.open("a", encoding="utf-8")
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, metrics: Mapping[str, object]) -> None:
         self._file.write(json.dumps(jsonable_row(metrics)) + "\n")
         self._file.flush()
 
@@ -163,6 +165,16 @@ def _kl(metrics: dict[str, Any], keys: tuple[str, ...]) -> tuple[str, float | No
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+class _StepFields(TypedDict):
+    """The step bar's columns, as shown."""
+
+    eta: str
+    reward: str
+    loss: str
+    kl: str
+    step_s: str
 
 
 class StepProgress:
@@ -304,7 +316,7 @@ class StepProgress:
             self._times = [*self._times, step_s][-ETA_WINDOW:]
         eta = statistics.fmean(self._times) * (self.total - step) if self._times else None
         kl_name, kl = _kl(metrics, self._kl_keys)
-        fields: dict[str, Any] = {
+        fields: _StepFields = {
             "eta": "-" if eta is None else _clock(eta),
             "reward": _num(metrics.get("reward/mean"), ".3f"),
             "loss": _num(metrics.get("policy/loss"), ".4f"),

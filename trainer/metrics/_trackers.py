@@ -34,7 +34,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -75,7 +75,7 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def scalars(row: dict[str, Any]) -> dict[str, float]:
+def scalars(row: Mapping[str, object]) -> dict[str, float]:
     """The numbers of a ``metrics.jsonl`` row, as floats: ``step`` itself, lists, strings,
     ``None`` (a non-finite number) left out."""
     return {
@@ -86,8 +86,8 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _flat(config: Mapping[str, object], prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
     for k, v in config.items():
         if isinstance(v, dict):
             out |= _flat(v, f"{prefix}{k}.")
@@ -99,7 +99,7 @@ def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class TensorBoardTracker:
     """Scalars into ``log_dir`` through ``torch.utils.tensorboard`` (needs ``tensorboard``)."""
 
-    def __init__(self, log_dir: Path, config: dict[str, Any]) -> None:
+    def __init__(self, log_dir: Path, config: dict[str, object]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(log_dir=str(log_dir))
@@ -119,7 +119,7 @@ class WandbTracker:
     """A Weights & Biases run under ``run_dir/wandb`` (``mode="offline"``: no network)."""
 
     def __init__(
-        self, run_dir: Path, *, project: str, name: str, mode: WandbMode, config: dict[str, Any]
+        self, run_dir: Path, *, project: str, name: str, mode: WandbMode, config: dict[str, object]
     ) -> None:
         import wandb
 
@@ -148,7 +148,7 @@ class MlflowTracker:
     """An MLflow run in experiment ``experiment`` at ``tracking_uri``."""
 
     def __init__(
-        self, tracking_uri: str, *, experiment: str, name: str, config: dict[str, Any]
+        self, tracking_uri: str, *, experiment: str, name: str, config: dict[str, object]
     ) -> None:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
@@ -193,7 +193,7 @@ def _factory(
     run_name: str,
     wandb_mode: WandbMode,
     mlflow_tracking_uri: str | None,
-    config: dict[str, Any],
+    config: dict[str, object],
 ) -> Callable[[], Tracker]:
     if name == "tensorboard":
         return lambda: TensorBoardTracker(run_dir / "tensorboard", config)
@@ -261,7 +261,7 @@ async def open_trackers(
     run_name: str,
     wandb_mode: WandbMode = "offline",
     mlflow_tracking_uri: str | None = None,
-    config: dict[str, Any] | None = None,
+    config: dict[str, object] | None = None,
 ) -> AsyncIterator[TrackerSink]:
     """Start the trackers ``loggers`` names (``jsonl`` is not one: ``MetricsLogger`` writes it).
 

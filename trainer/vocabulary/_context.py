@@ -13,9 +13,12 @@ import contextvars
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Protocol, TypeVar
 
 from trainer.vocabulary._names import OPERATIONS, STAGES, Operation, Stage
+
+T = TypeVar("T")
 
 __all__ = [
     "AWAIT",
@@ -76,7 +79,7 @@ def where() -> tuple[str | None, str]:
 
 
 @contextmanager
-def _entered(var: contextvars.ContextVar[Any], value: object) -> Iterator[None]:
+def _entered(var: contextvars.ContextVar[T], value: T) -> Iterator[None]:
     token = var.set(value)
     try:
         yield
@@ -144,9 +147,11 @@ class Timer:
         self._cm.__enter__()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         try:
-            self._cm.__exit__(*exc)
+            self._cm.__exit__(et, e, tb)
         finally:
             self.elapsed_s = time.perf_counter() - self._t0
             self.timings[self.name] = self.elapsed_s

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -69,7 +69,7 @@ class WorkerGroup(Protocol):
         ...
 
     async def run_on_rank0(
-        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
     ) -> T:
         """``fn(policy_model, *args)`` where policy rank 0 runs; its result.
 

@@ -62,7 +62,7 @@ class LocalWorkerGroup:
         self._computing = 0
         self._count_lock = threading.Lock()
 
-    def _fire_then(self, op: str, fn: Callable[..., T], *args: Any) -> T:
+    def _fire_then(self, op: str, fn: Callable[..., T], *args: object) -> T:
         with self._count_lock:
             self._in_fault += 1
         try:
@@ -113,7 +113,7 @@ class LocalWorkerGroup:
         return cls(policy, ref, critic)
 
     async def _call(
-        self, op: str, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: Any
+        self, op: str, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object
     ) -> T:
         with operation(op):
             return await trio.to_thread.run_sync(
@@ -180,7 +180,7 @@ class LocalWorkerGroup:
         )
 
     async def run_on_rank0(
-        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
     ) -> T:
         """``fn(policy.model, *args)`` in the policy's thread (see ``WorkerGroup``).
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -263,7 +263,7 @@ class RayWorkerGroup:
 
     async def _wait(
         self,
-        refs: list[Any],
+        refs: Sequence[ObjectRef],
         who: list[tuple[str, int]] | None = None,
     ) -> list[Any]:
         """Await ``refs`` off the trio thread under the step's deadline; translate failures."""
@@ -271,7 +271,7 @@ class RayWorkerGroup:
         return await wait_refs(refs, lambda i, error: _translate(error, *names[i]))
 
     async def _call_policy(
-        self, op: str, method: str, make_args: Callable[[int], tuple[Any, ...]] | None = None
+        self, op: str, method: str, make_args: Callable[[int], tuple[object, ...]] | None = None
     ) -> list[Any]:
         step = current_step()
         with operation(op):
@@ -336,7 +336,7 @@ class RayWorkerGroup:
         means add up across ranks)."""
         parts = await trio.to_thread.run_sync(self._rank_batches, batch)
 
-        def args(rank: int) -> tuple[Any, ...]:
+        def args(rank: int) -> tuple[object, ...]:
             return (parts[rank], counts)
 
         merged: dict[str, float] = {}
@@ -375,7 +375,7 @@ class RayWorkerGroup:
         return await self._wait([a.run.remote(parameters_of, (), None) for a in self.policy])
 
     async def run_on_rank0(
-        self, fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = False
+        self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
     ) -> T:
         """``fn(policy.model, *args)`` in rank 0's actor (see ``WorkerGroup``).
 
