@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.helpers import run_trainer
-from tests.engines.vllm.conftest import PROJECT, RealServer
+from tests.engines.vllm.servers import PROJECT, RealServer
 from tests.sync.exactness import VERSIONS, syncs_make_the_engine_score_as_the_policy
 
 

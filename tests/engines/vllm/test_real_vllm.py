@@ -14,7 +14,6 @@ import trio
 from engines.client import InferenceClient
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
-from tests.engines.vllm.conftest import PROJECT
 from tests.engines.vllm.helpers import (
     REMOTE_ENV,
     assert_exact_steps,
@@ -23,6 +22,7 @@ from tests.engines.vllm.helpers import (
     remote_command,
     run_remote,
 )
+from tests.engines.vllm.servers import PROJECT
 from trainer.errors import InferenceServerError
 
 pytestmark = pytest.mark.vllm
