@@ -90,6 +90,9 @@ def launch(log_dir: Path, backend: str, model_dir: Path) -> Launched:
     cmd += ["--dtype", "float32", "--seed", "0", "--max-model-len", "256", "--enforce-eager"]
     cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     cmd += [TOKEN_IN_FLAG]  # the token-in route, as the trainer's own servers get it
+    # a line per request handed to the engine core ("Added request ..."): what a test waits
+    # for while vLLM is paused, when its gauges (updated on scheduler steps) count nothing
+    cmd += ["--enable-log-requests"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **cpu_env()}
     env["PYTHONPATH"] = str(PROJECT)
     started = time.monotonic()
