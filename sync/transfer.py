@@ -40,7 +40,7 @@ import trio
 from engines.types import ControlPlaneClient, EngineClient
 from sync._attempt import Attempt
 from sync.bracket import Cleanups
-from sync.transports.base import Rank0, WeightTransport, routes_of
+from sync.transports.base import Rank0, WeightTransport, finish_body, routes_of
 from trainer.errors import EngineUnusableError, StepTimeoutError
 from trainer.vocabulary import (
     current_deadline,
@@ -218,6 +218,8 @@ class _Transfer:
     grace_s: float
     #: The bracket's cleanups, skipped when the engines must be left as they are.
     cleanups: Cleanups
+    #: The version the engines serve once it is done (``/finish_weight_update`` names it).
+    weight_version: int | None = None
 
 
 async def transfer_weights(
@@ -227,8 +229,10 @@ async def transfer_weights(
     cleanups: Cleanups,
     *,
     grace_s: float = TRANSFER_GRACE_S,
+    weight_version: int | None = None,
 ) -> dict[str, float]:
-    """Move the policy's weights into the engines, sent again once if they broke off there;
+    """Move the policy's weights into the engines, as ``weight_version`` (see
+    :func:`~sync.transports.base.finish_body`), sent again once if they broke off there;
     return ``sync/resends`` and ``sync/last_weight_sync_seconds`` (the transfer that finished;
     absent when only a finish was sent again).
 
@@ -238,7 +242,7 @@ async def transfer_weights(
     (a deadline or a cancellation is raised then, with the reason as a note). An abandoned
     transfer, or partial weights, skip ``cleanups``.
     """
-    sync = _Transfer(engine, workers, transport, grace_s, cleanups)
+    sync = _Transfer(engine, workers, transport, grace_s, cleanups, weight_version)
     first = Attempt(engine, fire=True)
     try:
         seconds = await _send(sync, first)
@@ -279,7 +283,10 @@ async def _send(sync: _Transfer, attempt: Attempt) -> float:
     try:
         return await run_transfer(
             functools.partial(
-                sync.transport.transfer, attempt.engine, _Rank0DuringTransfer(sync.workers)
+                sync.transport.transfer,
+                attempt.engine,
+                _Rank0DuringTransfer(sync.workers),
+                weight_version=sync.weight_version,
             ),
             grace_s=sync.grace_s,
             outcome=attempt,
@@ -318,7 +325,8 @@ async def _resend_once(sync: _Transfer, first: Attempt) -> _Resent:
 async def _resend(sync: _Transfer, first: Attempt, refusal: object) -> _Resent:
     """The re-send rules (``refusal``: the transport's ``resend_refusal``):
 
-    - every bucket was accepted (it broke off before the finish): the finish alone;
+    - every bucket was accepted (it broke off before the finish): the finish alone (naming
+      the sync's version);
     - the update is open with buckets missing: refused (real vLLM takes neither a second
       start nor a layer twice in one update); its finish is sent, best effort, so that
       a later complete sync is accepted, and the engines stay paused;
@@ -328,7 +336,8 @@ async def _resend(sync: _Transfer, first: Attempt, refusal: object) -> _Resent:
     """
     engine = sync.engine
     if first.open and first.all_sent:
-        await routes_of(engine).control("POST", "/finish_weight_update", json={})
+        body = finish_body(sync.weight_version)
+        await routes_of(engine).control("POST", "/finish_weight_update", json=body)
         return _Resent()
     if first.open:
         with contextlib.suppress(Exception):

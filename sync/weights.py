@@ -40,14 +40,19 @@ async def save_weights_for_sampler(
     bracket: Bracket = Bracket.PAUSE,
     pause_mode: PauseMode = "keep",
     grace_s: float = TRANSFER_GRACE_S,
+    weight_version: int | None = None,
 ) -> dict[str, float]:
     """Transfer the policy's weights inside the engine bracket; return the sync's metrics.
 
-    ``sync/last_weight_sync_seconds`` is the transfer alone. Raises the transfer's error,
+    ``weight_version``: the version the engines serve afterwards, the trainer's count of syncs
+    (``/finish_weight_update`` carries it: :func:`sync.transports.base.finish_body`); None: the
+    engines count for themselves. ``sync/last_weight_sync_seconds`` is the transfer alone. Raises the transfer's error,
     or the step deadline's typed error chained to it; cleanups never replace it. A transfer
     abandoned at the deadline plus ``grace_s`` leaves the engines as the transfer found
     them (paused or asleep): no cleanup runs.
     """
     async with open_bracket(bracket, engine, pause_mode) as cleanups:
-        metrics = await transfer_weights(engine, workers, transport, cleanups, grace_s=grace_s)
+        metrics = await transfer_weights(
+            engine, workers, transport, cleanups, grace_s=grace_s, weight_version=weight_version
+        )
     return metrics

@@ -81,7 +81,6 @@ def ray_cluster() -> str:
 #: one worker finishing a two-minute file while the other waits. A file missing here only
 #: runs later; refresh the list from the end of a run when it no longer matches.
 HEAVY_FIRST = (
-    "tests/trainer/workers/test_ray_workers.py",  # 128-145 s
     "tests/trainer/loop/test_engine_recovery.py",  # 112-118
     "tests/e2e/test_fully_async_cli.py",  # 91-94
     "tests/trainer/run/test_ray_cli.py",  # 68-90
@@ -89,10 +88,15 @@ HEAVY_FIRST = (
     "tests/e2e/test_weight_sync_cli.py",  # 54-55
     "tests/engines/launch/test_ray_launch.py",  # 50-52
     "tests/e2e/test_timeouts_cli.py",  # 44-48
+    # test_ray_workers.py (128-145 s) split in four; timed once apart, on a busy machine
+    "tests/trainer/workers/test_ray_rank0.py",  # 43
+    "tests/trainer/workers/test_ray_failures.py",  # 40
+    "tests/trainer/workers/test_ray_data_parallel.py",  # 39
     "tests/e2e/test_debug_cli.py",  # 34-38
     "tests/engines/launch/test_launch.py",  # 33-35
     "tests/e2e/test_train_cli.py",  # 31-33
     "tests/e2e/test_real_model.py",  # 26-28
+    "tests/trainer/workers/test_ray_setup.py",  # 18
 )
 
 

@@ -113,6 +113,8 @@ class LocalEngine(EngineStates):
         self._weights_discarded = False
         #: How many decode steps ran at each batch size (tests and /metrics read it).
         self.batch_size_counts: Counter[int] = Counter()
+        #: The version of the weights served: the trainer's when a load names it, else loads
+        #: so far (0: the weights it started with).
         self.weight_version = 0
         #: Why the weights are partial (an update started and not finished); None: whole.
         self.weights_partial: str | None = None
@@ -182,15 +184,23 @@ class LocalEngine(EngineStates):
             top_logprobs=req.out_top if params.top_logprobs else [],
         )
 
-    async def load_weights(self, state: dict[str, torch.Tensor], *, adopt: bool = False) -> bool:
+    async def load_weights(
+        self,
+        state: dict[str, torch.Tensor],
+        *,
+        adopt: bool = False,
+        weight_version: int | None = None,
+    ) -> bool:
         """Replace weights between decode steps (atomic with respect to requests).
 
         ``adopt``: the caller hands ``state``'s tensors over, and where every one matches its
         parameter's dtype, shape and device the parameters take them as their storage (no
         copy); the caller must not write them afterwards. Returns whether they were adopted
-        (else they were copied). Raises ``EngineAsleepError`` while the weights sleep (wake
-        them first, as with vLLM) and ``KeyError`` for an unknown parameter name (nothing is
-        loaded then).
+        (else they were copied). ``weight_version``: what :attr:`weight_version` becomes (the
+        trainer's count, which a restarted engine or a resumed run does not share); None: one
+        more than it was. Raises ``EngineAsleepError`` while the weights sleep (wake them
+        first, as with vLLM) and ``KeyError`` for an unknown parameter name (nothing is loaded
+        then).
         """
         if self._weights_asleep:
             raise EngineAsleepError("the weights are asleep; call /wake_up?tags=weights first")
@@ -198,7 +208,9 @@ class LocalEngine(EngineStates):
             adopted = await trio.to_thread.run_sync(self._load_weights_sync, state, adopt)
             self._drop_kv()  # keys and values of the old weights: recompute
             self._weights_discarded = False
-            self.weight_version += 1
+            self.weight_version = (
+                self.weight_version + 1 if weight_version is None else weight_version
+            )
         return adopted
 
     def _load_weights_sync(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:

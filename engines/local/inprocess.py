@@ -90,9 +90,12 @@ class InProcessClient:
         with operation("/reset_prefix_cache"):
             await fire_fault("/reset_prefix_cache")
 
-    async def load_weights(self, named: dict[str, torch.Tensor]) -> None:
-        """Replace the engine's weights between two decode steps."""
-        await self.engine.load_weights(named)
+    async def load_weights(
+        self, named: dict[str, torch.Tensor], *, weight_version: int | None = None
+    ) -> None:
+        """Replace the engine's weights between two decode steps; they are ``weight_version``
+        (None: the engine's count plus one)."""
+        await self.engine.load_weights(named, weight_version=weight_version)
 
     async def weight_checksums(self) -> list[str]:
         return [self.engine.weight_checksum()]

@@ -36,8 +36,10 @@ The update follows real vLLM 0.32's session, which loads the layers as their wei
 What the reference does in its own way (docs/engines.md, "Where the reference engine differs
 from vLLM"): it stages the tensors and loads them at ``finish``, between two decode steps (so
 a finished update is never seen half-applied); it needs ``/init_weight_transfer_engine``
-before a ``start`` (vLLM's engine exists from start-up). ``nccl`` and ``ipc`` need CUDA: on a
-machine without it their init is refused.
+before a ``start`` (vLLM's engine exists from start-up); ``finish``'s ``weight_version``
+(vLLM's label of the weights, a string) becomes the engine's ``weight_version``, a number, so a
+label that is not a whole number is refused (:func:`finish_version`), and a finish without one
+counts one more. ``nccl`` and ``ipc`` need CUDA: on a machine without it their init is refused.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ __all__ = [
     "DEFAULT_STORE_TIMEOUT_S",
     "WEIGHT_TRANSFER_PATHS",
     "WeightReceiver",
+    "finish_version",
     "handle_weight_transfer",
 ]
 
@@ -188,6 +191,8 @@ async def handle_weight_transfer(
         body.get("init_info", {}), dict
     ):
         raise ProtocolError(400, "init_info must be a JSON object", "init_info")
+    if request.path == "/finish_weight_update":
+        finish_version(body)  # a label it cannot take is refused before the update is touched
     try:
         await fire_fault(request.path, request.step)  # TRAINER_FAULTS: a failure of the call
         await _call(engine, rx, request.path, body)
@@ -231,13 +236,38 @@ async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[s
         if rx.staged is None:
             raise ValueError(NOT_STARTED_FINISH)
         try:
-            adopted = await engine.load_weights(rx.staged, adopt=rx.backend != "disk")
+            adopted = await engine.load_weights(
+                rx.staged, adopt=rx.backend != "disk", weight_version=finish_version(body)
+            )
         except EngineAsleepError as exc:
             raise ValueError(f"{exc} before finishing a weight update") from None
         rx.staged = None
         engine.weights_partial = None
         rx.pools.adopted(adopted)
         rx.updates_finished += 1
+
+
+def finish_version(body: dict[str, Any]) -> int | None:
+    """The version a ``/finish_weight_update`` names: vLLM's ``weight_version`` label (a string
+    or null; vLLM answers 422 to anything else), which the reference engine takes as its
+    ``weight_version`` where it is a whole number (the trainer sends its count of syncs);
+    None where the body names none (the engine counts one more). Any other label is a 400:
+    the reference engine's versions are numbers (docs/engines.md)."""
+    label = body.get("weight_version")
+    if label is None:
+        return None
+    if not isinstance(label, str):
+        raise ProtocolError(
+            400, f"weight_version must be a string or null, got {label!r}", "weight_version"
+        )
+    if not (label.isascii() and label.isdigit()):
+        raise ProtocolError(
+            400,
+            f"weight_version={label!r}: the reference engine labels its weights with whole "
+            "numbers (the trainer's weight version)",
+            "weight_version",
+        )
+    return int(label)
 
 
 async def _receive(

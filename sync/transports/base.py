@@ -16,7 +16,7 @@ import attrs
 
 from engines.types import ControlPlaneClient, EngineClient
 
-__all__ = ["Rank0", "TransportSettings", "WeightTransport", "routes_of"]
+__all__ = ["Rank0", "TransportSettings", "WeightTransport", "finish_body", "routes_of"]
 
 T = TypeVar("T")
 
@@ -59,7 +59,9 @@ class WeightTransport(Protocol):
     ``init`` runs once (engines up, workers created); ``transfer`` runs inside
     ``operation("broadcast_to_inference_engines")`` with generation paused and returns once
     every engine serves the new weights (applied atomically with respect to requests, by
-    the engine); ``close`` releases what ``init`` built (bounded; safe after a failure).
+    the engine), labelled ``weight_version`` where it is given (the trainer's count of syncs:
+    a route-based transport sends :func:`finish_body`); ``close`` releases what ``init`` built
+    (bounded; safe after a failure).
 
     A transport may also have ``resend_refusal``: why it cannot run ``transfer`` again after
     one failed midway (None, or no such attribute: it can). ``sync.transfer`` sends the
@@ -68,9 +70,23 @@ class WeightTransport(Protocol):
 
     async def init(self, engine: EngineClient, workers: Rank0) -> None: ...
 
-    async def transfer(self, engine: EngineClient, workers: Rank0) -> None: ...
+    async def transfer(
+        self, engine: EngineClient, workers: Rank0, *, weight_version: int | None = None
+    ) -> None: ...
 
     async def close(self, workers: Rank0) -> None: ...
+
+
+def finish_body(weight_version: int | None) -> dict[str, str]:
+    """``/finish_weight_update``'s body: the trainer's weight version as vLLM's label.
+
+    vLLM (0.32 and 0.33) takes ``{"weight_version": str | null}`` there and, once the update
+    is finished, labels the weights with it (``GET /weight_info``; the tokens of later
+    completions); an integer is a 422. The reference engine adopts the number as its own
+    ``weight_version``. None: ``{}``, as before (vLLM keeps its label; the reference counts
+    one more).
+    """
+    return {} if weight_version is None else {"weight_version": str(weight_version)}
 
 
 def routes_of(engine: EngineClient) -> ControlPlaneClient:

@@ -15,10 +15,11 @@ bound, and reused by every sync. The bodies are exactly vLLM 0.33.0's ``nccl`` o
         "packed_num_buffers"}}                                                once
     POST /start_weight_update         {}
     POST /update_weights              {"update_info": {"names", "dtype_names", "shapes"}}   per bucket
-    POST /finish_weight_update        {}    the engine applies the staged weights atomically
+    POST /finish_weight_update        {"weight_version": "N"}    the engine applies the staged weights atomically
 
 The engine's backend is the server's (vLLM: ``--weight-transfer-config '{"backend":
-"nccl"}'``); nothing in the bodies names it.
+"nccl"}'``); nothing in the bodies names it. ``N`` is the trainer's weight version, as vLLM's
+label (:func:`~sync.transports.base.finish_body`).
 
 Rank 0 sends all of a sync's broadcasts in one call where it runs, while the
 ``/update_weights`` calls go out beside it (each engine receives an update's broadcasts
@@ -59,7 +60,7 @@ from engines.weight_transfer import (
     nccl_init_info,
 )
 from sync.group import init_group
-from sync.transports.base import Rank0, TransportSettings, routes_of
+from sync.transports.base import Rank0, TransportSettings, finish_body, routes_of
 from sync.transports.broadcast_rank0 import (
     GROUP,
     INIT_OP,
@@ -189,7 +190,9 @@ class BroadcastTransport:
         joins = [rank0_join, *(server_join(i, u) for i, u in enumerate(urls))]
         await init_group(GROUP, joins, timeout_s=math.inf)  # init() bounds the whole
 
-    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
+    async def transfer(
+        self, engine: EngineClient, workers: Rank0, *, weight_version: int | None = None
+    ) -> None:
         """One sync: rank 0 sends every bucket while the engines receive them, call by call."""
         if not self.initialized:
             raise RuntimeError("BroadcastTransport.transfer before init")
@@ -226,7 +229,7 @@ class BroadcastTransport:
                     "still carry its messages"
                 )
             raise
-        await routes.control("POST", "/finish_weight_update", json={})
+        await routes.control("POST", "/finish_weight_update", json=finish_body(weight_version))
 
     async def close(self, workers: Rank0) -> None:
         """Rank 0 leaves the group (the engines' side ends with their servers)."""

@@ -7,7 +7,10 @@ engines read each bucket as it is announced::
     POST /init_weight_transfer_engine  {"init_info": {"backend": "disk"}}      once
     POST /start_weight_update          {}
     POST /update_weights               {"update_info": {"names", "dtype_names", "shapes", "path"}}  per bucket
-    POST /finish_weight_update         {}    the engine applies the staged weights atomically
+    POST /finish_weight_update         {"weight_version": "N"}    the engine applies the staged weights atomically
+
+``N`` is the trainer's weight version (:func:`~sync.transports.base.finish_body`; ``{}``
+when the caller gives none).
 
 The files live under ``directory`` (the run directory's ``weight_sync/``) and are deleted
 after each sync; the engines must see the same filesystem (the same machine, or a shared
@@ -24,7 +27,7 @@ import torch
 import trio
 
 from engines.types import EngineClient
-from sync.transports.base import Rank0, TransportSettings, routes_of
+from sync.transports.base import Rank0, TransportSettings, finish_body, routes_of
 from sync.transports.buckets import plan_buckets, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
@@ -74,7 +77,9 @@ class DiskTransport:
             "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
         )
 
-    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
+    async def transfer(
+        self, engine: EngineClient, workers: Rank0, *, weight_version: int | None = None
+    ) -> None:
         routes = routes_of(engine)
         self._version += 1
         target = self.directory / f"v{self._version}"
@@ -84,7 +89,7 @@ class DiskTransport:
             await routes.control("POST", "/start_weight_update", json={})
             for bucket in buckets:
                 await routes.control("POST", "/update_weights", json={"update_info": bucket})
-            await routes.control("POST", "/finish_weight_update", json={})
+            await routes.control("POST", "/finish_weight_update", json=finish_body(weight_version))
         finally:
             # shielded, so a failed or cancelled sync removes its files too, but bounded: a
             # disk that does not answer must not hold the sync (the next transfer retries)

@@ -22,7 +22,9 @@ class _LoadsWeights(Protocol):
     """An engine in this process that takes the tensors themselves
     (``engines.local.inprocess.InProcessClient``)."""
 
-    async def load_weights(self, named: dict[str, torch.Tensor]) -> None: ...
+    async def load_weights(
+        self, named: dict[str, torch.Tensor], *, weight_version: int | None = None
+    ) -> None: ...
 
 
 class InProcessTransport:
@@ -31,14 +33,18 @@ class InProcessTransport:
     async def init(self, engine: EngineClient, workers: Rank0) -> None:
         return None
 
-    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
-        """``TypeError`` for an engine that does not take tensors (one behind a server)."""
+    async def transfer(
+        self, engine: EngineClient, workers: Rank0, *, weight_version: int | None = None
+    ) -> None:
+        """``TypeError`` for an engine that does not take tensors (one behind a server). The
+        engine takes ``weight_version`` as its own (None: it counts one more)."""
         if not isinstance(engine, _LoadsWeights):
             raise TypeError(
                 f"{type(engine).__name__} does not load weights in this process: "
                 "sync.transport=inprocess needs engine.backend=inprocess"
             )
-        await engine.load_weights(await workers.run_on_rank0(copy_weights))
+        named = await workers.run_on_rank0(copy_weights)
+        await engine.load_weights(named, weight_version=weight_version)
 
     async def close(self, workers: Rank0) -> None:
         return None

@@ -10,7 +10,7 @@ exactly vLLM 0.33.0's packed ``ipc`` ones (see :mod:`engines.weight_transfer`)::
     POST /start_weight_update         {}
     POST /update_weights              {"update_info": {"names", "dtype_names", "shapes",
                                         "ipc_handles_pickled", "tensor_sizes"}}   per bucket
-    POST /finish_weight_update        {}
+    POST /finish_weight_update        {"weight_version": "N"}
 
 For each bucket rank 0 packs the parameters into the buffer (GPU copies, where rank 0
 runs, off the trio thread), then the engines copy them out during their
@@ -35,7 +35,7 @@ import trio
 from engines.process_group import require_cuda
 from engines.types import EngineClient
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
-from sync.transports.base import Rank0, TransportSettings, routes_of
+from sync.transports.base import Rank0, TransportSettings, finish_body, routes_of
 from sync.transports.buckets import plan_buckets
 
 __all__ = ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"]
@@ -145,7 +145,9 @@ class IpcTransport:
             raise
         self.initialized = True
 
-    async def transfer(self, engine: EngineClient, workers: Rank0) -> None:
+    async def transfer(
+        self, engine: EngineClient, workers: Rank0, *, weight_version: int | None = None
+    ) -> None:
         if not self.initialized:
             raise RuntimeError("IpcTransport.transfer before init")
         routes = routes_of(engine)
@@ -154,7 +156,7 @@ class IpcTransport:
         for k, bucket in enumerate(buckets):
             await workers.run_on_rank0(pack_ipc_bucket, self.transport_id, k)
             await routes.control("POST", "/update_weights", json={"update_info": bucket})
-        await routes.control("POST", "/finish_weight_update", json={})
+        await routes.control("POST", "/finish_weight_update", json=finish_body(weight_version))
 
     async def close(self, workers: Rank0) -> None:
         if self.initialized:

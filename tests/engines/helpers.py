@@ -20,6 +20,7 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from engines.client import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES
 from engines.launch import launch_local_engines
 from engines.local.engine import LocalEngine, open_local_engine
 from engines.local.http import answer_lifespan
@@ -258,3 +259,8 @@ def greedy_reference(model: Any, prompt: list[int], max_tokens: int) -> list[int
             token = model(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, token.view(1, 1)], dim=1)
     return ids[0, len(prompt) :].tolist()
+
+
+def client_routes() -> tuple[str, ...]:
+    """The routes the trainer's client calls, but the weight-transfer ones."""
+    return (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *SLEEP_ROUTES, "/reset_prefix_cache")

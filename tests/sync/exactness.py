@@ -14,9 +14,11 @@ from engines.types import SamplingParams
 from sync.weights import save_weights_for_sampler
 from trainer.workers.local import LocalWorkerGroup
 
-__all__ = ["PROMPT", "policy_logprobs", "syncs_make_the_engine_score_as_the_policy"]
+__all__ = ["PROMPT", "VERSIONS", "policy_logprobs", "syncs_make_the_engine_score_as_the_policy"]
 
 PROMPT = [5, 6, 7, 8, 9]
+#: The weight versions of the two syncs (the engine serves the last one afterwards).
+VERSIONS = (41, 42)
 
 
 def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
@@ -32,9 +34,9 @@ async def syncs_make_the_engine_score_as_the_policy(
     url: str, model_dir: Path, transport: Any, tolerance: float = 1e-4
 ) -> None:
     """Twice: move the policy away from what the engine serves (checked: its logprobs differ
-    by more than 1e-3), sync through ``transport``, and the engine's logprobs of what it
-    samples are the policy's within ``tolerance`` (float32 rounding of another implementation
-    of the same model: 1e-4 on the tiny model)."""
+    by more than 1e-3), sync through ``transport`` (as weight versions :data:`VERSIONS`), and
+    the engine's logprobs of what it samples are the policy's within ``tolerance`` (float32
+    rounding of another implementation of the same model: 1e-4 on the tiny model)."""
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     model = workers.policy.model
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
@@ -42,7 +44,7 @@ async def syncs_make_the_engine_score_as_the_policy(
         with trio.fail_after(300):
             await transport.init(client, workers)
         try:
-            for _ in range(2):
+            for version in VERSIONS:
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.05 * torch.randn_like(p))
@@ -52,7 +54,9 @@ async def syncs_make_the_engine_score_as_the_policy(
                 )
                 assert max(abs(a - b) for a, b in zip(policy, stale.logprobs)) > 1e-3
                 with trio.fail_after(300):
-                    await save_weights_for_sampler(client, workers, transport)
+                    await save_weights_for_sampler(
+                        client, workers, transport, weight_version=version
+                    )
                 fresh = await client.generate(PROMPT, sampling)
                 policy = await trio.to_thread.run_sync(
                     policy_logprobs, model, PROMPT, fresh.token_ids

@@ -144,7 +144,7 @@ class StuckRank0Transport:
     async def init(self, engine: Any, workers: Any) -> None:
         return None
 
-    async def transfer(self, engine: Any, workers: Any) -> None:
+    async def transfer(self, engine: Any, workers: Any, *, weight_version: Any = None) -> None:
         await engine.control("POST", "/start_weight_update", json={})
         await workers.run_on_rank0(_wait_for, self.release)
 

@@ -24,9 +24,9 @@ def hosted_group(transport: BroadcastTransport) -> object:
     return broadcast.hosted_groups().get(transport.group_id)
 
 
-async def _checksums(client: InferenceClient) -> list[str]:
+async def _checksums(client: InferenceClient, key: str = "checksum") -> list[str]:
     answers = await client.control("POST", "/weight_checker", json={"action": "checksum"})
-    return [a["checksum"] for a in answers]
+    return [a[key] for a in answers]
 
 
 async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weights(tmp_path):
@@ -50,8 +50,12 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
                     p.data = p.data.clone()
                 policy_sum = state_checksum(dict(model.named_parameters()))
                 assert policy_sum not in await _checksums(client)
-                result = await save_weights_for_sampler(client, workers, transport)
+                version = 10 + sync  # the trainer's, which each engine takes as its own
+                result = await save_weights_for_sampler(
+                    client, workers, transport, weight_version=version
+                )
                 assert await _checksums(client) == [policy_sum, policy_sum]
+                assert await _checksums(client, "weight_version") == [version, version]
                 assert result["sync/last_weight_sync_seconds"] > 0
                 # packed on the CPU: every bucket went out as a slice of one buffer
                 assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1

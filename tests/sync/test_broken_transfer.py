@@ -71,7 +71,7 @@ class FailingAfterStart(DiskTransport):
     """A transfer that starts the update, then fails, every time (an engine that keeps
     failing its updates)."""
 
-    async def transfer(self, engine, workers) -> None:
+    async def transfer(self, engine, workers, *, weight_version=None) -> None:
         await engine.control("POST", "/start_weight_update", json={})
         raise RuntimeError("bucket 1 is unreadable")
 
@@ -104,7 +104,7 @@ async def test_a_failure_before_the_transfer_reaches_the_engines_is_not_sent_aga
 class SlowAfterStart(DiskTransport):
     """Starts the update, then outlives the sync's deadline (within its grace) and fails."""
 
-    async def transfer(self, engine, workers) -> None:
+    async def transfer(self, engine, workers, *, weight_version=None) -> None:
         await engine.control("POST", "/start_weight_update", json={})
         await trio.sleep_until(current_deadline() + 0.2)  # the transfer runs shielded
         raise RuntimeError("too slow")

@@ -41,14 +41,10 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await transport.init(client, workers)
-            result = await save_weights_for_sampler(client, workers, transport)
-            (after,) = [
-                r["checksum"]
-                for r in await client.control(
-                    "POST", "/weight_checker", json={"action": "checksum"}
-                )
-            ]
-            assert after == policy_sum
+            result = await save_weights_for_sampler(client, workers, transport, weight_version=7)
+            (after,) = await client.control("POST", "/weight_checker", json={"action": "checksum"})
+            assert isinstance(after, dict) and after["checksum"] == policy_sum
+            assert after["weight_version"] == 7  # the trainer's version, not its own count (1)
             assert result["sync/last_weight_sync_seconds"] > 0
             assert not (await client.is_paused())[0]  # the bracket resumed generation
             completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))

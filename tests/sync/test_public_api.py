@@ -23,7 +23,13 @@ PUBLIC = {
         "Rank0",
         "WeightTransport",
     ],
-    "sync.transports.base": ["Rank0", "TransportSettings", "WeightTransport", "routes_of"],
+    "sync.transports.base": [
+        "Rank0",
+        "TransportSettings",
+        "WeightTransport",
+        "finish_body",
+        "routes_of",
+    ],
     "sync.transports.broadcast": ["BroadcastTransport"],
     "sync.transports.broadcast_rank0": [
         "GROUP",

@@ -74,7 +74,9 @@ class BlockingTransport:
             raise RuntimeError(self.fail)
         self.events.append("bucket_written")
 
-    async def transfer(self, engine: object, workers: object) -> None:
+    async def transfer(
+        self, engine: object, workers: object, *, weight_version: int | None = None
+    ) -> None:
         self.started.set()
         await trio.to_thread.run_sync(self._write_bucket)
         await trio.sleep(0.01)  # /finish_weight_update
@@ -132,7 +134,9 @@ class HeldTransport(BlockingTransport):
         self.release.wait(60)
         super()._write_bucket()
 
-    async def transfer(self, engine: object, workers: object) -> None:
+    async def transfer(
+        self, engine: object, workers: object, *, weight_version: int | None = None
+    ) -> None:
         self.started.set()
         await trio.to_thread.run_sync(self._write_bucket)
         await trio.lowlevel.checkpoint()  # /finish_weight_update (the clock stands still)

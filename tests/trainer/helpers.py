@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
+import httpx
 import torch
 
 from trainer.generators import (
@@ -17,7 +19,14 @@ from trainer.generators import (
 )
 from trainer.workers.batch import TrainBatch
 
-__all__ = ["OneCallGenerator", "Recording", "batch_of", "varied_reward", "weighted"]
+__all__ = [
+    "EngineVersions",
+    "OneCallGenerator",
+    "Recording",
+    "batch_of",
+    "varied_reward",
+    "weighted",
+]
 
 
 def batch_of(tokenizer, n: int) -> GeneratorInput:
@@ -57,6 +66,22 @@ class OneCallGenerator(Generator):
                 )
             )
         return GeneratorOutput(out)
+
+
+class EngineVersions(OneCallGenerator):
+    """:class:`OneCallGenerator` that notes, at each step's generation, the trainer's weight
+    version (``batch.weight_version``) and the one its reference server reports
+    (``GET /engine_stats``), in :attr:`seen` (HTTP engines only)."""
+
+    #: ``(trainer's version, engine's version)`` per generation, in order, every run's.
+    seen: ClassVar[list[tuple[int, int]]] = []
+
+    async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
+        (url,) = self.engine.urls
+        async with httpx.AsyncClient(timeout=60) as http:
+            served = (await http.get(f"{url}/engine_stats")).json()["weight_version"]
+        self.seen.append((batch.weight_version, served))
+        return await super().generate(batch)
 
 
 def varied_reward(response: str, answer: str) -> float:

@@ -139,6 +139,7 @@ async def sync_weights(
                     bracket=ctx.cfg.plan.bracket,
                     pause_mode=e.pause_mode,
                     grace_s=ctx.cfg.sync.transfer_grace_s,
+                    weight_version=versions.upcoming,  # a restarted or new engine counts from 0
                 )
 
             async with engine_logs_on_unusable(ctx.run_dir):

@@ -35,7 +35,8 @@ class WeightVersions:
 
     @property
     def upcoming(self) -> int:
-        """The version the sync under way makes, once :meth:`synced` counts it."""
+        """The version the sync under way makes, once :meth:`synced` counts it; the sync names
+        it to the engines (``/finish_weight_update``), which take it as theirs."""
         return self.current + 1
 
     def synced(self, policy_step: int | None) -> None:

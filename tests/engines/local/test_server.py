@@ -1,17 +1,16 @@
-"""The reference server over real HTTP, in a real process started by ``engines.launch``.
+"""The reference server over real HTTP, in a real process started by ``engines.launch``: what
+it answers, batching, seeds and ``n``, and the 4xx every bad request gets.
 
 One server serves the whole module (``engine_urls``); tests leave it resumed and awake with
-the weights it started with, so they pass in any order. A test that needs a server in a
-state of its own (weights discarded, no weight-transfer routes), or that must hold a decode
-step to pause or cancel requests in flight (``StepGate``), serves the same ``ServerApp``
-in-process (``serve_reference``, ``serve_reference_engine``).
+the weights it started with, so they pass in any order. Tests that need a server in a state of
+its own are elsewhere: pausing requests in flight (``test_server_in_flight.py``), sleep mode
+and the weight-transfer routes switched off (``test_server_options.py``).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
-from functools import partial
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -21,27 +20,12 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engines.client import DATA_CONNECTIONS_PER_SERVER, WEIGHT_TRANSFER_ROUTES, InferenceClient
-from engines.local.engine import LocalEngine
+from engines.client import InferenceClient
 from engines.models import load_tokenizer
 from engines.types import Completion, SamplingParams
-from tests.engines.helpers import (
-    StepGate,
-    serve_reference,
-    serve_reference_engine,
-    stats,
-    steps,
-)
-from trainer.errors import FaultInjected, InferenceServerError
+from tests.engines.helpers import client_routes, stats, steps
+from trainer.errors import FaultInjected
 from trainer.vocabulary import install_faults, step_deadline
-
-LONG = SamplingParams(max_tokens=250, ignore_eos=True, temperature=1.0)
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread(one_torch_thread: None) -> None:
-    """One torch thread, like the module's server process (see ``one_torch_thread``): the
-    in-process servers decode in this process."""
 
 
 @pytest.fixture(autouse=True)
@@ -164,138 +148,6 @@ async def test_info_routes(engine_urls: list[str]) -> None:
         await client.probe([*client_routes()])
 
 
-def client_routes() -> tuple[str, ...]:
-    from engines.client import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES
-
-    return (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *SLEEP_ROUTES, "/reset_prefix_cache")
-
-
-# The pause tests serve the same ServerApp in-process (``serve_reference_engine``), so they can
-# hold a decode step (``StepGate``): the pause lands while the requests are in flight,
-# however fast the engine decodes.
-
-
-def _all_running(engine: LocalEngine, n: int) -> Callable[[], bool]:
-    return lambda: engine.num_running == n
-
-
-async def test_pause_keep_freezes_in_flight_requests_until_resume(model_dir) -> None:
-    results: list[Completion] = []
-    async with serve_reference_engine(model_dir) as (url, engine):
-        all_in = _all_running(engine, 4)
-        async with InferenceClient([url]) as client, trio.open_nursery() as nursery:
-            with StepGate(engine, hold={all_in}) as gate:
-                for i in range(4):
-                    nursery.start_soon(lambda i=i: _collect(client, results, [7, i + 1], LONG))
-                await gate.pause_at(all_in, partial(client.pause, "keep"))
-            assert await client.is_paused() == [True]
-            frozen = await stats(url)
-            await trio.sleep(0.5)
-            still = await stats(url)
-            assert steps(still) == steps(frozen), "decoded while paused (keep)"
-            assert still["num_requests_running"] == 4
-            assert results == []
-            await client.resume()
-    assert [c.finish_reason for c in results] == ["length"] * 4
-    assert all(len(c.token_ids) == 250 for c in results)
-
-
-async def test_control_plane_answers_while_frozen_requests_hold_every_data_connection(
-    model_dir,
-) -> None:
-    n = DATA_CONNECTIONS_PER_SERVER + 8  # more frozen requests than the data-plane pool holds
-    results: list[Completion] = []
-    async with serve_reference_engine(model_dir) as (url, engine):
-        pool_full = _all_running(engine, DATA_CONNECTIONS_PER_SERVER)
-        async with InferenceClient([url]) as client, trio.open_nursery() as nursery:
-            with StepGate(engine, hold={pool_full}) as gate:
-                for i in range(n):
-                    nursery.start_soon(lambda i=i: _collect(client, results, [7, i % 40 + 1], LONG))
-                await gate.pause_at(pool_full, partial(client.pause, "keep"))
-            assert (await stats(url))["num_requests_running"] == DATA_CONNECTIONS_PER_SERVER
-            with trio.fail_after(30):  # a control call must not queue behind frozen generation
-                assert await client.is_paused() == [True]
-                await client.resume()
-    assert len(results) == n
-
-
-async def test_pause_abort_ends_in_flight_requests_with_partial_tokens(model_dir) -> None:
-    results: list[Completion] = []
-    async with serve_reference_engine(model_dir) as (url, engine), InferenceClient([url]) as client:
-        all_in = _all_running(engine, 4)
-        async with trio.open_nursery() as nursery:
-            with StepGate(engine, hold={all_in}) as gate:
-                for i in range(4):
-                    nursery.start_soon(lambda i=i: _collect(client, results, [8, i + 1], LONG))
-                await gate.pause_at(all_in, partial(client.pause, "abort"))
-        assert [c.finish_reason for c in results] == ["abort"] * 4
-        assert all(0 < len(c.token_ids) < 250 for c in results)
-        assert all(len(c.logprobs) == len(c.token_ids) for c in results)
-        assert await client.is_paused() == [True]
-        await client.resume()
-        assert await client.is_paused() == [False]
-
-
-async def test_pause_wait_drains_in_flight_requests_then_pauses(model_dir) -> None:
-    events: list[str] = []
-    results: list[Completion] = []
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    async with serve_reference_engine(model_dir) as (url, engine), InferenceClient([url]) as client:
-        all_in = _all_running(engine, 4)
-        async with trio.open_nursery() as nursery:
-            with StepGate(engine, hold={all_in}) as gate:
-                for i in range(4):
-
-                    async def one(i: int = i) -> None:
-                        await _collect(client, results, [9, i + 1], params)
-                        events.append("done")
-
-                    nursery.start_soon(one)
-                await gate.reached(all_in)
-                assert results == []  # all four in flight when the drain starts
-                await gate.pause_at(all_in, partial(client.pause, "wait"))
-            drained = await stats(url)  # the 4 responses may still be on their way
-        assert (drained["num_requests_running"], drained["num_requests_waiting"]) == (0, 0)
-        assert [(c.finish_reason, len(c.token_ids)) for c in results] == [("length", 60)] * 4
-        assert events == ["done"] * 4
-        assert steps(await stats(url)) == steps(drained)  # paused: nothing decodes
-        # a request sent while paused waits for the resume
-        late: list[Completion] = []
-        answered = trio.Event()
-
-        async def late_request() -> None:
-            await _collect(client, late, [1, 2], SamplingParams(max_tokens=3))
-            answered.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(late_request)
-            with trio.move_on_after(1.0):
-                await answered.wait()
-            assert late == []
-            await client.resume()
-        assert len(late) == 1 and late[0].finish_reason in ("length", "stop")
-
-
-async def _collect(
-    client: InferenceClient, out: list[Completion], prompt: list[int], params: SamplingParams
-) -> None:
-    out.append(await client.generate(prompt, params))
-
-
-async def test_a_client_that_goes_away_takes_its_request_out_of_the_batch(model_dir) -> None:
-    async with serve_reference_engine(model_dir) as (url, engine), InferenceClient([url]) as client:
-        with StepGate(engine, hold={2}) as gate:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(client.generate, [4, 4], LONG)
-                await gate.reached(2)  # in flight, its second step held
-                nursery.cancel_scope.cancel()  # e.g. a step deadline
-            with trio.fail_after(30):  # the server sees the client go away
-                while engine.num_requests:  # noqa: ASYNC110 - no event for it
-                    await trio.sleep(0.01)
-            gate.release(2)
-        assert steps(await stats(url)) == 2  # out of the batch while its second step ran
-
-
 BAD_REQUESTS = [
     pytest.param("POST", "/v1/completions", b"{bad", id="malformed-json"),
     pytest.param("POST", "/v1/completions", b"[1, 2]", id="not-an-object"),
@@ -407,71 +259,3 @@ async def test_no_request_body_yields_a_5xx(engine_urls: list[str], body: Any) -
     assert response.status_code < 500, response.text
     if response.status_code >= 400:
         assert response.json()["error"]["code"] == response.status_code
-
-
-async def test_sleep_and_wake_up_follow_vllms_state_machine(model_dir) -> None:
-    params = SamplingParams(max_tokens=4)
-    # a server of its own: sleeping at level 2 discards the weights the shared one must keep
-    async with (
-        serve_reference(model_dir, sleep_mode=True) as url,
-        InferenceClient([url]) as client,
-        httpx.AsyncClient() as http,
-    ):
-        before = await client.weight_checksums()
-        await client.sleep(1)
-        assert await client.is_sleeping() == [True]
-        with pytest.raises(InferenceServerError) as info:
-            await client.generate([1, 2], params)
-        assert info.value.status == 409 and "wake_up" in info.value.detail
-        with pytest.raises(InferenceServerError) as info:
-            await client.weight_checksums()
-        assert info.value.status == 409
-
-        await client.wake_up(["weights"])
-        state = (await http.get(f"{url}/is_sleeping")).json()
-        assert state == {"is_sleeping": True, "sleep_state": {"weights": False, "kv_cache": True}}
-        with pytest.raises(InferenceServerError):
-            await client.generate([1, 2], params)
-
-        await client.wake_up(["kv_cache"])
-        assert await client.is_sleeping() == [False]
-        assert (await client.generate([1, 2], params)).token_ids
-        assert await client.weight_checksums() == before  # level 1 kept the weights
-
-        await client.sleep(2)
-        await client.wake_up()
-        assert await client.is_sleeping() == [False]
-        assert await client.weight_checksums() != before  # level 2 discarded them
-
-
-async def test_probe_names_the_vllm_flag_when_the_weight_transfer_routes_are_off(
-    model_dir,
-) -> None:
-    async with (
-        serve_reference(model_dir, weight_transfer_routes=False) as url,
-        InferenceClient([url]) as client,
-    ):
-        await client.probe([*client_routes()])  # everything else is served
-        with pytest.raises(InferenceServerError) as info:
-            await client.probe(WEIGHT_TRANSFER_ROUTES)
-        with pytest.raises(InferenceServerError) as posted:  # not only the probe's GET
-            await client.control("POST", "/init_weight_transfer_engine", json={})
-        async with httpx.AsyncClient() as http:
-            log = (await http.get(f"{url}/control_log")).json()
-    assert log == {"calls": [], "total": 0}  # probes' GETs and unserved routes are not calls
-    assert info.value.status == 404
-    assert info.value.url == url
-    assert "--weight-transfer-config" in str(info.value)
-    assert all(route in str(info.value) for route in WEIGHT_TRANSFER_ROUTES)
-    assert posted.value.status == 404
-
-
-async def test_without_sleep_mode_sleep_and_wake_up_are_refused_saying_how(model_dir) -> None:
-    """``serve`` without ``--enable-sleep-mode``: 400 naming the flag; the engine serves on."""
-    async with serve_reference(model_dir) as url, httpx.AsyncClient(timeout=60) as http:
-        for path in ("/sleep?level=1", "/wake_up"):
-            r = await http.post(f"{url}{path}")
-            assert r.status_code == 400 and "--enable-sleep-mode" in r.text
-        assert (await http.get(f"{url}/is_sleeping")).json()["is_sleeping"] is False
-        body = {"prompt": [5, 6, 7], "max_tokens": 2}
-        assert (await http.post(f"{url}/v1/completions", json=body)).status_code == 200

@@ -87,3 +87,31 @@ async def test_calls_out_of_turn_are_refused_in_vllms_words(model_dir: Path):
         assert (await post("/update_weights", {})).status_code == 400  # no update_info
         assert (await post("/finish_weight_update", {})).status_code == 200  # still open
         assert (await http.get(f"{url}/health")).status_code == 200
+
+
+async def test_a_finish_names_the_weight_version_the_engine_serves(model_dir: Path):
+    """vLLM's ``weight_version`` label (a string) becomes the reference engine's version; a
+    finish without one counts one more; a label that is not a whole number, or not a string
+    (vLLM: 422), is refused before the update is touched, which stays open."""
+    async with serve_reference(model_dir) as url, httpx.AsyncClient(timeout=60) as http:
+
+        async def post(path: str, body: dict) -> httpx.Response:
+            return await http.post(f"{url}{path}", json=body)
+
+        async def version() -> int:
+            return (await http.get(f"{url}/engine_stats")).json()["weight_version"]
+
+        assert (await post("/init_weight_transfer_engine", {"init_info": DISK})).status_code == 200
+        assert (await post("/start_weight_update", {})).status_code == 200
+        assert (await post("/finish_weight_update", {"weight_version": "7"})).status_code == 200
+        assert await version() == 7
+        assert (await post("/start_weight_update", {})).status_code == 200
+        assert (await post("/finish_weight_update", {})).status_code == 200
+        assert await version() == 8
+        assert (await post("/start_weight_update", {})).status_code == 200
+        for label in (7, "v7", "-1", "3.0"):
+            r = await post("/finish_weight_update", {"weight_version": label})
+            assert r.status_code == 400 and "weight_version" in r.text, label
+        assert await version() == 8
+        assert (await post("/finish_weight_update", {"weight_version": "3"})).status_code == 200
+        assert await version() == 3

@@ -10,18 +10,25 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from tests.e2e.helpers import run_trainer
-from tests.engines.vllm.conftest import PROJECT, RealServer
-from tests.sync.exactness import syncs_make_the_engine_score_as_the_policy
+from tests.engines.vllm.servers import PROJECT, RealServer
+from tests.sync.exactness import VERSIONS, syncs_make_the_engine_score_as_the_policy
 
 
 async def assert_syncs_make_the_engine_score_as_the_policy(
     server: RealServer, transport: Any, tolerance: float = 1e-4
 ) -> None:
-    """:func:`~tests.sync.exactness.syncs_make_the_engine_score_as_the_policy` on ``server``."""
+    """:func:`~tests.sync.exactness.syncs_make_the_engine_score_as_the_policy` on ``server``;
+    then vLLM labels its weights with the last sync's version (``/finish_weight_update``'s
+    ``weight_version``), as ``GET /weight_info`` says."""
     await syncs_make_the_engine_score_as_the_policy(
         server.url, server.model_dir, transport, tolerance
     )
+    async with httpx.AsyncClient(timeout=60) as http:
+        label = (await http.get(f"{server.url}/weight_info")).json()
+    assert label == {"weight_version": str(VERSIONS[-1])}
 
 
 def assert_exact_steps(run_dir: Path, steps: int) -> list[dict[str, Any]]:

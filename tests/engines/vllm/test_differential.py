@@ -37,7 +37,7 @@ from engines.local.requests import ENGINE_DEAD_MESSAGE
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from tests.engines.helpers import BackgroundEngines
-from tests.engines.vllm.conftest import PROJECT, RealServer
+from tests.engines.vllm.servers import PROJECT, RealServer
 from tests.sync.exactness import PROMPT, policy_logprobs
 
 pytestmark = pytest.mark.vllm

@@ -11,10 +11,9 @@ import httpx
 import pytest
 import trio
 
-from engines.client import InferenceClient
+from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
 from engines.types import SamplingParams
 from sync.transports.broadcast import BroadcastTransport
-from tests.engines.vllm.conftest import PROJECT
 from tests.engines.vllm.helpers import (
     REMOTE_ENV,
     assert_exact_steps,
@@ -23,6 +22,7 @@ from tests.engines.vllm.helpers import (
     remote_command,
     run_remote,
 )
+from tests.engines.vllm.servers import PROJECT, RealServer
 from trainer.errors import InferenceServerError
 
 pytestmark = pytest.mark.vllm
@@ -53,10 +53,11 @@ async def test_n_samples_are_the_seeds_seed_plus_i(vllm_server):
 
 
 async def test_seeded_prompts_past_one_steps_token_budget_sample_as_they_do_alone(vllm_server):
-    """40 seeded prompts of 200 tokens waiting at once exceed vLLM's CPU step budget (2048
-    tokens), so one is prefilled in two steps and its first sample is discarded and rewound: vLLM 0.32's
-    CPU build died there ("CPU Generator does not use offset"); the plugin's rewind restores
-    the generator's state, so each answer is the one it gets alone."""
+    """40 seeded prompts of 200 tokens, 32 of them (the client's connections) waiting at once,
+    exceed vLLM's CPU step budget (2048 tokens), so one is prefilled in two steps and its first
+    sample is discarded and rewound: vLLM 0.32's CPU build died there ("CPU Generator does not
+    use offset"); the plugin's rewind restores the generator's state, so each answer is the one
+    it gets alone."""
     prompts = [[5 + (i * 7 + j) % 45 for j in range(200)] for i in range(40)]
     async with InferenceClient([vllm_server.url]) as client:
 
@@ -71,18 +72,29 @@ async def test_seeded_prompts_past_one_steps_token_budget_sample_as_they_do_alon
         async def one(i: int) -> None:
             together[i] = (await client.generate(prompts[i], sampling(i))).token_ids
 
-        await client.pause("keep")  # all of them waiting at once: the first step is full
+        await client.pause("keep")  # the burst waits at once: the first step is full
+        # as many as the client's data connections carry at once (32: 6400 prompt tokens)
+        waiting = _requests_added(vllm_server) + min(len(prompts), DATA_CONNECTIONS_PER_SERVER)
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-            # vLLM counts nothing while paused (its gauges update on scheduler steps), so
-            # no condition says they all arrived: a generous pause; the test failed with it
-            # before the mend (the engine died), so the burst does reach one step
-            await trio.sleep(3)
-            await client.resume()
+            try:
+                # vLLM counts nothing while paused (its gauges update on scheduler steps); its
+                # log says each request handed to the engine core, where the resume queues
+                # behind them
+                with trio.fail_after(120):
+                    while _requests_added(vllm_server) < waiting:  # noqa: ASYNC110
+                        await trio.sleep(0.1)
+            finally:
+                await client.resume()
     assert [together[i] for i in range(len(prompts))] == alone
     log = vllm_server.log.read_text()
     assert "does not use offset" not in log
+
+
+def _requests_added(server: RealServer) -> int:
+    """Requests the server handed to its engine core so far (``--enable-log-requests``)."""
+    return server.log.read_text().count("Added request ")
 
 
 async def test_pause_keep_and_abort_then_resume(vllm_server):

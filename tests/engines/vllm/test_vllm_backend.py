@@ -16,8 +16,8 @@ import statistics
 import pytest
 
 from tests.e2e.helpers import wait_until_gone
-from tests.engines.vllm.conftest import TrainerRun
 from tests.engines.vllm.helpers import assert_exact_steps
+from tests.engines.vllm.tier import TrainerRun
 
 pytestmark = pytest.mark.vllm
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import trainer.run
+from tests.trainer.helpers import EngineVersions
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -87,3 +88,22 @@ async def test_a_resume_restores_the_checkpointed_steps_line_and_drops_a_torn_on
     assert restored["policy/loss"] == logged["policy/loss"]
     log = (tmp_path / "train.log").read_text()
     assert "dropping a torn line" in log and "restored from its checkpoint" in log
+
+
+async def test_a_resumed_runs_new_engine_serves_the_trainers_weight_version(tmp_path):
+    """A resumed run starts a new reference server, whose own count of loads starts at 0; the
+    trainer's count goes on from the checkpoint's, and every sync's ``/finish_weight_update``
+    names it, so both report the same version (the engine would say 1 at step 3 otherwise)."""
+    common = [
+        *SMALL,
+        "engine.backend=local",
+        "generator.cls=tests.trainer.helpers:EngineVersions",
+        f"trainer.run_dir={tmp_path}",
+    ]
+    EngineVersions.seen.clear()
+    await trainer.run.train(load_config(None, [*common, "trainer.max_steps=2"]))
+    resumed = [*common, "trainer.max_steps=3", "trainer.resume_mode=latest"]
+    await trainer.run.train(load_config(None, resumed))
+    assert _steps(tmp_path) == [1, 2, 3]
+    # the first sync makes version 1; the checkpoint of step 2 was saved before its sync
+    assert EngineVersions.seen == [(1, 1), (2, 2), (3, 3)]
