@@ -15,7 +15,7 @@ own:
    - **raw**: a plain gloo broadcast of one float32 tensor of the model's total size, from
      this process to a child process kept for the whole run (the same transport, no
      protocol, no flattening);
-   - **transfer**: ``save_weights_for_sampler`` over ``sync.transport=gloo`` (vLLM's ``nccl``
+   - **transfer**: ``sync_weights`` over ``sync.transport=gloo`` (vLLM's ``nccl``
      messages, packed unless ``--unpacked``) to the reference server (pause -> four-phase
      routes + gloo broadcast -> resume), reported as ``sync/last_weight_sync_seconds`` (the
      transfer alone), with the loop's longest stall (``StallInstrument``, the same one
@@ -55,7 +55,7 @@ from engines.launch import launch_local_engines
 from engines.models import build_tiny_model, quiet_transformers
 from engines.process_group import free_port, join_group
 from sync.transports.broadcast import BroadcastTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from trainer.debug import StallInstrument
 from trainer.workers.local import LocalWorkerGroup
 
@@ -149,13 +149,13 @@ async def measure(
                 )
                 await transport.init(client, workers)
                 for name in ("cold1_s", "cold2_s"):  # both staging pools, first touched
-                    r = await save_weights_for_sampler(client, workers, transport)
+                    r = await sync_weights(client, workers, transport)
                     out[name] = r["sync/last_weight_sync_seconds"]
                 raws, transfers, worst_stall = [], [], 0.0
                 for _ in range(repeats):
                     raws.append(await trio.to_thread.run_sync(raw.broadcast_seconds))
                     stall.take_max_ms()
-                    r = await save_weights_for_sampler(client, workers, transport)
+                    r = await sync_weights(client, workers, transport)
                     transfers.append(r["sync/last_weight_sync_seconds"])
                     worst_stall = max(worst_stall, stall.take_max_ms())
                 out["raw_s"], out["raw_best_s"] = statistics.median(raws), min(raws)

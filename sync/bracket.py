@@ -3,7 +3,7 @@
 :meth:`Bracket.of` is the one place that reads ``engine.colocated``,
 ``engine.offload_kv_for_weight_sync`` and whether rollouts go on during the weight sync
 (``trainer.strategy=fully_async``); the weight sync itself
-(:func:`sync.weights.save_weights_for_sampler`), the config's check of which control routes a
+(:func:`sync.weights.sync_weights`), the config's check of which control routes a
 run calls, and the engine servers' sleep mode all read the answer.
 
 :func:`open_bracket` makes the calls, one context manager per kind; the transfer is its body:

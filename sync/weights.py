@@ -1,6 +1,6 @@
 """The weight sync: the policy's weights pushed to the inference engines (stage ``sync_weights``).
 
-:func:`save_weights_for_sampler` is the weight sync whole: an engine *bracket*
+:func:`sync_weights` is the weight sync whole: an engine *bracket*
 (:mod:`sync.bracket`: pause/resume, sleep/wake, or both, around the transfer; its cleanups run
 with what is left of the step's budget) around a *transfer* (:mod:`sync.transfer`: shielded,
 bounded by the step's deadline plus ``sync.transfer_grace_s``, sent again once when it broke off
@@ -29,10 +29,11 @@ __all__ = [
     "abandoned_detail",
     "run_transfer",
     "save_weights_for_sampler",
+    "sync_weights",
 ]
 
 
-async def save_weights_for_sampler(
+async def sync_weights(
     engine: EngineClient,
     workers: Rank0,
     transport: WeightTransport,
@@ -56,3 +57,8 @@ async def save_weights_for_sampler(
             engine, workers, transport, cleanups, grace_s=grace_s, weight_version=weight_version
         )
     return metrics
+
+
+#: Tinker's name for :func:`sync_weights` (a public name kept working; docs/architecture.md's
+#: "Words" table gives the weight sync's one vocabulary).
+save_weights_for_sampler = sync_weights

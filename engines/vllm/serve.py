@@ -23,7 +23,7 @@ launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.pl
   adds routes; unless ``extra_args`` gives it or ``--tokens-only``), then ``--host`` and a
   free ``--port``; every flag is one
   the pinned ``vllm serve`` accepts (checked against
-  ``tests/engines/reference/vllm_serve_flags.json``, dumped from vLLM's own parser);
+  ``tests/engines/vllm_recorded/vllm_serve_flags.json``, dumped from vLLM's own parser);
 - it runs under :mod:`engines.launch.stdin_guard`, since ``vllm serve`` cannot watch its stdin:
   a trainer that dies (even SIGKILL) takes its servers down;
 - its environment adds ``VLLM_SERVER_DEV_MODE=1`` (vLLM 0.33 serves the control routes,

@@ -1,4 +1,4 @@
-"""The interface ``save_weights_for_sampler`` drives, and what a transport may ask of the workers.
+"""The interface ``sync_weights`` drives, and what a transport may ask of the workers.
 
 A transport owns both halves of a weight sync: the trainer side here in ``sync`` (what runs
 on policy rank 0, through :meth:`Rank0.run_on_rank0`) and the engine side in ``engines``

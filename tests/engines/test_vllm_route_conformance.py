@@ -43,11 +43,11 @@ from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_h
 from sync.bracket import Bracket
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from tests.engines.helpers import serve_asgi
 from trainer.workers.local import LocalWorkerGroup
 
-VLLM = json.loads((Path(__file__).parent / "reference" / "vllm_routes.json").read_text())
+VLLM = json.loads((Path(__file__).parent / "vllm_recorded" / "vllm_routes.json").read_text())
 OPENAPI = VLLM["openapi"]
 
 #: Keys the reference server adds to vLLM's answer, each documented in docs/engines.md: a
@@ -367,12 +367,12 @@ async def test_the_disk_and_gloo_syncs_send_what_vllms_routes_declare(
             disk = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await disk.init(client, workers)
             # the offloading bracket: pause, sleep, wake the weights, transfer, wake the KV cache
-            await save_weights_for_sampler(
+            await sync_weights(
                 client, workers, disk, bracket=Bracket.PAUSE_OFFLOAD_KV, pause_mode="wait"
             )
             gloo = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
             await gloo.init(client, workers)
-            await save_weights_for_sampler(client, workers, gloo)
+            await sync_weights(client, workers, gloo)
             await gloo.close(workers)
             assert await client.weight_checksums() != []
     routes = [ex.route for ex in proxy.exchanges]

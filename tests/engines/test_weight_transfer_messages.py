@@ -32,10 +32,12 @@ from engines.weight_transfer import (
     pickle_ipc_handles,
 )
 from sync.transports.broadcast import BroadcastTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from trainer.workers.local import LocalWorkerGroup
 
-VLLM = json.loads((Path(__file__).parent / "reference" / "vllm_weight_transfer.json").read_text())
+VLLM = json.loads(
+    (Path(__file__).parent / "vllm_recorded" / "vllm_weight_transfer.json").read_text()
+)
 _TYPES = {"str": str, "int": int, "bool": bool, "None": type(None), "list": list, "dict": dict}
 
 
@@ -114,7 +116,7 @@ async def test_a_gloo_sync_sends_exactly_vllms_nccl_bodies(tmp_path, packed):
             client = RecordingClient(real)
             transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120, packed=packed)
             await transport.init(client, workers)
-            await save_weights_for_sampler(client, workers, transport)  # type: ignore[arg-type]
+            await sync_weights(client, workers, transport)  # type: ignore[arg-type]
             await transport.close(workers)
     paths = [path for path, _ in client.bodies]
     assert paths[0] == "/init_weight_transfer_engine" and paths[-1] == "/finish_weight_update"

@@ -11,7 +11,7 @@ import trio
 
 from engines.client import InferenceClient
 from engines.types import SamplingParams
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from trainer.workers.local import LocalWorkerGroup
 
 __all__ = ["PROMPT", "VERSIONS", "policy_logprobs", "syncs_make_the_engine_score_as_the_policy"]
@@ -54,9 +54,7 @@ async def syncs_make_the_engine_score_as_the_policy(
                 )
                 assert max(abs(a - b) for a, b in zip(policy, stale.logprobs)) > 1e-3
                 with trio.fail_after(300):
-                    await save_weights_for_sampler(
-                        client, workers, transport, weight_version=version
-                    )
+                    await sync_weights(client, workers, transport, weight_version=version)
                 fresh = await client.generate(PROMPT, sampling)
                 policy = await trio.to_thread.run_sync(
                     policy_logprobs, model, PROMPT, fresh.token_ids

@@ -1,4 +1,4 @@
-"""The engine brackets of ``save_weights_for_sampler``, as a real reference server sees them.
+"""The engine brackets of ``sync_weights``, as a real reference server sees them.
 
 One server (a real process, started by ``engines.launch``) serves the module; each test runs
 a real disk sync from a real worker group through a real ``InferenceClient`` and reads the
@@ -24,7 +24,7 @@ from engines.client import InferenceClient
 from engines.models import build_tiny_model
 from sync.bracket import Bracket
 from sync.transports import DiskTransport
-from sync.weights import abandoned_detail, save_weights_for_sampler
+from sync.weights import abandoned_detail, sync_weights
 from trainer.config import Config, load_config
 from trainer.errors import FaultInjected, WeightSyncTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
@@ -34,7 +34,7 @@ from trainer.workers.local import LocalWorkerGroup
 TRANSFER = ["/start_weight_update", "/update_weights", "/finish_weight_update"]
 ONE_BUCKET = 1 << 30
 
-#: save_weights_for_sampler's keyword arguments -> the calls around the transfer.
+#: sync_weights's keyword arguments -> the calls around the transfer.
 SHAPES: dict[str, tuple[dict[str, Any], list[str], list[str]]] = {
     "non-colocated": (
         {},
@@ -100,7 +100,7 @@ async def test_the_server_sees_each_bracket_around_the_transfer_in_order(
     kwargs, before, after = SHAPES[shape]
     workers, transport = await disk_sync_setup(client, tmp_path)
     async with recorded_calls(client) as calls:
-        await save_weights_for_sampler(client, workers, transport, **kwargs)
+        await sync_weights(client, workers, transport, **kwargs)
     assert calls == [*before, *TRANSFER, *after]
     assert await client.is_paused() == [False]
     assert await client.is_sleeping() == [False]
@@ -115,7 +115,7 @@ async def test_a_failed_transfer_still_runs_each_brackets_cleanups_in_order(
     install_faults("broadcast_to_inference_engines:error=boom")
     with pytest.raises(FaultInjected, match="boom"):
         async with recorded_calls(client) as calls:
-            await save_weights_for_sampler(client, workers, transport, **kwargs)
+            await sync_weights(client, workers, transport, **kwargs)
     # fully-async: the KV wake precedes the resume, so generation resumes onto a live cache;
     # the prefix cache is reset only after a transfer that finished
     assert calls == [*before, *cleanups(after)]
@@ -175,7 +175,7 @@ async def test_a_transfer_hung_past_its_grace_is_abandoned_and_the_engine_left_p
         with pytest.raises(WeightSyncTimeoutError) as info:
             async with recorded_calls(client) as calls:
                 with step_deadline(2, BUDGET_S, WeightSyncTimeoutError):
-                    await save_weights_for_sampler(client, workers, hung, grace_s=GRACE_S, **kwargs)
+                    await sync_weights(client, workers, hung, grace_s=GRACE_S, **kwargs)
         waited = trio.current_time() - t0
     finally:
         if stuck == "rank0":

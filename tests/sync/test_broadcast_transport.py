@@ -13,7 +13,7 @@ from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from sync.transports import broadcast_rank0 as broadcast
 from sync.transports.broadcast import BroadcastTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import install_faults
 from trainer.workers.local import LocalWorkerGroup
@@ -51,9 +51,7 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
                 policy_sum = state_checksum(dict(model.named_parameters()))
                 assert policy_sum not in await _checksums(client)
                 version = 10 + sync  # the trainer's, which each engine takes as its own
-                result = await save_weights_for_sampler(
-                    client, workers, transport, weight_version=version
-                )
+                result = await sync_weights(client, workers, transport, weight_version=version)
                 assert await _checksums(client) == [policy_sum, policy_sum]
                 assert await _checksums(client, "weight_version") == [version, version]
                 assert result["sync/last_weight_sync_seconds"] > 0

@@ -17,7 +17,7 @@ import trio
 
 from engines.client import InferenceClient
 from sync.transports import DiskTransport
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from tests.sync.test_bracket_orders import (
     SHAPES,
     TRANSFER,
@@ -44,7 +44,7 @@ async def test_a_transfer_broken_off_before_its_finish_is_finished_before_genera
     workers, transport = await disk_sync_setup(client, tmp_path)
     install_faults("transfer_before_finish:error=boom")
     async with recorded_calls(client) as calls:
-        metrics = await save_weights_for_sampler(client, workers, transport, **kwargs)
+        metrics = await sync_weights(client, workers, transport, **kwargs)
     # every bucket was in: the update is finished (real vLLM refuses a second start while
     # one is open), and only then the bracket's cleanups and the prefix-cache reset
     assert calls == [*before, START, UPDATE, FINISH, *after]
@@ -60,7 +60,7 @@ async def test_a_transfer_broken_off_with_buckets_missing_leaves_the_engines_pau
     install_faults("transfer_after_first_bucket:error=boom")
     with pytest.raises(EngineUnusableError, match="buckets missing") as info:
         async with recorded_calls(client) as calls:
-            await save_weights_for_sampler(client, workers, transport)
+            await sync_weights(client, workers, transport)
     # its finish closes the open update (so the next complete sync is accepted); no resume
     assert calls == ["/pause?mode=keep", START, UPDATE, FINISH]
     assert await client.is_paused() == [True]
@@ -83,7 +83,7 @@ async def test_when_the_re_send_fails_too_the_engines_stay_paused_and_the_error_
     transport = FailingAfterStart(tmp_path / "sync", bucket_bytes=1 << 30)
     with pytest.raises(EngineUnusableError) as info:
         async with recorded_calls(client) as calls:
-            await save_weights_for_sampler(client, workers, transport)
+            await sync_weights(client, workers, transport)
     assert calls == ["/pause?mode=keep", START, FINISH]  # closed, best effort; never resumed
     assert await client.is_paused() == [True]
     assert info.value.urls == list(client.urls)
@@ -97,7 +97,7 @@ async def test_a_failure_before_the_transfer_reaches_the_engines_is_not_sent_aga
     install_faults("broadcast_to_inference_engines:error=boom")
     with pytest.raises(FaultInjected):
         async with recorded_calls(client) as calls:
-            await save_weights_for_sampler(client, workers, transport)
+            await sync_weights(client, workers, transport)
     assert calls == ["/pause?mode=keep", "/resume"]  # the engines' weights were never touched
 
 
@@ -117,7 +117,7 @@ async def test_a_deadline_past_mid_transfer_leaves_the_engines_paused_and_says_s
     transport = SlowAfterStart(tmp_path / "sync", bucket_bytes=1 << 30)
     with pytest.raises(WeightSyncTimeoutError) as info:
         with step_deadline(2, 2.0, WeightSyncTimeoutError):
-            await save_weights_for_sampler(client, workers, transport, grace_s=30)
+            await sync_weights(client, workers, transport, grace_s=30)
     assert await client.is_paused() == [True]  # no time to send again: never resumed
     notes = " ".join(getattr(info.value, "__notes__", ()))
     assert "left paused and unusable" in notes and "no time was left" in notes

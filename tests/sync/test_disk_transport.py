@@ -17,7 +17,7 @@ from engines.local.model_weights import state_checksum
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
 from sync.transports import DiskTransport, disk
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from trainer.errors import InferenceServerError
 from trainer.workers.local import LocalWorkerGroup
 
@@ -41,7 +41,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await transport.init(client, workers)
-            result = await save_weights_for_sampler(client, workers, transport, weight_version=7)
+            result = await sync_weights(client, workers, transport, weight_version=7)
             (after,) = await client.control("POST", "/weight_checker", json={"action": "checksum"})
             assert isinstance(after, dict) and after["checksum"] == policy_sum
             assert after["weight_version"] == 7  # the trainer's version, not its own count (1)

@@ -65,6 +65,7 @@ PUBLIC = {
         "abandoned_detail",
         "run_transfer",
         "save_weights_for_sampler",
+        "sync_weights",
     ],
 }
 

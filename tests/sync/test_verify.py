@@ -10,7 +10,7 @@ import torch
 
 from engines.client import InferenceClient
 from sync.verify import verify_sync
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from tests.sync.test_bracket_orders import disk_sync_setup
 from trainer.errors import WeightSyncMismatchError
 
@@ -21,7 +21,7 @@ async def test_a_complete_sync_passes_and_a_policy_that_moved_on_is_caught(
     client: InferenceClient, tmp_path: Path
 ) -> None:
     workers, transport = await disk_sync_setup(client, tmp_path)
-    await save_weights_for_sampler(client, workers, transport)
+    await sync_weights(client, workers, transport)
     ok = await verify_sync(client, workers, PROMPT, tolerance=None, weight_version=1)
     assert ok["sync/verify_max_abs_diff"] < 1e-3  # float32 policy: the default bound
     with torch.no_grad():  # the engine now serves other weights than the policy's

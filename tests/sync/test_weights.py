@@ -1,10 +1,10 @@
-"""``save_weights_for_sampler``: the transfer never freezes the loop, is not abandoned before
+"""``sync_weights``: the transfer never freezes the loop, is not abandoned before
 its deadline plus grace, and the engine bracket runs its steps in order whatever happens to
 the transfer (abandonment itself: ``tests/sync/test_bracket_orders.py``, real server).
 
 The engine is a recording fake; the transfer is a real blocking thread (``time.sleep``, or
 held until the test releases it), followed by a cancellable engine call, so only
-``save_weights_for_sampler`` itself can keep a cancellation from cutting the transfer short.
+``sync_weights`` itself can keep a cancellation from cutting the transfer short.
 A cancellation lands mid-transfer from inside the thread, and a deadline passes mid-transfer
 on ``mock_clock``, moved while the held thread runs: never a race of the thread's sleep
 against a wall-clock deadline.
@@ -21,7 +21,7 @@ import trio
 import trio.testing
 
 from sync.bracket import Bracket
-from sync.weights import abandoned_detail, save_weights_for_sampler
+from sync.weights import abandoned_detail, sync_weights
 from trainer.errors import StepTimeoutError, WeightSyncTimeoutError
 from trainer.vocabulary import install_faults, step_deadline
 
@@ -93,7 +93,7 @@ async def test_the_transfer_does_not_block_the_event_loop(blocking_in):
     result: dict[str, float] = {}
 
     async def sync() -> None:
-        result.update(await save_weights_for_sampler(engine, None, transport))
+        result.update(await sync_weights(engine, None, transport))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(sync)
@@ -116,7 +116,7 @@ async def test_a_cancellation_waits_for_the_transfer_before_resuming():
     events: list[str] = []
     async with trio.open_nursery() as nursery:
         transport = CancelAfterThread(events, 0.3, nursery.cancel_scope)  # once its thread runs
-        nursery.start_soon(save_weights_for_sampler, RecordingEngine(events), None, transport)
+        nursery.start_soon(sync_weights, RecordingEngine(events), None, transport)
     assert events == ["paused", "bucket_written", "broadcast_done", "resumed"]
 
 
@@ -160,7 +160,7 @@ async def test_a_deadline_mid_transfer_raises_its_error_after_the_transfer_finis
         nursery.start_soon(_past_the_deadline_mid_transfer, mock_clock, transport, 0.5)
         with pytest.raises(WeightSyncTimeoutError) as info:
             with step_deadline(3, 0.1, WeightSyncTimeoutError):
-                await save_weights_for_sampler(RecordingEngine(events), None, transport)
+                await sync_weights(RecordingEngine(events), None, transport)
     assert info.value.operation == "broadcast_to_inference_engines"
     assert info.value.detail is None  # finished within its grace: not abandoned
     # the transfer finished within its grace (sync.transfer_grace_s), but the deadline had
@@ -176,7 +176,7 @@ async def test_a_cancellation_then_a_failed_transfer_chains_the_transfer_error(m
         nursery.start_soon(_past_the_deadline_mid_transfer, mock_clock, transport, 0.5)
         with pytest.raises(WeightSyncTimeoutError) as info:
             with step_deadline(2, 0.1, WeightSyncTimeoutError):
-                await save_weights_for_sampler(RecordingEngine(events), None, transport)
+                await sync_weights(RecordingEngine(events), None, transport)
     cause = info.value.__cause__
     assert isinstance(cause, RuntimeError) and str(cause) == "bucket 3 went missing"
     assert events == ["paused", "broadcast_failed"]
@@ -186,7 +186,7 @@ async def test_a_failed_transfer_without_cancellation_raises_its_own_error_and_r
     events: list[str] = []
     transport = BlockingTransport(events, 0.05, fail="boom")
     with pytest.raises(RuntimeError, match="boom"):
-        await save_weights_for_sampler(RecordingEngine(events), None, transport)
+        await sync_weights(RecordingEngine(events), None, transport)
     assert events == ["paused", "broadcast_failed", "resumed"]
 
 
@@ -216,9 +216,7 @@ async def test_offload_kv_fully_async_wakes_kv_before_resuming(outcome):
             if outcome == "failure"
             else _no_raise()
         ):
-            await save_weights_for_sampler(
-                engine, None, transport, bracket=Bracket.PAUSE_OFFLOAD_KV
-            )
+            await sync_weights(engine, None, transport, bracket=Bracket.PAUSE_OFFLOAD_KV)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
         "paused",
@@ -240,7 +238,7 @@ async def test_offload_kv_sync_trainer_always_wakes_kv_after_the_transfer(outcom
         else:
             transport = BlockingTransport(events, 0.2, fail="x" if outcome == "failure" else None)
         with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-            await save_weights_for_sampler(engine, None, transport, bracket=Bracket.OFFLOAD_KV)
+            await sync_weights(engine, None, transport, bracket=Bracket.OFFLOAD_KV)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == [
         "sleep",
@@ -255,9 +253,7 @@ async def test_colocated_wakes_weights_then_transfers_then_wakes_kv(outcome):
     events: list[str] = []
     transport = BlockingTransport(events, 0.05, fail="x" if outcome == "failure" else None)
     with pytest.raises(RuntimeError) if outcome == "failure" else _no_raise():
-        await save_weights_for_sampler(
-            RecordingEngine(events), None, transport, bracket=Bracket.COLOCATED
-        )
+        await sync_weights(RecordingEngine(events), None, transport, bracket=Bracket.COLOCATED)
     done = "broadcast_failed" if outcome == "failure" else "broadcast_done"
     assert [e for e in events if e != "bucket_written"] == ["wake_weights", done, "wake_kv_cache"]
 
@@ -282,7 +278,7 @@ async def test_an_abandoned_transfer_names_the_deadline_that_fired_first(
         with step_deadline(2, step_s, StepTimeoutError):
             await trio.sleep(1.0)  # the step's stages before its sync
             with step_deadline(2, sync_s, WeightSyncTimeoutError):
-                await save_weights_for_sampler(
+                await sync_weights(
                     RecordingEngine(events), None, BlockingTransport(events, 0), grace_s=10.0
                 )
     assert type(info.value) is WeightSyncTimeoutError
@@ -305,7 +301,7 @@ async def test_a_cancellation_without_a_deadline_abandons_a_hung_transfer_after_
         async with trio.open_nursery() as nursery:
             nursery.start_soon(
                 functools.partial(
-                    save_weights_for_sampler,
+                    sync_weights,
                     RecordingEngine(events),
                     None,
                     BlockingTransport(events, 0),
@@ -328,7 +324,7 @@ async def test_a_cancellation_without_a_deadline_still_waits_for_a_transfer_with
     transport = HeldTransport(events)
     with trio.CancelScope() as interrupt:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(save_weights_for_sampler, RecordingEngine(events), None, transport)
+            nursery.start_soon(sync_weights, RecordingEngine(events), None, transport)
             await trio.to_thread.run_sync(transport.thread_started.wait, 60)
             interrupt.cancel()
             mock_clock.jump(0.5)

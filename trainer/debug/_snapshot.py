@@ -6,7 +6,7 @@ The snapshot is plain JSON data (it crosses the debug socket as it is)::
      "step": {"step": 2, "running_s": 93.1},                # None between steps
      "tasks": {"name": "<init>", "step": None, "stage": None, "operation": None,
                "budget_s": None, "remaining_s": None, "deadline_error": None,
-               "waiting_s": 0.1, "at": "trainer/loop/_sync.py:40 in run_training",
+               "waiting_s": 0.1, "at": "trainer/loop/_steps.py:40 in run_training",
                "stack": [...], "children": [...]},
      "threads": [{"name": "worker:forward_backward", "ident": 1, "daemon": True,
                   "stack": ["trainer/workers/local.py:32 in _fire_then", ...]}],

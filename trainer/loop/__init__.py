@@ -7,11 +7,11 @@ from trainer.loop._context import Strategy as Strategy
 from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
 from trainer.loop._prompt_stream import PromptStream as PromptStream
 from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
+from trainer.loop._steps import resync_engines as resync_engines
+from trainer.loop._steps import run_training as run_training
 from trainer.loop._strategy import FullyAsyncStrategy as FullyAsyncStrategy
 from trainer.loop._strategy import SyncStrategy as SyncStrategy
 from trainer.loop._strategy import make_strategy as make_strategy
-from trainer.loop._sync import resync_engines as resync_engines
-from trainer.loop._sync import run_training as run_training
 from trainer.loop._versions import WeightVersions as WeightVersions
 
 __all__ = [

@@ -42,7 +42,7 @@ from trainer.loop._context import RunContext, StepFn
 from trainer.loop._dynamic_sampling import FilterCount, is_informative
 from trainer.loop._prompt_stream import PromptKey, PromptStream
 from trainer.loop._staleness import Admission, staleness
-from trainer.loop._sync import sync_weights, train_on
+from trainer.loop._steps import sync_weights, train_on
 from trainer.loop._versions import WeightVersions
 from trainer.vocabulary import (
     Bound,

@@ -2,7 +2,7 @@
 runs, and whether rollouts go on while the policy trains and syncs.
 
 :func:`make_strategy` builds it from the config and the training prompts; nothing else asks
-which strategy runs. Both share one skeleton, :func:`trainer.loop._sync.run_training`: the
+which strategy runs. Both share one skeleton, :func:`trainer.loop._steps.run_training`: the
 first weight sync, then each step under its deadline and the watchdog, recorded, with eval
 where due. A strategy supplies the step (:meth:`Strategy.steps`), the data position a
 checkpoint keeps, and the engine its rollouts see (the :class:`~trainer.loop._context.Strategy`
@@ -22,7 +22,7 @@ from trainer.loop._context import RunContext, StepFn
 from trainer.loop._fully_async import rolling_out
 from trainer.loop._prompt_stream import PromptStream
 from trainer.loop._rollout_versions import VersionedEngine
-from trainer.loop._sync import run_step
+from trainer.loop._steps import run_step
 from trainer.loop._versions import WeightVersions
 
 __all__ = ["FullyAsyncStrategy", "SyncStrategy", "make_strategy"]

@@ -4,7 +4,7 @@
 ``policy_step`` is the trained step whose weights those are (0: the initial policy), which
 fully-async admission bounds staleness against (:mod:`trainer.loop._staleness`); ``syncing``
 says a sync is under way, which the fully-async engine labels tokens by
-(:mod:`trainer.loop._rollout_versions`). Only :func:`trainer.loop._sync.sync_weights` moves
+(:mod:`trainer.loop._rollout_versions`). Only :func:`trainer.loop._steps.sync_weights` moves
 them, and :func:`trainer.run.train` once, when it resumes (:meth:`WeightVersions.resumed`).
 """
 

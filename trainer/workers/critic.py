@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Unpack
 
 import torch
 
@@ -26,12 +27,7 @@ from trainer.checkpoint.format import load_model, load_state, save_model, save_s
 from trainer.errors import CheckpointError
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import is_sharded, shard_model
-from trainer.workers.training import (
-    Optimizer,
-    add_metrics,
-    enable_activation_checkpointing,
-    micro_batches,
-)
+from trainer.workers.training import OptimArgs, add_metrics, micro_batches, start_training
 
 __all__ = ["CRITIC_FILES", "CriticWorker"]
 
@@ -78,32 +74,20 @@ class CriticWorker:
         self,
         model_dir: str | Path,
         *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        max_grad_norm: float = 1.0,
         value_clip: float | None = 0.5,
         micro_batch_size: int | None = None,
         seed: int = 0,
         device: str = "auto",
         dtype: str = "auto",
         gradient_checkpointing: bool = False,
+        **optim: Unpack[OptimArgs],
     ) -> None:
         self.device = resolve_device(device)
         self.model = _load_value_model(
             model_dir, seed, self.device, resolve_dtype(dtype, self.device)
         )
-        self.model.train()
-        if gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self._optim = Optimizer(
-            self.model,
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_grad_norm=max_grad_norm,
+        self._optim = start_training(
+            self.model, gradient_checkpointing=gradient_checkpointing, **optim
         )
         self.value_clip = value_clip
         self.micro_batch_size = micro_batch_size

@@ -14,6 +14,7 @@ offloaded policy brings it back first. On the CPU both are no-ops that report 0 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Unpack
 
 import torch
 
@@ -33,12 +34,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
 from trainer.workers.logprobs import forward_logprobs
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
-from trainer.workers.training import (
-    MicroBatching,
-    Optimizer,
-    add_metrics,
-    enable_activation_checkpointing,
-)
+from trainer.workers.training import MicroBatching, OptimArgs, add_metrics, start_training
 
 __all__ = ["OFFLOAD_METRICS", "PolicyWorker", "RefWorker", "preload_model_code"]
 
@@ -120,11 +116,6 @@ class PolicyWorker:
         self,
         model_dir: str | Path,
         *,
-        lr: float,
-        betas: tuple[float, float] = (0.9, 0.99),
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        max_grad_norm: float = 1.0,
         temperature: float = 1.0,
         policy_loss: str = "ppo",
         clip_ratio_low: float = 0.2,
@@ -143,20 +134,13 @@ class PolicyWorker:
         dtype: str = "auto",
         gradient_checkpointing: bool = False,
         offload: bool = False,
+        **optim: Unpack[OptimArgs],
     ) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
-        self.model.train()
-        if gradient_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self._optim = Optimizer(
-            self.model,
-            lr=lr,
-            betas=betas,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            max_grad_norm=max_grad_norm,
+        self._optim = start_training(
+            self.model, gradient_checkpointing=gradient_checkpointing, **optim
         )
         self.offload = offload
         self._offloaded: Offloaded | None = None

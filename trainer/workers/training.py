@@ -4,6 +4,7 @@ clipping and stepping, activation checkpointing, and summing a mini-batch's metr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Required, TypedDict, Unpack
 
 import attrs
 import torch
@@ -14,11 +15,13 @@ from trainer.workers.fsdp import is_sharded
 
 __all__ = [
     "MicroBatching",
+    "OptimArgs",
     "Optimizer",
     "add_metrics",
     "enable_activation_checkpointing",
     "extreme",
     "micro_batches",
+    "start_training",
     "token_budget_micro_batches",
 ]
 
@@ -98,6 +101,17 @@ class MicroBatching:
             yield None, one
 
 
+class OptimArgs(TypedDict, total=False):
+    """An optimizer's settings (``optim.*``, ``critic.optim.*``) as a worker's keyword
+    arguments; unset ones take :class:`Optimizer`'s defaults."""
+
+    lr: Required[float]
+    betas: tuple[float, float]
+    weight_decay: float
+    warmup_steps: int
+    max_grad_norm: float
+
+
 class Optimizer:
     """A model's AdamW and its linear learning-rate warm-up over ``warmup_steps`` steps."""
 
@@ -106,10 +120,10 @@ class Optimizer:
         model: torch.nn.Module,
         *,
         lr: float,
-        betas: tuple[float, float],
-        weight_decay: float,
-        warmup_steps: int,
-        max_grad_norm: float,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        max_grad_norm: float = 1.0,
     ) -> None:
         self.model = model
         self._adamw = {"lr": lr, "betas": betas, "weight_decay": weight_decay}
@@ -175,3 +189,14 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+
+
+def start_training(
+    model: torch.nn.Module, *, gradient_checkpointing: bool, **optim: Unpack[OptimArgs]
+) -> Optimizer:
+    """``model`` in training mode, its activations recomputed in the backward pass when
+    ``gradient_checkpointing``, and its optimizer: how the policy and the critic start."""
+    model.train()
+    if gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    return Optimizer(model, **optim)

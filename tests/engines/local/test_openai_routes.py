@@ -20,7 +20,7 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 SCHEMAS = json.loads(
-    (Path(__file__).parents[1] / "reference" / "vllm_openai_schemas.json").read_text()
+    (Path(__file__).parents[1] / "vllm_recorded" / "vllm_openai_schemas.json").read_text()
 )["schemas"]
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "max 7 5 ="}]
 
@@ -243,7 +243,7 @@ def test_completion_logprobs_n_reports_the_sampled_token_and_n_alternatives(
 
 def test_schemas_file_names_the_vllm_it_was_dumped_from() -> None:
     data = json.loads(
-        (Path(__file__).parents[1] / "reference" / "vllm_openai_schemas.json").read_text()
+        (Path(__file__).parents[1] / "vllm_recorded" / "vllm_openai_schemas.json").read_text()
     )
     assert data["vllm_version"] == "0.33.0"
     assert set(SCHEMAS) >= {

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 SCHEMAS = json.loads(
-    (Path(__file__).parents[1] / "reference" / "vllm_token_schemas.json").read_text()
+    (Path(__file__).parents[1] / "vllm_recorded" / "vllm_token_schemas.json").read_text()
 )["schemas"]
 PROMPT_IDS = [5, 17, 3, 22, 9]
 

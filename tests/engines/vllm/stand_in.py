@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from engines.vllm.control import VLLMClasses
 
 SHAPES: dict[str, Any] = json.loads(
-    (Path(__file__).parents[1] / "reference" / "vllm_shapes.json").read_text()
+    (Path(__file__).parents[1] / "vllm_recorded" / "vllm_shapes.json").read_text()
 )
 
 

@@ -43,7 +43,7 @@ from trainer.errors import (
     EngineStartError,
 )
 
-REFERENCE = Path(__file__).parents[1] / "reference"
+RECORDED = Path(__file__).parents[1] / "vllm_recorded"
 SAMPLING_FIELDS: dict[str, dict[str, Any]] = SHAPES["SamplingParams"]["fields"]
 
 needs_vllm = pytest.mark.skipif(not vllm_inprocess.VLLM_AVAILABLE, reason="vLLM is not installed")
@@ -183,11 +183,11 @@ def test_the_recorded_stand_ins_reject_names_vllm_does_not_have() -> None:
 
 @needs_vllm
 def test_the_recorded_shapes_are_those_of_the_installed_vllm() -> None:
-    dump = runpy.run_path(str(REFERENCE / "dump_vllm_shapes.py"))
+    dump = runpy.run_path(str(RECORDED / "dump_vllm_shapes.py"))
     installed = json.loads(json.dumps(dump["vllm_shapes"]()))
     assert installed == SHAPES, (
         f"vLLM {installed['vllm_version']} differs from the recorded {SHAPES['vllm_version']}: "
-        "run tests/engines/reference/dump_vllm_shapes.py and review the diff"
+        "run tests/engines/vllm_recorded/dump_vllm_shapes.py and review the diff"
     )
 
 

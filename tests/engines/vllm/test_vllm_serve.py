@@ -44,8 +44,8 @@ from trainer.errors import ConfigError
 from trainer.run import train
 from trainer.run._engines import vllm_servers
 
-REFERENCE = Path(__file__).parents[1] / "reference"
-DUMP = json.loads((REFERENCE / "vllm_serve_flags.json").read_text())
+RECORDED = Path(__file__).parents[1] / "vllm_recorded"
+DUMP = json.loads((RECORDED / "vllm_serve_flags.json").read_text())
 FLAGS: dict[str, dict[str, object]] = DUMP["flags"]
 PROJECT = Path(__file__).resolve().parents[3]
 

@@ -190,7 +190,7 @@ class _Spy:
 
 
 async def _sync_while(client, versions: WeightVersions, mode: str, requeued: int) -> None:
-    """What ``trainer.loop._sync.sync_weights`` does around a transfer, with the engine running.
+    """What ``trainer.loop._steps.sync_weights`` does around a transfer, with the engine running.
 
     The "transfer" lasts until ``requeued`` requests queue behind the pause (with ``abort``,
     the aborted ones come back as continuations), so they are sent while the sync runs.

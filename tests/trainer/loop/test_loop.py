@@ -21,7 +21,7 @@ from trainer.debug._server import debug_paths
 from trainer.errors import ConfigError, StepTimeoutError
 from trainer.generators import Generator, GeneratorInput, GeneratorOutput
 from trainer.loop import WeightVersions
-from trainer.loop._sync import run_eval
+from trainer.loop._steps import run_eval
 
 CUSTOM = "tests.trainer.helpers:OneCallGenerator"
 

@@ -129,7 +129,7 @@ async def test_fsdp2_ranks_step_like_one_worker_and_rank0_reads_the_full_weights
         policy_kwargs=POLICY_KWARGS,
         with_ref=False,
         num_workers=2,
-        data_parallel="fsdp2",
+        sharded=True,  # the plan's decision for workers.data_parallel=fsdp2
     )
     try:
         assert group.sharded

@@ -13,7 +13,7 @@ from engines.local.model_weights import state_checksum
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.transports.inprocess import copy_weights
-from sync.weights import save_weights_for_sampler
+from sync.weights import sync_weights
 from tests.trainer.workers.ray_helpers import POLICY_KWARGS, make_batch, wait_gone
 from trainer.checkpoint import CheckpointManager
 from trainer.errors import CheckpointEngineInitError
@@ -82,7 +82,7 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
                     policy_sum = state_checksum(await group.run_on_rank0(copy_weights))
                     assert await served() != policy_sum
                     await transport.init(client, group)
-                    result = await save_weights_for_sampler(client, group, transport)
+                    result = await sync_weights(client, group, transport)
                     assert await served() == policy_sum, type(transport).__name__
                     assert result["sync/last_weight_sync_seconds"] > 0
                     assert not any(await client.is_paused())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import time
 
-from sync.weights import save_weights_for_sampler
+from sync import weights as weight_sync
 from trainer.data import Example
 from trainer.errors import WeightSyncTimeoutError
 from trainer.generators import GeneratorOutput
@@ -132,7 +132,7 @@ async def sync_weights(
         try:
 
             async def transfer() -> dict[str, float]:
-                return await save_weights_for_sampler(
+                return await weight_sync.sync_weights(
                     ctx.engine,
                     ctx.workers,
                     ctx.transport,

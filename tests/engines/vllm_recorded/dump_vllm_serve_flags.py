@@ -10,7 +10,7 @@ same ``/tmp/vllm_site`` as ``dump_vllm_shapes.py``, which lists what was pip-ins
 vLLM's CPU platform lets its parser build without a GPU, in about 15 s)::
 
     VLLM_TARGET_DEVICE=cpu PYTHONPATH=/tmp/vllm_site .venv/bin/python \\
-        tests/engines/reference/dump_vllm_serve_flags.py
+        tests/engines/vllm_recorded/dump_vllm_serve_flags.py
 
 With vLLM installed normally (on a GPU machine), the same line without the first two
 variables does it.

@@ -8,7 +8,7 @@ How it was run (vLLM 0.33.0, the same ``/tmp/vllm_site`` as ``dump_vllm_shapes.p
 lists what was pip-installed there; only the modules below are imported, which works
 without a GPU)::
 
-    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/reference/dump_vllm_weight_transfer.py
+    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/vllm_recorded/dump_vllm_weight_transfer.py
 
 For each dataclass: its module, and each field's type (as written in the source), whether
 it is required, and its default. Also the server's backend choice

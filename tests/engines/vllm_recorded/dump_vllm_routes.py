@@ -30,7 +30,7 @@ router modules and what they import are loaded, which works without a GPU, in ab
 
     pip install --no-deps --target /tmp/vllm_routes_extra orjson
     PYTHONPATH=/tmp/vllm_site:/tmp/vllm_routes_extra .venv/bin/python \\
-        tests/engines/reference/dump_vllm_routes.py
+        tests/engines/vllm_recorded/dump_vllm_routes.py
 
 With vLLM installed normally, the last line alone (without ``PYTHONPATH``) does it.
 """

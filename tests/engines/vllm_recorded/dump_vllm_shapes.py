@@ -12,7 +12,7 @@ only the modules below are imported, which works without a GPU)::
         xgrammar apache-tvm-ffi==0.1.11 fastapi starlette opentelemetry-api \\
         opentelemetry-sdk opentelemetry-semantic-conventions \\
         opentelemetry-semantic-conventions-ai partial-json-parser llguidance
-    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/reference/dump_vllm_shapes.py
+    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/vllm_recorded/dump_vllm_shapes.py
 
 (torch, transformers, numpy and pydantic came from the project's venv.) With vLLM installed
 normally, the last line alone does it. ``vllm_shapes()`` is also what the test compares this

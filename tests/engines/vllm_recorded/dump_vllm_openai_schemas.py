@@ -8,7 +8,7 @@ How it was run (vLLM 0.33.0 on a CPU machine, nothing installed into the project
 same ``/tmp/vllm_site`` as ``dump_vllm_shapes.py``, which lists what was pip-installed there;
 only the protocol modules are imported, which works without a GPU, in a few minutes)::
 
-    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/reference/dump_vllm_openai_schemas.py
+    PYTHONPATH=/tmp/vllm_site .venv/bin/python tests/engines/vllm_recorded/dump_vllm_openai_schemas.py
 
 (pydantic came from the project's venv.) With vLLM installed normally, that line alone does it.
 """
