@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -247,11 +248,11 @@ async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[s
         rx.updates_finished += 1
 
 
-def finish_version(body: dict[str, Any]) -> int | None:
+def finish_version(body: Mapping[str, object]) -> int | None:
     """The version a ``/finish_weight_update`` names: vLLM's ``weight_version`` label (a string
     or null; vLLM answers 422 to anything else), which the reference engine takes as its
     ``weight_version`` where it is a whole number (the trainer sends its count of syncs);
-    None where the body names none (the engine counts one more). Any other label is a 400:
+    None where the body names none (the engine counts one more). Another label is a 400:
     the reference engine's versions are numbers (docs/engines.md)."""
     label = body.get("weight_version")
     if label is None:

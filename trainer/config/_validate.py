@@ -231,6 +231,17 @@ def _check_algorithm(cfg: Config) -> None:
         )
 
 
+def _check_sharded_checkpoints(cfg: Config, plan: RunPlan) -> None:
+    t, w = cfg.trainer, cfg.workers
+    if plan.sharded and (t.ckpt_interval > 0 or t.resume_mode != "none"):
+        why = "'fsdp2'" if w.data_parallel == "fsdp2" else "'auto', which shards on CUDA,"
+        raise ConfigError(
+            f"config: workers.data_parallel={why} cannot save or resume checkpoints yet "
+            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
+            "use workers.data_parallel=replicate for a run with checkpoints"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -286,13 +297,7 @@ def validate_cfg(cfg: Config) -> None:
         )
     check_reasoning_gym(cfg.data.reasoning_gym, cfg.data.task)
     plan = cfg.plan  # the decisions this machine cannot honour fail here, at load
-    if plan.sharded and (t.ckpt_interval > 0 or t.resume_mode != "none"):
-        why = "'fsdp2'" if w.data_parallel == "fsdp2" else "'auto', which shards on CUDA,"
-        raise ConfigError(
-            f"config: workers.data_parallel={why} cannot save or resume checkpoints yet "
-            f"(trainer.ckpt_interval={t.ckpt_interval}, trainer.resume_mode={t.resume_mode!r}); "
-            "use workers.data_parallel=replicate for a run with checkpoints"
-        )
+    _check_sharded_checkpoints(cfg, plan)
     if cfg.faults:
         for fault in parse_faults(cfg.faults):
             _check_reachable(fault, cfg, plan)
