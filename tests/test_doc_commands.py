@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.devices import cuda_unavailable_reason
 from tests.docs_extract import (
     ROOT,
     Command,
@@ -231,8 +232,18 @@ def test_every_key_value_is_a_real_config_key_with_a_valid_value():
             try:
                 load_config(config, overrides_of(args))
             except ConfigError as exc:
-                problems.append(f"{c.where}: {c.text}\n    ConfigError: {exc}")
+                if not _refused_only_for_lack_of_a_gpu(str(exc)):
+                    problems.append(f"{c.where}: {c.text}\n    ConfigError: {exc}")
     assert not problems, "\n".join(problems)
+
+
+def _refused_only_for_lack_of_a_gpu(message: str) -> bool:
+    """The run plan refuses at load what this machine cannot give (a CUDA device, vLLM's sleep
+    mode, which its CPU build lacks); a GPU command is still checked up to there."""
+    reason = cuda_unavailable_reason()
+    return reason is not None and (
+        reason in message or "vLLM on the CPU has no sleep mode" in message
+    )
 
 
 def test_rehearsals_and_runs_run_by_this_test_set_max_steps():

@@ -313,11 +313,13 @@ PUBLIC = {
     "trainer.workers.ray_placement": ["bundles", "gpus_for", "padded_shard", "shards"],
     "trainer.workers.training": [
         "MicroBatching",
+        "OptimArgs",
         "Optimizer",
         "add_metrics",
         "enable_activation_checkpointing",
         "extreme",
         "micro_batches",
+        "start_training",
         "token_budget_micro_batches",
     ],
 }

@@ -47,8 +47,9 @@ class WorkersConfig:
     device: Literal["auto", "cpu", "cuda"] = _field(
         "auto",
         "Where the policy and reference models, their optimizer state and batches live: "
-        "'auto' is CUDA when the worker's process sees a GPU, else the CPU; 'cuda' fails at "
-        "start-up, saying what to do, where there is none (see docs/gpus.md).",
+        "'auto' is CUDA when this process sees a GPU (Ray workers: when each asks Ray for one, "
+        "workers.gpus_per_worker; on a cluster the run joins, set one of the two), else the "
+        "CPU; 'cuda' fails at load, saying what to do, where there is none (docs/gpus.md).",
     )
     dtype: Literal["auto", "float32", "bfloat16"] = _field(
         "auto",
@@ -63,8 +64,8 @@ class WorkersConfig:
     gpus_per_worker: float | None = _field(
         None,
         "backend=ray: GPUs each policy actor (and the reference actor) asks Ray for; None: 1 "
-        "when workers.device=cuda, or auto on a cluster with GPUs, else 0. A fraction shares "
-        "a GPU between actors.",
+        "when workers.device=cuda, or auto where the cluster the run starts has GPUs, else 0. "
+        "A fraction shares a GPU between actors.",
         check=at_least(0),
     )
     data_parallel: Literal["auto", "replicate", "fsdp2"] = _field(

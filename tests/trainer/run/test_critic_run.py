@@ -63,6 +63,7 @@ async def test_critic_trains_checkpoints_and_resumes_exactly(tmp_path, run, requ
     common = [*SMALL, *RUNS[run]]
     if run == "ray":
         common.append(f"workers.ray_address={request.getfixturevalue('ray_cluster')}")
+        common.append("workers.device=cpu")  # a cluster the run joins: said, not guessed
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     await trainer.run.train(
         load_config(None, [*common, f"trainer.run_dir={whole}", f"trainer.max_steps={STEPS}"])

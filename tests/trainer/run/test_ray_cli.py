@@ -44,6 +44,7 @@ def test_two_ray_workers_complete_and_follow_the_local_reward_curve(ray_cluster,
         "engine.placement=ray",
         "sync.transport=gloo",
         f"workers.ray_address={ray_cluster}",
+        "workers.device=cpu",  # a cluster the run joins: said, not guessed from the driver
         f"trainer.run_dir={ray_dir}",
         marker=marker,
     )
