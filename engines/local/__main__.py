@@ -113,8 +113,10 @@ def _model_and_http_args(s: argparse.ArgumentParser) -> None:
         "--num-threads",
         type=int,
         default=1,
-        help="torch intra-op threads (default 1: on a busy machine a second thread that "
-        "must wait for a core makes each small forward pass many times slower)",
+        help="the most torch intra-op threads a decode step uses (default 1); with more, fewer "
+        "while other processes hold the cores (a thread that must wait for a core makes each "
+        "small forward pass many times slower), measured by how long they wait for one; 0 "
+        "leaves torch's own count",
     )
     s.add_argument(
         "--device",
@@ -208,6 +210,7 @@ async def serve(args: argparse.Namespace) -> bool:
             batch_wait_s=args.batch_wait_ms / 1000,
             device=args.device,
             dtype=args.dtype,
+            threads=args.num_threads if args.num_threads > 0 else None,
         ) as engine:
             nursery.start_soon(_watch_death, engine, shutdown.set)
             app = ServerApp(

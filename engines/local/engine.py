@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import trio
 
+from engines.cpu_share import CpuShare
 from engines.devices import resolve_device, resolve_dtype
 from engines.local.decode import StepResult, decode_step
 from engines.local.engine_states import EngineStates
@@ -78,7 +79,11 @@ class LocalEngine(EngineStates):
         batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
         device: str = "auto",
         dtype: str = "auto",
+        threads: int | None = None,
     ) -> None:
+        #: ``threads``: the most torch threads a decode step uses, fewer while the machine's
+        #: other processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own.
+        self.cpu = CpuShare(threads) if threads else None
         # heavy (transformers' auto-model registry): loaded with the first engine only
         from transformers import AutoModelForCausalLM
 
@@ -332,6 +337,8 @@ class LocalEngine(EngineStates):
         return None
 
     def _decode_step(self, batch: list[Request]) -> StepResult:
+        if self.cpu is not None:  # torch's thread count is this thread's
+            torch.set_num_threads(self.cpu.threads())
         return decode_step(self.model, batch, self.pad_token_id)
 
     def _die(self, batch_size: int) -> None:
@@ -362,12 +369,14 @@ async def open_local_engine(
     batch_wait_s: float = DEFAULT_BATCH_WAIT_S,
     device: str = "auto",
     dtype: str = "auto",
+    threads: int | None = None,
 ) -> AsyncIterator[LocalEngine]:
     """Load the model (in a thread) and run the scheduler in a nursery for the block's life.
 
     ``device``/``dtype`` as :mod:`engines.devices` resolves them (``auto``: CUDA in bfloat16
     when this process sees a GPU, else the CPU in float32); ``ConfigError`` for CUDA where
-    there is none.
+    there is none. ``threads``: the most torch threads a decode step uses (see
+    :class:`engines.cpu_share.CpuShare`); None leaves torch's count alone.
     """
     engine = await trio.to_thread.run_sync(
         lambda: LocalEngine(
@@ -377,6 +386,7 @@ async def open_local_engine(
             batch_wait_s=batch_wait_s,
             device=device,
             dtype=dtype,
+            threads=threads,
         )
     )
     async with open_owner_nursery() as nursery:

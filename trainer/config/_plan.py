@@ -19,11 +19,11 @@ names each decision's one place.
 from __future__ import annotations
 
 import enum
-import os
 from typing import Protocol
 
 import attrs
 
+from engines.cpu_share import available_cores
 from engines.vllm.flags import VllmSettings
 from sync.bracket import Bracket
 from sync.registry import TRANSPORTS, TransportSpec
@@ -335,16 +335,13 @@ def cpu_threads(cfg: Config, cores: int | None = None) -> CpuThreads:
     trainer the rest (a thread that must wait for a core makes each small forward pass many
     times slower). Other backends: the servers are not the trainer's to size.
 
-    The cores to share are ``OMP_NUM_THREADS`` where it is set (a machine shared with other
-    jobs, or the test suite's two workers: set it), else every core of the machine.
+    The cores to share are :func:`engines.cpu_share.available_cores`: ``OMP_NUM_THREADS``
+    where it is set (the test suite's two workers set it), else the process's CPU affinity.
+    These are the most each uses: on a machine shared with other processes the trainer and
+    the servers use fewer while they wait for cores (:class:`engines.cpu_share.CpuShare`).
     """
-    cores = cores or _omp_threads() or os.cpu_count() or 1
+    cores = cores or available_cores()
     servers = cfg.engine.num_engines if cfg.engine.backend == "local" else 0
     if cfg.trainer.strategy == "sync":
         return CpuThreads(trainer=cores, server=max(1, cores // max(1, servers)))
     return CpuThreads(trainer=max(1, cores - servers), server=1)
-
-
-def _omp_threads() -> int | None:
-    value = os.environ.get("OMP_NUM_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else None

@@ -161,8 +161,13 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
     )
     critic = critic_kwargs(cfg, critic_dir)
     if cfg.plan.worker_backend is WorkerBackend.LOCAL:
+        threads = cfg.plan.threads
         workers = await LocalWorkerGroup.create(
-            model_dir, policy_kwargs=kwargs, with_ref=with_ref, critic_kwargs=critic
+            model_dir,
+            policy_kwargs=kwargs,
+            with_ref=with_ref,
+            critic_kwargs=critic,
+            threads=None if threads is None else threads.trainer,
         )
     else:
         from trainer.workers.ray_group import RayWorkerGroup

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
+from engines.cpu_share import CpuShare
 from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.vocabulary import fire_fault_sync, operation
@@ -48,8 +49,16 @@ class LocalWorkerGroup:
     """Implements :class:`trainer.workers.group.WorkerGroup` with in-process workers."""
 
     def __init__(
-        self, policy: PolicyWorker, ref: RefWorker | None, critic: CriticWorker | None = None
+        self,
+        policy: PolicyWorker,
+        ref: RefWorker | None,
+        critic: CriticWorker | None = None,
+        *,
+        threads: int | None = None,
     ) -> None:
+        #: ``threads``: the most torch threads a call uses, fewer while the machine's other
+        #: processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own.
+        self.cpu = CpuShare(threads) if threads else None
         self.policy = policy
         self.ref = ref
         self.critic = critic
@@ -75,6 +84,8 @@ class LocalWorkerGroup:
             self._in_fault -= 1
             self._computing += 1
         try:
+            if self.cpu is not None:  # torch's thread count is this thread's
+                torch.set_num_threads(self.cpu.threads())
             return fn(*args)
         finally:
             with self._count_lock:
@@ -88,9 +99,11 @@ class LocalWorkerGroup:
         policy_kwargs: dict[str, Any],
         with_ref: bool,
         critic_kwargs: dict[str, Any] | None = None,
+        threads: int | None = None,
     ) -> LocalWorkerGroup:
         """The workers, each built in a thread: the policy from ``model_dir``, the reference
-        when ``with_ref``, a critic when ``critic_kwargs`` (its ``model_dir`` among them)."""
+        when ``with_ref``, a critic when ``critic_kwargs`` (its ``model_dir`` among them).
+        ``threads``: the most torch threads a call uses (see ``__init__``)."""
         policy = await trio.to_thread.run_sync(
             functools.partial(PolicyWorker, model_dir, **policy_kwargs)
         )
@@ -110,7 +123,7 @@ class LocalWorkerGroup:
         critic = None
         if critic_kwargs is not None:
             critic = await trio.to_thread.run_sync(functools.partial(CriticWorker, **critic_kwargs))
-        return cls(policy, ref, critic)
+        return cls(policy, ref, critic, threads=threads)
 
     async def _call(
         self, op: str, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object
