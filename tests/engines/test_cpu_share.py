@@ -90,25 +90,26 @@ def test_the_threshold_sits_between_an_idle_machine_and_one_lost_core() -> None:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
-def test_a_spinning_thread_shows_its_time_on_a_cpu() -> None:
+def test_a_spinning_thread_adds_to_the_process_time_on_a_cpu() -> None:
+    """The readings are this process's real threads: a thread that spins for 0.3 s adds
+    about that much time on a CPU (the sum over the threads /proc lists; thread ids are
+    not compared, as a PID namespace may number them differently from /proc)."""
     before = thread_times()
-    assert before is not None and threading.get_native_id() in before
+    assert before is not None and all(r >= 0 and w >= 0 for r, w in before.values())
     stop = time.monotonic() + 0.3
-    tid: list[int] = []
 
     def spin() -> None:
-        tid.append(threading.get_native_id())
         while time.monotonic() < stop:
             pass
 
     t = threading.Thread(target=spin)
     t.start()
-    time.sleep(0.1)
+    time.sleep(0.2)  # read while it spins: a finished thread leaves /proc/self/task
     during = thread_times()
     t.join()
-    assert during is not None and tid[0] in during
-    run_ns, wait_ns = during[tid[0]]
-    assert run_ns > 0 and wait_ns >= 0
+    assert during is not None
+    gained = sum(r for r, _ in during.values()) - sum(r for r, _ in before.values())
+    assert gained > 0.05e9
 
 
 def test_the_cores_are_omp_num_threads_else_the_affinity(monkeypatch) -> None:
