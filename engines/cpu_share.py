@@ -115,12 +115,19 @@ class CpuShare:
         self._read = read
         self._lock = threading.Lock()
         self._since = clock()
-        self._last = read()
+        #: The readings the window opened with; None until the first unit of work asks (so
+        #: the constructor reads no ``/proc``: it may run on the trio thread).
+        self._last: dict[int, tuple[int, int]] | None = None
+        self._primed = False
 
     def threads(self) -> int:
-        """The count for the next unit of work, after closing the window if it is due."""
+        """The count for the next unit of work, after closing the window if it is due (the
+        first call opens the first window). Blocking (reads ``/proc``): call it in the thread
+        that runs the work."""
         with self._lock:
-            if self.max_threads > 1 and self._clock() - self._since >= self._window_s:
+            if self.max_threads > 1 and not self._primed:
+                self._last, self._since, self._primed = self._read(), self._clock(), True
+            elif self.max_threads > 1 and self._clock() - self._since >= self._window_s:
                 self._close_window()
             return self.current
 

@@ -56,6 +56,7 @@ def test_contention_takes_a_thread_away_and_a_quiet_probe_gives_it_back() -> Non
 def test_a_probe_that_meets_contention_waits_twice_as_long_before_the_next() -> None:
     r = Readings()
     share = CpuShare(2, window_s=1.0, probe_after=2, clock=r.clock, read=r.read)
+    assert share.threads() == 2  # the first call opens the first window
     assert r.window(share, 1.0, 1.0) == 1
     waits = []
     for _ in range(4):  # each probe meets the busy cores again
@@ -71,6 +72,7 @@ def test_a_probe_that_meets_contention_waits_twice_as_long_before_the_next() -> 
 def test_a_window_with_too_little_work_decides_nothing() -> None:
     r = Readings()
     share = CpuShare(2, window_s=1.0, clock=r.clock, read=r.read)
+    assert share.threads() == 2
     assert r.window(share, run=0.001, wait=0.01) == 2  # 91% waiting, but 11 ms of work
     assert share.waiting is None
     assert r.window(share, run=0.1, wait=0.1) == 1
@@ -81,6 +83,7 @@ def test_a_single_thread_pool_and_a_missing_schedstat_leave_the_count_alone() ->
     one = CpuShare(1, clock=r.clock, read=r.read)
     assert r.window(one, 1.0, 5.0) == 1
     blind = CpuShare(4, window_s=1.0, clock=r.clock, read=lambda: None)
+    assert blind.threads() == 4
     assert r.window(blind, 1.0, 5.0) == 4
 
 
@@ -91,22 +94,27 @@ def test_the_threshold_sits_between_an_idle_machine_and_one_lost_core() -> None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc")
 def test_a_spinning_thread_adds_to_the_process_time_on_a_cpu() -> None:
-    """The readings are this process's real threads: a thread that spins for 0.3 s adds
+    """The readings are this process's real threads: a thread that spins for 0.2 s adds
     about that much time on a CPU (the sum over the threads /proc lists; thread ids are
     not compared, as a PID namespace may number them differently from /proc)."""
     before = thread_times()
     assert before is not None and all(r >= 0 and w >= 0 for r, w in before.values())
-    stop = time.monotonic() + 0.3
+    spun, done = threading.Event(), threading.Event()
 
-    def spin() -> None:
-        while time.monotonic() < stop:
-            pass
+    def spin() -> None:  # spins 0.2 s, says so, and spins on until read (a finished thread
+        started = time.monotonic()  # leaves /proc/self/task)
+        while not done.is_set():
+            if time.monotonic() - started >= 0.2:
+                spun.set()
 
     t = threading.Thread(target=spin)
     t.start()
-    time.sleep(0.2)  # read while it spins: a finished thread leaves /proc/self/task
-    during = thread_times()
-    t.join()
+    try:
+        assert spun.wait(timeout=60)
+        during = thread_times()
+    finally:
+        done.set()
+        t.join()
     assert during is not None
     gained = sum(r for r, _ in during.values()) - sum(r for r, _ in before.values())
     assert gained > 0.05e9

@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 
-class Config(Protocol):
+class Sections(Protocol):
     """The sections a plan is made from (:class:`trainer.config.Config` has them)."""
 
     trainer: TrainerConfig
@@ -171,7 +171,7 @@ class RunPlan:
     verify_tolerance: float
 
 
-def plan_run(cfg: Config, *, cuda: bool | None = None) -> RunPlan:
+def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
     """The plan of a validated ``cfg``; ``cuda``: whether this process sees CUDA (default:
     asks torch). ``ConfigError`` for a device this process (or the Ray cluster) cannot give."""
     import torch  # here, not at the config's import (``--help`` loads no torch)
@@ -219,7 +219,7 @@ def plan_run(cfg: Config, *, cuda: bool | None = None) -> RunPlan:
     )
 
 
-def _bracket(cfg: Config) -> Bracket:
+def _bracket(cfg: Sections) -> Bracket:
     """The engine bracket of the run's weight syncs (:meth:`sync.bracket.Bracket.of`): from
     engine.colocated, engine.offload_kv_for_weight_sync and whether rollouts go on during a
     sync (trainer.strategy=fully_async)."""
@@ -230,7 +230,7 @@ def _bracket(cfg: Config) -> Bracket:
     )
 
 
-def _policy_placement(cfg: Config, cuda: bool) -> RoleDevice:
+def _policy_placement(cfg: Sections, cuda: bool) -> RoleDevice:
     """The policy's device and dtype. Local workers: this process's device. Ray workers:
     CUDA when each actor asks Ray for a GPU (``workers.gpus_per_worker``, or ``device=cuda``),
     the CPU when it asks for none; ``auto`` with neither set is this machine's answer for a
@@ -272,7 +272,7 @@ def _correction(setting: str, strategy: Strategy) -> OffPolicyCorrection:
     return "tis" if setting == "tis" else "none"
 
 
-def _engine_devices(cfg: Config, cuda: bool) -> tuple[str, ...]:
+def _engine_devices(cfg: Sections, cuda: bool) -> tuple[str, ...]:
     """The reference engines' devices (``engine.device``, ``engine.gpu_ids``), checked here for
     the engines this process starts; Ray-placed servers resolve theirs on their node."""
     from engines.devices import resolve_device
@@ -286,7 +286,7 @@ def _engine_devices(cfg: Config, cuda: bool) -> tuple[str, ...]:
     return tuple(str(resolve_device(name, key="engine.device")) for name in names)
 
 
-def _startup_timeout_s(cfg: Config) -> float:
+def _startup_timeout_s(cfg: Sections) -> float:
     """``engine.startup_timeout_s``, or its default for the backend."""
     from engines.launch import DEFAULT_STARTUP_TIMEOUT_S
     from engines.vllm.async_llm import DEFAULT_VLLM_STARTUP_TIMEOUT_S
@@ -299,7 +299,7 @@ def _startup_timeout_s(cfg: Config) -> float:
     return DEFAULT_STARTUP_TIMEOUT_S
 
 
-def _vllm_settings(cfg: Config, policy: RoleDevice, cuda: bool) -> VllmSettings:
+def _vllm_settings(cfg: Sections, policy: RoleDevice, cuda: bool) -> VllmSettings:
     """vLLM's engine settings: ``engine.*`` as given, the run's seed, sleep mode when the
     bracket sleeps, the transport, the policy's dtype (so vLLM serves what the policy trains:
     it would serve a float32 checkpoint in bfloat16 on the CPU), and vLLM's CPU build where
@@ -325,7 +325,7 @@ def _vllm_settings(cfg: Config, policy: RoleDevice, cuda: bool) -> VllmSettings:
     )
 
 
-def cpu_threads(cfg: Config, cores: int | None = None) -> CpuThreads:
+def cpu_threads(cfg: Sections, cores: int | None = None) -> CpuThreads:
     """Share the cores between the trainer and the reference engine servers it starts.
 
     ``trainer.strategy=sync``: generation and training take turns, so the trainer gets every
