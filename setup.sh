@@ -60,7 +60,7 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     fi
 fi
 say "installing the project, editable, with its dev extras ..."
-pip install -e ".[dev,plot,tensorboard,wandb,mlflow,gguf,verifiers]"
+pip install -e ".[dev,plot,tensorboard,wandb,mlflow,gguf,verifiers,lora]"
 echo "$want" > "$stamp"
 # setuptools ends every editable install with "Please be careful with folders in your working
 # directory with the same name as your package": that is this checkout's own packages, by design

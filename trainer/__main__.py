@@ -1,6 +1,6 @@
 """``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
 
-Subcommands: ``ckpt {list,show,verify,prune} DIR``, ``debug dump PID|RUN_DIR``,
+Subcommands: ``ckpt {list,show,verify,prune,export} DIR``, ``debug dump PID|RUN_DIR``,
 ``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib). On failure the last line on stderr is
 ``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration); the
 traceback goes to the run's ``train.log`` (and to stderr too with ``--verbose``).
@@ -22,6 +22,7 @@ SUBCOMMANDS = ("ckpt", "debug", "plot")
 USAGE = """\
 usage: python -m trainer [--config FILE.yaml] [--verbose] [key=value ...]
        python -m trainer ckpt {list,show,verify,prune} DIR [--keep N]
+       python -m trainer ckpt export DIR OUT [--adapter] [--base MODEL_DIR]
        python -m trainer debug dump PID|RUN_DIR [--json]
        python -m trainer plot RUN_DIR [RUN_DIR...] [--out DIR]
 

@@ -1,7 +1,9 @@
-"""``python -m trainer ckpt {list,show,verify,prune} DIR``: inspect a run's checkpoints.
+"""``python -m trainer ckpt {list,show,verify,prune,export} DIR``: inspect a run's checkpoints.
 
 ``DIR`` is a run directory (holding ``checkpoints/``) or a ``checkpoints`` directory;
-``show`` and ``verify`` also accept one ``global_step_N`` directory.
+``show``, ``verify`` and ``export`` also accept one ``global_step_N`` directory (else the
+latest). ``export DIR OUT`` writes the policy as a servable model directory
+(:mod:`trainer.checkpoint._export`).
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import json
 import sys
 from pathlib import Path
 
+from trainer.checkpoint._export import export_policy
 from trainer.checkpoint._inspect import list_checkpoints
 from trainer.checkpoint._layout import TRAINER_STATE_FILE, read_trainer_state, verify
 from trainer.checkpoint._manager import CheckpointManager
+from trainer.errors import CheckpointError
 
 __all__ = ["ckpt_main"]
 
@@ -35,15 +39,38 @@ def _one(path: Path) -> Path:
     return latest
 
 
+def _export(args: argparse.Namespace) -> int:
+    if args.out is None:
+        print("ckpt export: OUT (the new model directory) is required", file=sys.stderr)
+        return 2
+    path = _one(args.dir)
+    try:
+        what = export_policy(path, args.out, adapter=args.adapter, base=args.base)
+    except CheckpointError as exc:
+        print(f"ckpt export: {exc}", file=sys.stderr)
+        return 1
+    print(f"{args.out}: {what}, from {path}")
+    return 0
+
+
 def ckpt_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer ckpt", description=__doc__)
-    parser.add_argument("action", choices=["list", "show", "verify", "prune"])
+    parser.add_argument("action", choices=["list", "show", "verify", "prune", "export"])
     parser.add_argument("dir", type=Path)
+    parser.add_argument("out", type=Path, nargs="?", help="export: the new model directory")
     parser.add_argument("--keep", type=int, default=None, help="prune: how many newest to keep")
+    parser.add_argument(
+        "--adapter", action="store_true", help="export: a LoRA run's adapter (peft), not merged"
+    )
+    parser.add_argument(
+        "--base", type=Path, default=None, help="export: the LoRA adapter's base model directory"
+    )
     args = parser.parse_args(argv)
     if not args.dir.exists():
         print(f"ckpt: {args.dir} does not exist", file=sys.stderr)
         return 2
+    if args.action == "export":
+        return _export(args)
     if args.action == "list":
         infos = list_checkpoints(_root(args.dir))
         if not infos:

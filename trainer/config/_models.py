@@ -8,7 +8,45 @@ from trainer.config._fields import at_least, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
 
-__all__ = ["CriticConfig", "CriticModelConfig", "ModelConfig", "OptimConfig"]
+__all__ = ["CriticConfig", "CriticModelConfig", "LoraConfig", "ModelConfig", "OptimConfig"]
+
+
+def _target_modules(v: tuple[str, ...]) -> str | None:
+    if not v or any(not isinstance(m, str) or not m for m in v):
+        return "must name at least one module (q_proj, v_proj, ...) or be [all-linear]"
+    if "all-linear" in v and len(v) > 1:
+        return "all-linear stands alone: it already names every linear layer but the LM head"
+    return None
+
+
+@attrs.define
+class LoraConfig:
+    rank: int = _field(
+        0,
+        "LoRA rank r (peft): > 0 trains a low-rank adapter on the frozen model instead of "
+        "every weight (the optimizer state and checkpoints hold the adapter only); 0: full "
+        "fine-tuning. As verl's lora_rank and SkyRL's lora.rank.",
+        check=at_least(0),
+    )
+    alpha: int = _field(
+        16, "LoRA alpha: the adapter's update is scaled by alpha / rank.", check=positive
+    )
+    dropout: float = _field(
+        0.0,
+        "Dropout on the adapter's input (training passes only).",
+        check=lambda v: None if 0 <= v < 1 else "must be in [0, 1)",
+    )
+    target_modules: tuple[str, ...] = _field(
+        ("all-linear",),
+        "The layers that get an adapter, by module name (q_proj, k_proj, v_proj, o_proj, "
+        "gate_proj, up_proj, down_proj for Llama-like models), or [all-linear]: every linear "
+        "layer but the LM head (peft's shorthand).",
+        check=_target_modules,
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 @attrs.define
@@ -17,6 +55,9 @@ class ModelConfig:
         None,
         "Hugging Face causal-LM directory, a .gguf file, or a packaged GGUF model's short "
         "name (smollm2-135m-instruct); None: the built-in tiny model.",
+    )
+    lora: LoraConfig = _section(
+        LoraConfig, "Train a LoRA adapter instead of the full model (docs/lora.md)."
     )
 
 

@@ -29,6 +29,7 @@ from sync.bracket import Bracket
 from sync.registry import TRANSPORTS, TransportSpec
 from trainer.algorithms import OffPolicyCorrection
 from trainer.config._engine import EngineConfig, SyncConfig
+from trainer.config._models import ModelConfig
 from trainer.config._schema import AlgorithmConfig, TrainerConfig
 from trainer.config._workers import WorkersConfig
 from trainer.errors import ConfigError
@@ -55,6 +56,7 @@ class Sections(Protocol):
     sync: SyncConfig
     workers: WorkersConfig
     algorithm: AlgorithmConfig
+    model: ModelConfig
 
 
 class Strategy(enum.StrEnum):
@@ -188,6 +190,13 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         and w.num_policy_workers > 1
         and (w.data_parallel == "fsdp2" or (w.data_parallel == "auto" and policy.device == "cuda"))
     )
+    if sharded and cfg.model.lora.enabled:
+        raise ConfigError(
+            "config: model.lora.rank > 0 with a policy sharded over its Ray workers (FSDP2) is "
+            "not supported yet: set workers.data_parallel=replicate (each worker holds the "
+            "frozen model and trains the adapter; its gradients are small) or "
+            "model.lora.rank=0"
+        )
     tolerance = cfg.sync.verify_tolerance
     if tolerance is None:
         tolerance = DEFAULT_TOLERANCE.get(policy.dtype, LOW_PRECISION_TOLERANCE)

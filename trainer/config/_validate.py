@@ -4,6 +4,7 @@ what no single field's check can see, each a ``ConfigError`` naming the keys inv
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import stat
 import warnings
@@ -242,6 +243,16 @@ def _check_sharded_checkpoints(cfg: Config, plan: RunPlan) -> None:
         )
 
 
+def _check_lora(cfg: Config) -> None:
+    """``model.lora``: peft installed where an adapter is asked for."""
+    if cfg.model.lora.enabled and importlib.util.find_spec("peft") is None:
+        raise ConfigError(
+            f"config: model.lora.rank={cfg.model.lora.rank} trains a LoRA adapter with peft, "
+            "which is not installed: `bash setup.sh` installs it (the `lora` extra: "
+            "pip install -e '.[lora]'), or set model.lora.rank=0 for full fine-tuning"
+        )
+
+
 def validate_cfg(cfg: Config) -> None:
     """Cross-field checks; raises ConfigError, warns (ConfigWarning) on suspicious budgets.
 
@@ -296,6 +307,7 @@ def validate_cfg(cfg: Config) -> None:
             "data.max_prompt_length, which is unset: set data.max_prompt_length=TOKENS"
         )
     check_reasoning_gym(cfg.data.reasoning_gym, cfg.data.task)
+    _check_lora(cfg)
     plan = cfg.plan  # the decisions this machine cannot honour fail here, at load
     _check_sharded_checkpoints(cfg, plan)
     if cfg.faults:

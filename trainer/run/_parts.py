@@ -27,6 +27,7 @@ from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config import Config, EngineBackend, EnginePlacement, WorkerBackend
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
+from trainer.workers.lora import LoraSpec
 
 __all__ = [
     "critic_kwargs",
@@ -89,7 +90,8 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
     optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
     aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the off-policy correction
     for ``trainer.strategy``), the sampling temperature the logprobs are taken at, the micro
-    batch, the seed, and the device settings (``workers.*``; offload when ``engine.colocated``).
+    batch, the seed, the device settings (``workers.*``; offload when ``engine.colocated``) and
+    the LoRA adapter (``model.lora``).
     """
     o, a, w = cfg.optim, cfg.algorithm, cfg.workers
     return {
@@ -116,7 +118,16 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
         "dtype": cfg.plan.policy.dtype,
         "gradient_checkpointing": w.gradient_checkpointing,
         "offload": cfg.engine.colocated,  # free the GPU for an engine that shares it
+        "lora": _lora_spec(cfg),
     }
+
+
+def _lora_spec(cfg: Config) -> LoraSpec | None:
+    """The adapter the policy trains (``model.lora``); None: full fine-tuning."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return None
+    return LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
 
 
 def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, object] | None:

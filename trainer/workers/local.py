@@ -41,6 +41,11 @@ log = logging.getLogger("trainer.workers")
 T = TypeVar("T")
 
 
+def _on_readable_model(policy: PolicyWorker, fn: Callable[..., T], *args: object) -> T:
+    """``fn`` on the policy's full weights (a LoRA policy's merged ones), in the calling thread."""
+    return fn(policy.readable_model(), *args)
+
+
 #: How long shutdown waits for a worker call still computing after its wait was cancelled.
 SHUTDOWN_WAIT_S = 30.0
 
@@ -195,12 +200,12 @@ class LocalWorkerGroup:
     async def run_on_rank0(
         self, fn: Callable[..., T], *args: object, abandon_on_cancel: bool = False
     ) -> T:
-        """``fn(policy.model, *args)`` in the policy's thread (see ``WorkerGroup``).
+        """``fn(policy's readable model, *args)`` in the policy's thread (see ``WorkerGroup``).
 
         It holds the policy's limiter, so it never runs beside a training call.
         """
         return await trio.to_thread.run_sync(
-            functools.partial(fn, self.policy.model, *args),
+            functools.partial(_on_readable_model, self.policy, fn, *args),
             abandon_on_cancel=abandon_on_cancel,
             limiter=self._policy_limiter,
             thread_name=f"worker:rank0:{getattr(fn, '__name__', 'fn')}",

@@ -29,7 +29,11 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     """``(body, lm_head)`` of a causal LM whose logits are ``lm_head(body(...).last_hidden_state)``
     and nothing more, or None: no ``.model`` body, no linear ``lm_head`` that is the model's
     output embedding, a logit transform in its config (:data:`LOGIT_TRANSFORMS`), or FSDP2
-    shards (the root's parameters are gathered by its forward only)."""
+    shards (the root's parameters are gathered by its forward only). A peft model (LoRA) is
+    looked through to the model it wraps, whose layers run the adapter."""
+    get_base_model = getattr(model, "get_base_model", None)
+    if callable(get_base_model):
+        model = get_base_model()
     body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
         return None

@@ -33,6 +33,7 @@ from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
 from trainer.workers.logprobs import forward_logprobs
+from trainer.workers.lora import LoraCheckpoint, LoraSpec, MergedWeights, add_adapter
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
 from trainer.workers.training import MicroBatching, OptimArgs, add_metrics, start_training
 
@@ -109,7 +110,9 @@ class PolicyWorker:
 
     ``gradient_checkpointing`` recomputes each layer's activations in the backward pass
     (less memory, about a third more compute). ``offload`` makes ``offload_to_cpu`` real
-    on an accelerator (see the module docstring).
+    on an accelerator (see the module docstring). ``lora``: the model is frozen and a LoRA
+    adapter trains (:mod:`trainer.workers.lora`); the optimizer and the checkpoints hold the
+    adapter alone, and the weight transports read the merged weights.
     """
 
     def __init__(
@@ -134,11 +137,18 @@ class PolicyWorker:
         dtype: str = "auto",
         gradient_checkpointing: bool = False,
         offload: bool = False,
+        lora: LoraSpec | None = None,
         **optim: Unpack[OptimArgs],
     ) -> None:
         torch.manual_seed(seed)
         self.device = resolve_device(device)
         self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
+        self._lora: LoraCheckpoint | None = None
+        self._merged: MergedWeights | None = None
+        if lora is not None:
+            self.model = add_adapter(self.model, lora)
+            self._lora = LoraCheckpoint(self.model, model_dir)
+            self._merged = MergedWeights(self.model)
         self._optim = start_training(
             self.model, gradient_checkpointing=gradient_checkpointing, **optim
         )
@@ -177,7 +187,11 @@ class PolicyWorker:
     def readable_model(self, *, keep: bool = True) -> torch.nn.Module:
         """The model whose ``named_parameters`` are the full weights (what a weight
         transport reads). Sharded (FSDP2), the weights are gathered first, a collective
-        every rank joins (``keep`` False on the ranks that do not read them)."""
+        every rank joins (``keep`` False on the ranks that do not read them). With a LoRA
+        adapter, the merged weights (:class:`~trainer.workers.lora.MergedWeights`)."""
+        if self._merged is not None:
+            self._resident()
+            return self._merged.fresh()
         if not is_sharded(self.model):
             return self.model
         self._resident()
@@ -290,6 +304,8 @@ class PolicyWorker:
         """Clip gradients, step optimizer and scheduler, zero gradients."""
         self._resident()
         grad_norm, lr = self._optim.step()
+        if self._merged is not None:
+            self._merged.stale = True
         return {"policy/grad_norm": grad_norm, "policy/lr": lr}
 
     def offload_to_cpu(self) -> dict[str, float]:
@@ -314,15 +330,24 @@ class PolicyWorker:
         return {"workers/backload_bytes": float(moved)}
 
     def save_checkpoint(self, directory: Path) -> None:
-        """Write model (HF-loadable), optimizer, scheduler and RNG states into ``directory``."""
-        save_model(self.model, directory / "policy")
+        """Write model (HF-loadable; a LoRA policy's adapter as a peft directory), optimizer,
+        scheduler and RNG states into ``directory``."""
+        if self._lora is not None:
+            self._lora.save(directory / "policy")
+        else:
+            save_model(self.model, directory / "policy")
         save_state(self.optimizer.state_dict(), directory / "optimizer.pt")
         save_state(self.scheduler.state_dict(), directory / "scheduler.pt")
         save_state(rng_state(), directory / "rng.pt")
 
     def load_checkpoint(self, directory: Path) -> None:
         self._resident()
-        load_model(self.model, directory / "policy")
+        if self._lora is not None:
+            self._lora.load(directory / "policy")
+            assert self._merged is not None
+            self._merged.stale = True
+        else:
+            load_model(self.model, directory / "policy")
         self.optimizer.load_state_dict(load_state(directory / "optimizer.pt"))
         self.scheduler.load_state_dict(load_state(directory / "scheduler.pt"))
         set_rng_state(load_state(directory / "rng.pt"))

@@ -23,6 +23,7 @@ __all__ = [
     "micro_batches",
     "start_training",
     "token_budget_micro_batches",
+    "trainable_parameters",
 ]
 
 
@@ -132,9 +133,11 @@ class Optimizer:
         self.rebuild()
 
     def rebuild(self) -> None:
-        """A fresh optimizer and schedule over the model's parameters (after sharding)."""
+        """A fresh optimizer and schedule over the model's trainable parameters (after
+        sharding; a LoRA policy's adapter alone)."""
         warmup = self._warmup_steps
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), **self._adamw)
+        self.params = trainable_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, **self._adamw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)) if warmup else 1.0
         )
@@ -142,11 +145,17 @@ class Optimizer:
     def step(self) -> tuple[float, float]:
         """Clip the gradients, step optimizer and schedule, zero the gradients:
         ``(grad_norm before clipping, the learning rate now)``."""
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm), float(self.scheduler.get_last_lr()[0])
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """``model``'s parameters that train (``requires_grad``): all of a fully fine-tuned
+    model's, a LoRA policy's adapter alone."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def extreme(key: str) -> Callable[[Iterable[float]], float] | None:
