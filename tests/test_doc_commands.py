@@ -60,7 +60,7 @@ STAGES = tuple(
 EXTERNAL = {"curl", "vllm", "nvidia-smi"}
 #: The Python of ``bash setup.sh --vllm``'s environment (vLLM's CPU build beside the project).
 VLLM_PY = ".venv-vllm/bin/python"
-CKPT_SUBCOMMANDS = {"list", "show", "verify", "prune"}
+CKPT_SUBCOMMANDS = {"list", "show", "verify", "prune", "export"}
 _OPERATORS = {"&&", "||", ";", "|"}
 _REDIRECTS = {"<", ">", ">>", "<<", "2>", "2>&1"}
 _ASSIGN = re.compile(r"^[A-Z][A-Z0-9_]*=")

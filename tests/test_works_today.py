@@ -20,7 +20,7 @@ from trainer.config._load import iter_fields
 
 README = ROOT / "README.md"
 MODE_NAMES = {"backend", "strategy", "placement", "transport", "device"}
-ROWS = {"CPU", "GPU", "vLLM", "Ray", "fully-async", "engine fault tolerance"}
+ROWS = {"CPU", "GPU", "vLLM", "Ray", "fully-async", "engine fault tolerance", "LoRA"}
 STATUSES = ("yes", "partly verified", "unverified", "not yet")
 
 
@@ -86,6 +86,7 @@ def test_each_status_follows_from_the_schema():
         "engine fault tolerance": any(
             key == "engine.max_restarts" for key, _a, _t in iter_fields()
         ),
+        "LoRA": any(key == "model.lora.rank" for key, _a, _t in iter_fields()),
     }
     wrong = {
         name: status

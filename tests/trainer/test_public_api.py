@@ -64,13 +64,19 @@ PUBLIC = {
         "set_rng_state",
     ],
     "trainer.checkpoint.format": [
+        "BASE_FILE",
         "SaveCheckpoint",
+        "check_adapter_shape",
+        "is_adapter_dir",
         "load_model",
         "load_state",
+        "read_base",
         "rng_state",
         "save_model",
         "save_state",
         "set_rng_state",
+        "weights_digest",
+        "write_base",
     ],
     "trainer.config": [
         "Config",
@@ -293,6 +299,13 @@ PUBLIC = {
         "tensor_bytes",
     ],
     "trainer.workers.logprobs": ["LOGIT_TRANSFORMS", "forward_logprobs", "fused_head"],
+    "trainer.workers.lora": [
+        "ADAPTER_NAME",
+        "LoraSpec",
+        "MergedWeights",
+        "add_adapter",
+        "base_parameters",
+    ],
     "trainer.workers.policy": [
         "OFFLOAD_METRICS",
         "PolicyWorker",
@@ -321,6 +334,7 @@ PUBLIC = {
         "micro_batches",
         "start_training",
         "token_budget_micro_batches",
+        "trainable_parameters",
     ],
 }
 

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from engines.models import quiet_transformers
 from trainer.checkpoint._io import save_model
 from trainer.checkpoint._lora import BASE_FILE, is_adapter_dir, read_base, weights_digest
 from trainer.checkpoint._manager import POLICY_DIR, copy_tokenizer_files
@@ -66,8 +65,9 @@ def _merge(adapter_dir: Path, out: Path, base: Path | None) -> Path:
     """The adapter of ``adapter_dir`` merged into its base, saved in ``out``; the base's path."""
     from peft import PeftModel
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    quiet_transformers()  # no progress bars (carriage returns) in a log
+    hf_logging.disable_progress_bar()  # no carriage returns in a log
     recorded = read_base(adapter_dir)
     base_dir = Path(base) if base is not None else Path(recorded["model_dir"])
     if not (base_dir / "config.json").is_file():

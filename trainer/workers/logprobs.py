@@ -32,8 +32,8 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear
     shards (the root's parameters are gathered by its forward only). A peft model (LoRA) is
     looked through to the model it wraps, whose layers run the adapter."""
     get_base_model = getattr(model, "get_base_model", None)
-    if callable(get_base_model):
-        model = get_base_model()
+    inner = get_base_model() if callable(get_base_model) else model
+    model = inner if isinstance(inner, torch.nn.Module) else model
     body, head = getattr(model, "model", None), getattr(model, "lm_head", None)
     if not isinstance(body, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
         return None

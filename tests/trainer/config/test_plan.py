@@ -176,3 +176,33 @@ def test_no_part_of_the_trainer_re_derives_a_planned_decision() -> None:
                 found.append(f"{rel}:{n}: {line.strip()}")
     assert found == []
     assert _RE_DERIVED.search('if t.strategy == "fully_async":')  # the check can fail
+
+
+def test_a_lora_adapter_on_a_sharded_policy_is_refused_and_a_replicated_one_planned() -> None:
+    with pytest.raises(ConfigError, match=r"model.lora.rank > 0 with a policy sharded"):
+        load_config(None, [*RAY_2, "workers.data_parallel=fsdp2", "model.lora.rank=8"])
+    cfg = load_config(None, [*RAY_2, "workers.data_parallel=replicate", "model.lora.rank=8"])
+    assert not cfg.plan.sharded and cfg.model.lora.enabled
+
+
+def test_lora_without_peft_is_refused_at_load_naming_the_extra(monkeypatch) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "peft" else find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"pip install -e '.\[lora\]'"):
+        load_config(None, ["model.lora.rank=8"])
+    load_config(None, ["model.lora.rank=0"])  # full fine-tuning needs no peft
+
+
+@pytest.mark.parametrize(
+    ("targets", "error"),
+    [("[]", "must name at least one module"), ("[all-linear,q_proj]", "all-linear stands alone")],
+)
+def test_lora_target_modules_are_checked_at_load(targets, error) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(None, ["model.lora.rank=8", f"model.lora.target_modules={targets}"])
