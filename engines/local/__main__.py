@@ -40,6 +40,7 @@ from hypercorn.trio import serve as hypercorn_serve
 from engines.devices import DTYPES, resolve_device
 from engines.launch import ready_line
 from engines.local.engine import DEFAULT_BATCH_WAIT_S, LocalEngine, open_local_engine
+from engines.local.lora_routes import runtime_lora_updating
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
@@ -162,6 +163,26 @@ def _weight_and_lifetime_args(s: argparse.ArgumentParser) -> None:
         "the reference sleeps on the CPU too)",
     )
     s.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters: a request whose model names a loaded adapter samples "
+        "through it (/v1/load_lora_adapter and /v1/unload_lora_adapter, with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True as vLLM wants it)",
+    )
+    s.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=16,
+        help="--enable-lora: the largest adapter rank a load accepts (vLLM's default 16)",
+    )
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="--enable-lora: accepted as vLLM's flag (adapters in one batch); the reference "
+        "engine batches any number",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -211,6 +232,7 @@ async def serve(args: argparse.Namespace) -> bool:
             device=args.device,
             dtype=args.dtype,
             threads=args.num_threads if args.num_threads > 0 else None,
+            max_lora_rank=args.max_lora_rank if args.enable_lora else None,
         ) as engine:
             nursery.start_soon(_watch_death, engine, shutdown.set)
             app = ServerApp(
@@ -219,6 +241,7 @@ async def serve(args: argparse.Namespace) -> bool:
                 api_key=args.api_key,
                 weight_transfer_routes=args.weight_transfer_routes,
                 sleep_mode=args.enable_sleep_mode,
+                lora_routes=args.enable_lora and runtime_lora_updating(),
                 weight_receiver=WeightReceiver(
                     configured=args.weight_transfer_config,
                     store_timeout_s=args.weight_transfer_timeout_s,

@@ -18,6 +18,7 @@ from engines.local.http import (
     Response,
     json_response,
 )
+from engines.local.lora import Adapter
 from engines.local.protocol import (
     ProtocolError,
     completion_response,
@@ -40,11 +41,20 @@ class CompletionRoutes:
     served_model: str
     max_model_len: int
 
+    def _served(self, body: dict[str, object]) -> tuple[str, Adapter | None]:
+        """The model a request names and its LoRA adapter: a loaded adapter's name samples
+        through it, anything else is checked against the served model (404 as vLLM)."""
+        model = body.get("model")
+        adapter = self.engine.adapters.get(model) if isinstance(model, str) else None
+        return (adapter.name, adapter) if adapter is not None else (self.served_model, None)
+
     async def completions(self, request: Request) -> Response:
         tok = self.engine.tokenizer
+        body = parse_json_object(request.body)
+        model, adapter = self._served(body)
         req = parse_completion_request(
-            parse_json_object(request.body),
-            served_model=self.served_model,
+            body,
+            served_model=model,
             encode=lambda text: list(tok.encode(text, add_special_tokens=True)),
             vocab_size=self.engine.vocab_size,
             max_model_len=self.max_model_len,
@@ -58,8 +68,8 @@ class CompletionRoutes:
                 req.return_token_ids,
                 tok.convert_ids_to_tokens,
             )
-            return self._event_stream(jobs, fmt, req.options)
-        done = await self._generate_all(jobs)
+            return self._event_stream(jobs, fmt, req.options, adapter)
+        done = await self._generate_all(jobs, adapter)
         payload = completion_response(
             req,
             [done[i * req.n : (i + 1) * req.n] for i in range(len(req.prompts))],
@@ -69,9 +79,11 @@ class CompletionRoutes:
         return json_response(payload)
 
     async def chat_completions(self, request: Request) -> Response:
+        body = parse_json_object(request.body)
+        model, adapter = self._served(body)
         req = parse_chat_request(
-            parse_json_object(request.body),
-            served_model=self.served_model,
+            body,
+            served_model=model,
             render=self._render_chat,
             max_model_len=self.max_model_len,
         )
@@ -84,21 +96,25 @@ class CompletionRoutes:
                 req.options.return_token_ids,
                 self._token_text,
             )
-            return self._event_stream(jobs, fmt, req.options)
-        done = await self._generate_all(jobs)
+            return self._event_stream(jobs, fmt, req.options, adapter)
+        done = await self._generate_all(jobs, adapter)
         return json_response(
             chat_response(req, done, decode=self._decoder(req.options), token_text=self._token_text)
         )
 
     async def generate_tokens(self, request: Request) -> Response:
         """``POST /inference/v1/generate`` (:mod:`engines.local.token_protocol`)."""
+        body = parse_json_object(request.body)
+        model, adapter = self._served(body)
         req = parse_token_request(
-            parse_json_object(request.body),
-            served_model=self.served_model,
+            body,
+            served_model=model,
             vocab_size=self.engine.vocab_size,
             max_model_len=self.max_model_len,
         )
-        done = await self._generate_all([(req.prompt_ids, req.params_for(j)) for j in range(req.n)])
+        done = await self._generate_all(
+            [(req.prompt_ids, req.params_for(j)) for j in range(req.n)], adapter
+        )
         return json_response(token_response(req, done))
 
     def _decoder(self, options: GenerationOptions) -> Callable[[list[int]], str]:
@@ -137,15 +153,17 @@ class CompletionRoutes:
             raise ProtocolError(400, "the rendered prompt has ids outside the vocabulary")
         return ids
 
-    async def _generate_all(self, jobs: list[tuple[list[int], SamplingParams]]) -> list[Completion]:
-        """One completion per ``(prompt ids, params)``, concurrently (they batch); 409 while
-        the engine sleeps."""
+    async def _generate_all(
+        self, jobs: list[tuple[list[int], SamplingParams]], adapter: Adapter | None
+    ) -> list[Completion]:
+        """One completion per ``(prompt ids, params)`` through ``adapter`` (None: the base),
+        concurrently (they batch); 409 while the engine sleeps."""
         results: list[Completion | None] = [None] * len(jobs)
         refused: list[ProtocolError] = []
 
         async def one(i: int) -> None:
             try:
-                results[i] = await self.engine.generate(*jobs[i])
+                results[i] = await self.engine.generate(*jobs[i], adapter=adapter)
             except (EngineAsleepError, EngineDeadError) as exc:
                 refused.append(refusal(exc))
 
@@ -161,6 +179,7 @@ class CompletionRoutes:
         jobs: list[tuple[list[int], SamplingParams]],
         fmt: ChunkFormat,
         options: GenerationOptions,
+        adapter: Adapter | None,
     ) -> Response:
         """A server-sent-events response generating ``jobs`` (:mod:`engines.local.streaming`)."""
         if self.engine.is_sleeping:  # refused before the 200 goes out, as a whole answer is
@@ -169,7 +188,7 @@ class CompletionRoutes:
         async def body(write: Callable[[bytes], Awaitable[None]]) -> None:
             await stream_events(
                 write,
-                self.engine.generate,
+                partial(self.engine.generate, adapter=adapter),
                 jobs,
                 fmt,
                 decode=self._decoder(options),

@@ -29,6 +29,7 @@ one sample. So a seed gives the same tokens whatever else shares the batch, and 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Sequence
 from typing import Any, Protocol, cast
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from engines.local.lora import Adapter, LoraLayers
 from engines.types import SamplingParams
 
 __all__ = [
@@ -85,6 +87,8 @@ class DecodeRequest(Protocol):
     params: SamplingParams
     generator: torch.Generator
     kv: KVRef | None
+    #: The request's LoRA adapter (None: the base weights).
+    adapter: Adapter | None
 
 
 def sample_tokens(
@@ -130,10 +134,22 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cast(Any, cache.layers)]
 
 
-def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Tensor:
+def _prefill(
+    model: Any, reqs: Sequence[DecodeRequest], pad_id: int, lora: LoraLayers | None
+) -> torch.Tensor:
     seqs = [tuple(r.prompt_ids + r.out_ids) for r in reqs]
-    distinct: dict[tuple[int, ...], int] = {}
-    source = [distinct.setdefault(s, len(distinct)) for s in seqs]
+    # one row per distinct (adapter, tokens): the same tokens through two adapters differ
+    index: dict[tuple[int, tuple[int, ...]], int] = {}
+    distinct: list[tuple[int, ...]] = []
+    adapters: list[Adapter | None] = []
+    source = []
+    for r, s in zip(reqs, seqs, strict=True):
+        key = (id(r.adapter), s)
+        if key not in index:
+            index[key] = len(distinct)
+            distinct.append(s)
+            adapters.append(r.adapter)
+        source.append(index[key])
     width = max(len(s) for s in distinct)
     ids = torch.full((len(distinct), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(distinct), width), dtype=torch.long)
@@ -143,14 +159,15 @@ def _prefill(model: Any, reqs: Sequence[DecodeRequest], pad_id: int) -> torch.Te
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     device = _device(model)
     cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=positions.to(device),
-        use_cache=True,
-        logits_to_keep=1,
-        **{_cache_kwarg(model): cache},
-    )
+    with _adapters(lora, adapters):
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            use_cache=True,
+            logits_to_keep=1,
+            **{_cache_kwarg(model): cache},
+        )
     logits = out.logits[:, -1, :].float().cpu()
     layers = _layers(cache)
     if len(distinct) < len(seqs):  # copy the shared rows out to one row per request
@@ -210,7 +227,14 @@ def _gather(reqs: Sequence[DecodeRequest]) -> PackedKV:
     return PackedKV(layers, torch.cat(lengths).index_select(0, order))
 
 
-def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
+def _adapters(
+    lora: LoraLayers | None, adapters: Sequence[Adapter | None]
+) -> contextlib.AbstractContextManager[None]:
+    """The rows' adapters for the forward pass within (nothing without ``--enable-lora``)."""
+    return lora.rows(adapters) if lora is not None else contextlib.nullcontext()
+
+
+def _decode(model: Any, reqs: Sequence[DecodeRequest], lora: LoraLayers | None) -> torch.Tensor:
     packed = _gather(reqs)
     width = packed.width
     lengths = packed.lengths
@@ -220,13 +244,14 @@ def _decode(model: Any, reqs: Sequence[DecodeRequest]) -> torch.Tensor:
     )
     device = packed.layers[0][0].device
     cache = DynamicCache(ddp_cache_data=packed.layers, config=model.config)
-    out = model(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        position_ids=lengths[:, None].to(device),
-        use_cache=True,
-        **{_cache_kwarg(model): cache},
-    )
+    with _adapters(lora, [r.adapter for r in reqs]):
+        out = model(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=lengths[:, None].to(device),
+            use_cache=True,
+            **{_cache_kwarg(model): cache},
+        )
     grown = PackedKV(_layers(cache), lengths + 1)
     for i, r in enumerate(reqs):
         r.kv = KVRef(grown, i)
@@ -258,8 +283,11 @@ def _top_alternatives(
 
 
 @torch.no_grad()
-def decode_step(model: Any, batch: Sequence[DecodeRequest], pad_id: int) -> StepResult:
-    """Advance every request of ``batch`` by one sampled token.
+def decode_step(
+    model: Any, batch: Sequence[DecodeRequest], pad_id: int, lora: LoraLayers | None = None
+) -> StepResult:
+    """Advance every request of ``batch`` by one sampled token (each through its adapter,
+    with ``lora``: :mod:`engines.local.lora`).
 
     Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them; the
     alternatives (``params.top_logprobs``) cost one ``topk`` over the batch, and nothing when
@@ -270,9 +298,9 @@ def decode_step(model: Any, batch: Sequence[DecodeRequest], pad_id: int) -> Step
     cached = [i for i, r in enumerate(batch) if r.kv is not None]
     parts: list[torch.Tensor] = []
     if fresh:
-        parts.append(_prefill(model, [batch[i] for i in fresh], pad_id))
+        parts.append(_prefill(model, [batch[i] for i in fresh], pad_id, lora))
     if cached:
-        parts.append(_decode(model, [batch[i] for i in cached]))
+        parts.append(_decode(model, [batch[i] for i in cached], lora))
     rows = torch.cat(parts)
     if fresh and cached:  # back to the batch's order
         order = torch.empty(len(batch), dtype=torch.long)

@@ -29,6 +29,7 @@ Control-plane state (each change wakes the scheduler):
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from collections import Counter
@@ -43,6 +44,7 @@ from engines.cpu_share import CpuShare
 from engines.devices import resolve_device, resolve_dtype
 from engines.local.decode import StepResult, decode_step
 from engines.local.engine_states import EngineStates
+from engines.local.lora import Adapter, LoraLayers, read_adapter
 from engines.local.model_weights import (
     load_into,
     parameter_digests,
@@ -80,6 +82,7 @@ class LocalEngine(EngineStates):
         device: str = "auto",
         dtype: str = "auto",
         threads: int | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         #: ``threads``: the most torch threads a decode step uses, fewer while the machine's
         #: other processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own.
@@ -125,6 +128,12 @@ class LocalEngine(EngineStates):
         self.weights_partial: str | None = None
         #: Set once the engine died (see the module docstring); the server then shuts down.
         self.died = trio.Event()
+        #: ``--enable-lora``'s ``--max-lora-rank``; None: adapters are not served.
+        self.max_lora_rank = max_lora_rank
+        self._lora = LoraLayers(self.model) if max_lora_rank is not None else None
+        #: The loaded LoRA adapters by name (:mod:`engines.local.lora`).
+        self.adapters: dict[str, Adapter] = {}
+        self._lora_ids = 0
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -134,8 +143,11 @@ class LocalEngine(EngineStates):
         params: SamplingParams,
         *,
         on_token: TokenCallback | None = None,
+        adapter: Adapter | None = None,
     ) -> Completion:
         """Sample one completion; joins the running batch at the next decode step.
+
+        ``adapter``: a loaded LoRA adapter the completion samples through (None: the base).
 
         ``on_token``, if given, is called with each token as it is sampled (streaming).
         ``params.stop`` strings are matched against the decoded output (special tokens
@@ -162,7 +174,7 @@ class LocalEngine(EngineStates):
             )
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
-        req = Request(list(prompt_ids), params, generator, on_token=on_token)
+        req = Request(list(prompt_ids), params, generator, on_token=on_token, adapter=adapter)
         if params.max_tokens <= 0:
             req.finish("length")
         else:
@@ -217,6 +229,23 @@ class LocalEngine(EngineStates):
                 self.weight_version + 1 if weight_version is None else weight_version
             )
         return adopted
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Load (or reload in place) the LoRA adapter in ``path`` as ``name``, between decode
+        steps; :class:`~engines.local.lora.AdapterError` as vLLM refuses one. A reload keeps
+        the name's id; requests already running keep the adapter they started with."""
+        assert self.max_lora_rank is not None, "adapters need --enable-lora"
+        previous = self.adapters.get(name)
+        int_id = previous.int_id if previous is not None else self._lora_ids + 1
+        adapter = await trio.to_thread.run_sync(
+            functools.partial(
+                read_adapter, name, path, self.model, max_rank=self.max_lora_rank, int_id=int_id
+            )
+        )
+        async with self._step_lock:
+            self.adapters[name] = adapter
+            self._lora_ids = max(self._lora_ids, int_id)
+        return adapter
 
     def _load_weights_sync(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:
         return load_into(self.model, state, adopt)
@@ -339,7 +368,7 @@ class LocalEngine(EngineStates):
     def _decode_step(self, batch: list[Request]) -> StepResult:
         if self.cpu is not None:  # torch's thread count is this thread's
             torch.set_num_threads(self.cpu.threads())
-        return decode_step(self.model, batch, self.pad_token_id)
+        return decode_step(self.model, batch, self.pad_token_id, self._lora)
 
     def _die(self, batch_size: int) -> None:
         """What real vLLM's worker does on a forward pass over partial weights: it crashes.
@@ -370,13 +399,15 @@ async def open_local_engine(
     device: str = "auto",
     dtype: str = "auto",
     threads: int | None = None,
+    max_lora_rank: int | None = None,
 ) -> AsyncIterator[LocalEngine]:
     """Load the model (in a thread) and run the scheduler in a nursery for the block's life.
 
     ``device``/``dtype`` as :mod:`engines.devices` resolves them (``auto``: CUDA in bfloat16
     when this process sees a GPU, else the CPU in float32); ``ConfigError`` for CUDA where
     there is none. ``threads``: the most torch threads a decode step uses (see
-    :class:`engines.cpu_share.CpuShare`); None leaves torch's count alone.
+    :class:`engines.cpu_share.CpuShare`); None leaves torch's count alone. ``max_lora_rank``:
+    serve LoRA adapters up to that rank (``--enable-lora``); None: none.
     """
     engine = await trio.to_thread.run_sync(
         lambda: LocalEngine(
@@ -387,6 +418,7 @@ async def open_local_engine(
             device=device,
             dtype=dtype,
             threads=threads,
+            max_lora_rank=max_lora_rank,
         )
     )
     async with open_owner_nursery() as nursery:

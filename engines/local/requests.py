@@ -9,6 +9,7 @@ import torch
 import trio
 
 from engines.local.decode import KVRef
+from engines.local.lora import Adapter
 from engines.types import FinishReason, SamplingParams
 
 __all__ = [
@@ -58,6 +59,8 @@ class Request:
     kv: KVRef | None = None
     finish_reason: FinishReason | None = None
     done: trio.Event = attrs.field(factory=trio.Event)
+    #: The LoRA adapter the request samples through (its ``model``); None: the base weights.
+    adapter: Adapter | None = None
 
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason

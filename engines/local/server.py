@@ -44,6 +44,7 @@ from engines.local.http import (
     error_response,
     json_response,
 )
+from engines.local.lora_routes import LoraRoutes
 from engines.local.protocol import (
     ProtocolError,
 )
@@ -96,7 +97,7 @@ class EngineStats(TypedDict):
     weight_version: int
 
 
-class ServerApp(CompletionRoutes):
+class ServerApp(CompletionRoutes, LoraRoutes):
     """ASGI app over one :class:`LocalEngine` (whose scheduler runs elsewhere)."""
 
     def __init__(
@@ -108,8 +109,12 @@ class ServerApp(CompletionRoutes):
         weight_transfer_routes: bool = True,
         weight_receiver: WeightReceiver | None = None,
         sleep_mode: bool = False,
+        lora_routes: bool = False,
     ) -> None:
         self.engine = engine
+        #: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` served (``--enable-lora``
+        #: with VLLM_ALLOW_RUNTIME_LORA_UPDATING, as vLLM); else 404.
+        self.lora_routes = lora_routes
         #: False (``serve`` without ``--enable-sleep-mode``): ``/sleep`` and ``/wake_up`` are
         #: refused, where vLLM cannot sleep (its CPU build answers 200 and does nothing).
         self.sleep_mode = sleep_mode
@@ -213,7 +218,7 @@ class ServerApp(CompletionRoutes):
         if request.path in WEIGHT_TRANSFER_PATHS and self.weight_transfer_routes:
             return ServerApp.weight_transfer
         methods = ROUTES.get(request.path)
-        if methods is None:
+        if methods is None or (request.path in LORA_PATHS and not self.lora_routes):
             return error_response(404, f"no route {request.path}")
         handler = methods.get(request.method)
         if handler is None:
@@ -264,7 +269,7 @@ class ServerApp(CompletionRoutes):
             "parent": None,
             "max_model_len": self.max_model_len,
         }
-        return json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card, *self.adapter_cards()]})
 
     async def weight_transfer(self, request: Request) -> Response:
         """One of the weight-transfer routes (:mod:`engines.local.weight_routes`)."""
@@ -321,6 +326,8 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/v1/completions": {"POST": ServerApp.completions},
     "/v1/chat/completions": {"POST": ServerApp.chat_completions},
     GENERATE_PATH: {"POST": ServerApp.generate_tokens},
+    "/v1/load_lora_adapter": {"POST": ServerApp.load_lora_adapter},
+    "/v1/unload_lora_adapter": {"POST": ServerApp.unload_lora_adapter},
     **{
         path: {method: _control(h) for method, h in methods.items()}
         for path, methods in CONTROL_ROUTES.items()
@@ -329,6 +336,9 @@ ROUTES: dict[str, dict[str, Handler]] = {
     "/engine_stats": {"GET": ServerApp.engine_stats},
     "/control_log": {"GET": ServerApp.control_log_route},
 }
+
+#: The LoRA routes (:mod:`engines.local.lora_routes`): 404 unless the server serves them.
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 #: Routes that generate: cancelled when their client disconnects.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", GENERATE_PATH})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import stat
+import sys
 import warnings
 
 from engines.vllm.flags import flag_clashes
@@ -248,8 +249,9 @@ def _check_lora(cfg: Config) -> None:
     if cfg.model.lora.enabled and importlib.util.find_spec("peft") is None:
         raise ConfigError(
             f"config: model.lora.rank={cfg.model.lora.rank} trains a LoRA adapter with peft, "
-            "which is not installed: `bash setup.sh` installs it (the `lora` extra: "
-            "pip install -e '.[lora]'), or set model.lora.rank=0 for full fine-tuning"
+            f"which is not installed in this Python ({sys.executable}): `bash setup.sh` (and "
+            "`bash setup.sh --vllm`) install it (the `lora` extra: pip install -e '.[lora]'), "
+            "or set model.lora.rank=0 for full fine-tuning"
         )
 
 

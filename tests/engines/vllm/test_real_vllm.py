@@ -123,6 +123,19 @@ def test_engine_backend_remote_trains_3_steps_with_exact_weights(vllm_server, tm
     assert_remote_run_is_exact(vllm_server, tmp_path)
 
 
+def test_a_lora_policys_merged_weights_train_3_exact_steps(vllm_server, tmp_path):
+    """A LoRA adapter (``model.lora``) synced as merged weights into real vLLM over gloo, by
+    the base model's names: every sync verified, and the engine samples with exactly the
+    policy's weights (``policy/is_ratio`` within 1e-4 of 1)."""
+    lora = ["model.lora.rank=8", "optim.lr=0.01", "sync.verify=every"]
+    proc = run_remote(vllm_server, tmp_path / "run", 3, *lora)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for row in assert_exact_steps(tmp_path / "run", 3):
+        assert abs(row["policy/is_ratio_mean"] - 1) < 1e-4, row
+        assert row["sync/verify_max_abs_diff"] < 1e-3, row
+        assert row["policy/grad_norm"] > 0, row
+
+
 #: A weight transfer into real vLLM broken off at each point (the sync after step 2), and how
 #: the run ends: (fault, exit code, the typed error on stderr or None, steps recorded). In
 #: this order: each run starts with a complete sync into the same server, so its first step,
@@ -135,6 +148,8 @@ BROKEN_TRANSFERS = {
     "before-start-hang": ("broadcast_to_inference_engines:hang@2", 1, "WeightSyncTimeoutError", 1),
     "before-finish-error": ("transfer_before_finish:error=boom@2", 0, None, 3),
     "after-first-bucket-error": ("transfer_after_first_bucket:error=boom@2", 1, "EngineUnusableError", 1),
+    # a LoRA policy's merged weights, broken off the same way: the same typed end
+    "lora-after-first-bucket-error": ("transfer_after_first_bucket:error=boom@2", 1, "EngineUnusableError", 1, "model.lora.rank=8"),
 }  # fmt: skip
 #: Hung past the sync's deadline and grace after the start: abandoned, vLLM left paused with
 #: its update open, which makes it refuse the next run's start ("a weight update is already
@@ -146,10 +161,12 @@ HUNG_MID_TRANSFER = {
 }  # fmt: skip
 
 
-def _broken_run(server, tmp_path, cell: tuple[str, int, str | None, int]) -> None:
-    fault, code, error, steps = cell
+def _broken_run(server, tmp_path, cell: tuple) -> None:
+    """``cell``: (fault, exit code, typed error or None, steps recorded, *more overrides)."""
+    fault, code, error, steps, *more = cell
     run_dir = tmp_path / "run"
     overrides = [f"faults={fault}", "trainer.weight_sync_timeout_s=10", "sync.transfer_grace_s=3"]
+    overrides += more
     proc = run_remote(server, run_dir, 3, *overrides)
     assert proc.returncode == code, proc.stderr[-3000:]
     if error is not None:

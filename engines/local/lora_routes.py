@@ -1,0 +1,115 @@
+"""The reference server's LoRA routes, ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``,
+as vLLM answers them (``vllm/entrypoints/openai/models/serving.py`` in 0.32.0, and what a
+probe of its CPU build answered: see docs/engines.md).
+
+They exist where vLLM's do: the server started with ``--enable-lora`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` true in its environment; elsewhere they are 404. A load
+names the adapter (``lora_name``) and its peft directory (``lora_path``); loading a name again
+needs ``load_inplace: true`` (the trainer's every sync after the first), and keeps the name's
+id. Success is a 200 whose body is a sentence, not JSON, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import os
+
+from engines.local.engine import LocalEngine
+from engines.local.http import Request, Response, json_response
+from engines.local.lora import AdapterError
+from engines.local.protocol import parse_json_object
+from engines.local.validation import ProtocolError
+
+__all__ = ["RUNTIME_LORA_ENV", "LoraRoutes", "runtime_lora_updating"]
+
+#: vLLM serves the routes only with this set true (``envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def runtime_lora_updating() -> bool:
+    """Whether this process's environment allows the routes, as vLLM reads it."""
+    return os.environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
+
+
+def _error(status: int, err_type: str, message: str, param: str | None = None) -> Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return json_response(body, status)
+
+
+def _text(sentence: str) -> Response:
+    return Response(200, sentence.encode(), content_type="text/plain; charset=utf-8")
+
+
+def _field(body: dict[str, object], name: str) -> str | None:
+    """A string field of the body; 400 as vLLM's request model answers a missing one."""
+    value = body.get(name)
+    if value is None:
+        raise ProtocolError(
+            400,
+            f"1 validation error:\n  {{'type': 'missing', 'loc': 'body.{name}', 'msg': "
+            f"'Field required', 'input': '<dict of {len(body)} items>'}}",
+            f"body.{name}",
+        )
+    if not isinstance(value, str):
+        raise ProtocolError(400, f"{name} must be a string, got {value!r}", f"body.{name}")
+    return value
+
+
+class LoraRoutes:
+    """The LoRA routes, over the engine :class:`~engines.local.server.ServerApp` holds."""
+
+    engine: LocalEngine
+    served_model: str
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        body = parse_json_object(request.body)
+        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        if not name or not path:
+            return _error(
+                400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided."
+            )
+        if name == self.served_model:
+            return _error(
+                400,
+                "InvalidUserInput",
+                f"The lora adapter '{name}' conflicts with a served base model.",
+            )
+        if name in self.engine.adapters and body.get("load_inplace") is not True:
+            return _error(
+                400,
+                "InvalidUserInput",
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+            )
+        try:
+            await self.engine.load_adapter(name, path)
+        except AdapterError as exc:
+            return _error(exc.status, exc.err_type, exc.message)
+        return _text(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        body = parse_json_object(request.body)
+        name = _field(body, "lora_name")
+        if not name:
+            return _error(
+                400,
+                "InvalidUserInput",
+                "'lora_name' needs to be provided to unload a LoRA adapter.",
+            )
+        if self.engine.adapters.pop(name, None) is None:
+            return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
+        return _text(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def adapter_cards(self) -> list[dict[str, object]]:
+        """``/v1/models``' card of each loaded adapter, as vLLM lists them."""
+        return [
+            {
+                "id": adapter.name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "vllm",
+                "root": adapter.path,
+                "parent": self.served_model,
+                "max_model_len": None,
+            }
+            for adapter in self.engine.adapters.values()
+        ]
