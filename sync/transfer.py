@@ -233,8 +233,8 @@ async def transfer_weights(
 ) -> dict[str, float]:
     """Move the policy's weights into the engines, as ``weight_version`` (see
     :func:`~sync.transports.base.finish_body`), sent again once if they broke off there;
-    return ``sync/resends`` and ``sync/last_weight_sync_seconds`` (the transfer that finished;
-    absent when only a finish was sent again).
+    return ``sync/resends``, ``sync/last_weight_sync_seconds`` (the transfer that finished;
+    absent when only a finish was sent again) and ``sync/bytes``.
 
     Raises the transfer's error (the engines are intact: it did not reach them, or was sent
     again, complete), or the step deadline's typed error chained to it, or
@@ -266,14 +266,21 @@ async def transfer_weights(
             type(failure).__name__,
             failure,
         )
-        return _metrics(resends=1.0, seconds=resent.seconds)
-    return _metrics(resends=0.0, seconds=seconds)
+        return _metrics(transport, resends=1.0, seconds=resent.seconds)
+    return _metrics(transport, resends=0.0, seconds=seconds)
 
 
-def _metrics(*, resends: float, seconds: float | None) -> dict[str, float]:
+def _metrics(
+    transport: WeightTransport, *, resends: float, seconds: float | None
+) -> dict[str, float]:
+    """The transfer's metrics; ``sync/bytes`` where the transport counts what it moved
+    (``last_bytes``: the tensors announced, or a LoRA adapter's files)."""
     out = {"sync/resends": resends}
     if seconds is not None:
         out["sync/last_weight_sync_seconds"] = seconds
+    moved = getattr(transport, "last_bytes", None)
+    if isinstance(moved, int) and moved > 0:
+        out["sync/bytes"] = float(moved)
     return out
 
 

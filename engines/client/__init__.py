@@ -33,6 +33,7 @@ from engines.client._rotation import is_engine_failure as is_engine_failure
 from engines.client._route_methods import ControlRoutes as ControlRoutes
 from engines.client._route_methods import digests_checksum as digests_checksum
 from engines.client._routes import DATA_PLANE_ROUTES as DATA_PLANE_ROUTES
+from engines.client._routes import LORA_ROUTES as LORA_ROUTES
 from engines.client._routes import PAUSE_ROUTES as PAUSE_ROUTES
 from engines.client._routes import ROUTE_FLAGS as ROUTE_FLAGS
 from engines.client._routes import SLEEP_ROUTES as SLEEP_ROUTES
@@ -48,6 +49,7 @@ __all__ = [
     "DEFAULT_CONTROL_PLANE_TIMEOUT_S",
     "DEFAULT_RETRY",
     "LAST_CONTROL_CALLS",
+    "LORA_ROUTES",
     "PAUSE_ROUTES",
     "ROUTE_FLAGS",
     "SLEEP_ROUTES",

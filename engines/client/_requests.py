@@ -21,6 +21,7 @@ import attrs
 import httpx
 import trio
 
+from engines.client._routes import LORA_ROUTES
 from engines.types import JSONValue, QueryParams
 from trainer.errors import InferenceServerError
 from trainer.vocabulary import current_step
@@ -149,9 +150,12 @@ def _body_excerpt(response: httpx.Response) -> str:
 
 
 def decode_json(url: str, path: str, response: httpx.Response) -> JSONValue:
-    """The body as JSON; ``None`` for an empty body; ``InferenceServerError`` when malformed."""
+    """The body as JSON; ``None`` for an empty body; ``InferenceServerError`` when malformed.
+    vLLM's LoRA routes answer a sentence: their body is returned as the string it is."""
     if not response.content:
         return None
+    if path in LORA_ROUTES:
+        return response.text
     try:
         return response.json()
     except ValueError:

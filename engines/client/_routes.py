@@ -17,6 +17,7 @@ from trainer.vocabulary import raise_first
 
 __all__ = [
     "DATA_PLANE_ROUTES",
+    "LORA_ROUTES",
     "PAUSE_ROUTES",
     "ROUTE_FLAGS",
     "SLEEP_ROUTES",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 _DEV = "VLLM_SERVER_DEV_MODE=1"
+_LORA = "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
 #: Route -> (method, what to set on ``vllm serve`` when the route is missing).
 ROUTE_FLAGS: Mapping[str, tuple[str, str]] = {
     "/health": ("GET", "nothing (every vllm serve has it): is this a vLLM server?"),
@@ -41,10 +43,15 @@ ROUTE_FLAGS: Mapping[str, tuple[str, str]] = {
     "/start_weight_update": ("POST", f"--weight-transfer-config (and {_DEV})"),
     "/update_weights": ("POST", f"--weight-transfer-config (and {_DEV})"),
     "/finish_weight_update": ("POST", f"--weight-transfer-config (and {_DEV})"),
+    "/v1/load_lora_adapter": ("POST", f"--enable-lora --max-lora-rank N (and {_LORA})"),
+    "/v1/unload_lora_adapter": ("POST", f"--enable-lora --max-lora-rank N (and {_LORA})"),
 }
 DATA_PLANE_ROUTES = ("/health", "/v1/completions")
 PAUSE_ROUTES = ("/pause", "/resume", "/is_paused")
 SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping")
+#: A LoRA adapter loaded in place and unloaded (``sync.lora=adapter``); their 2xx answer is a
+#: sentence, not JSON (vLLM's).
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 WEIGHT_TRANSFER_ROUTES = (
     "/init_weight_transfer_engine",
     "/start_weight_update",

@@ -70,6 +70,9 @@ class ReferenceServers:
     enable_sleep_mode: bool = False
     #: ``--num-threads``: torch's intra-op threads per server (None: the server's default, 1).
     num_threads: int | None = None
+    #: ``--enable-lora --max-lora-rank N`` and the variable vLLM wants for the LoRA routes
+    #: (``sync.lora=adapter``); None: no LoRA.
+    max_lora_rank: int | None = None
 
     def __call__(self, index: int, host: str) -> ServerSpec:
         cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
@@ -82,6 +85,9 @@ class ReferenceServers:
             cmd += ["--model", str(self.model_dir)]
         device = self.devices[index % len(self.devices)] if self.devices else None
         flags, env = server_device(device, os.environ)
+        if self.max_lora_rank is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", str(self.max_lora_rank)]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return ServerSpec((*cmd, *self.extra_args, *flags), env)
 
 

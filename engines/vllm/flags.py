@@ -29,11 +29,14 @@ import attrs
 
 __all__ = [
     "ENGINE_ARG_FLAGS",
+    "MAX_LORA_RANKS",
+    "RUNTIME_LORA_ENV",
     "VLLM_SERVE_MODULE",
     "VLLM_TRANSPORTS",
     "VllmSettings",
     "WeightTransferBackend",
     "flag_clashes",
+    "max_lora_rank_for",
 ]
 
 #: What ``vllm serve`` runs: vLLM's OpenAI API server (``python -m`` of it takes ``--model``).
@@ -52,7 +55,26 @@ ENGINE_ARG_FLAGS: Mapping[str, tuple[str, ...]] = {
     "seed": ("--seed",),
     "enable_sleep_mode": ("--enable-sleep-mode",),
     "weight_transfer_config": ("--weight-transfer-config",),
+    "enable_lora": ("--enable-lora",),
+    "max_lora_rank": ("--max-lora-rank",),
+    "max_loras": ("--max-loras",),
 }
+
+#: vLLM's allowed ``--max-lora-rank`` values (``vllm.config.lora.MaxLoRARanks``, 0.32/0.33).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+#: What vLLM serves its LoRA load and unload routes only with, set true.
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def max_lora_rank_for(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM accepts that holds an adapter of ``rank``;
+    ``ValueError`` above vLLM's largest."""
+    fitting = [r for r in MAX_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise ValueError(
+            f"LoRA rank {rank} is above vLLM's largest --max-lora-rank {MAX_LORA_RANKS[-1]}"
+        )
+    return fitting[0]
 
 
 def _flag_of(token: str) -> str | None:
@@ -94,6 +116,9 @@ class VllmSettings:
     extra_args: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     dtype: str | None = None
     cpu: bool = False
+    #: ``--enable-lora --max-lora-rank N --max-loras 1`` (one adapter, the policy's, as the
+    #: trainer serves it with ``sync.lora=adapter``); None: no LoRA.
+    max_lora_rank: int | None = None
 
     def argv(self, seed_offset: int = 0) -> list[str]:
         """``vllm serve``'s engine flags, ``--model`` first, ``extra_args`` last (``--seed``
@@ -124,4 +149,12 @@ class VllmSettings:
             argv += ["--dtype", self.dtype]
         if self.cpu and "--no-enforce-eager" not in extra:
             argv.append("--enforce-eager")
+        if self.max_lora_rank is not None:
+            argv += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(self.max_lora_rank),
+                "--max-loras",
+                "1",
+            ]
         return [*argv, *extra]

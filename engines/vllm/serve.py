@@ -62,7 +62,12 @@ from engines.client import ControlPlane
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV
-from engines.vllm.flags import VLLM_SERVE_MODULE, VllmSettings, WeightTransferBackend
+from engines.vllm.flags import (
+    RUNTIME_LORA_ENV,
+    VLLM_SERVE_MODULE,
+    VllmSettings,
+    WeightTransferBackend,
+)
 from trainer.errors import ConfigError, InferenceServerError
 
 __all__ = [
@@ -181,6 +186,8 @@ class VllmServers:
     def env(self, index: int) -> dict[str, str]:
         """The variables server ``index`` needs on top of its launcher's."""
         env = {"VLLM_SERVER_DEV_MODE": "1"}
+        if self.settings.max_lora_rank is not None:  # the LoRA load/unload routes
+            env[RUNTIME_LORA_ENV] = "True"
         if self.settings.weight_transfer_backend == "ipc":
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if self.gpu_groups:

@@ -70,6 +70,7 @@ from sync.transports.broadcast_rank0 import (
     plan_sync,
     send_buckets,
 )
+from sync.transports.buckets import update_bytes
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import open_owner_nursery, operation, remaining
 
@@ -119,6 +120,8 @@ class BroadcastTransport:
         #: This transport's group, unique in rank 0's process.
         self.group_id = f"{GROUP}-{uuid.uuid4().hex[:8]}"
         self.initialized = False
+        #: Tensor bytes of the last transfer (``sync/bytes``).
+        self.last_bytes = 0
         #: Why this transport cannot send the weights again after a failed transfer (None:
         #: it can); ``sync.transfer`` reads it before a re-send.
         self.resend_refusal: str | None = None
@@ -200,6 +203,7 @@ class BroadcastTransport:
         buckets = await workers.run_on_rank0(
             plan_sync, self.group_id, self.bucket_bytes, self.packed
         )
+        self.last_bytes = update_bytes(buckets)
         await routes.control("POST", "/start_weight_update", json={})
         left = remaining()
         timeout_s = self.timeout_s if left is None else max(left, 0.001)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-__all__ = ["Bucket", "plan_buckets", "update_info"]
+__all__ = ["Bucket", "plan_buckets", "update_bytes", "update_info"]
 
 #: One bucket: (name, tensor) pairs in model order.
 Bucket = list[tuple[str, torch.Tensor]]
@@ -24,6 +26,16 @@ def plan_buckets(params: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) 
         buckets[-1].append((name, param))
         size += nbytes
     return buckets
+
+
+def update_bytes(infos: Iterable[Mapping[str, Any]]) -> int:
+    """The tensor bytes the ``update_info`` bodies ``infos`` announce (``sync/bytes``)."""
+    total = 0
+    for info in infos:
+        for dtype, shape in zip(info["dtype_names"], info["shapes"], strict=True):
+            size = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+            total += size * math.prod(shape)
+    return total
 
 
 def update_info(bucket: Bucket) -> dict[str, object]:

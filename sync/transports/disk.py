@@ -28,7 +28,7 @@ import trio
 
 from engines.types import EngineClient
 from sync.transports.base import Rank0, TransportSettings, finish_body, routes_of
-from sync.transports.buckets import plan_buckets, update_info
+from sync.transports.buckets import plan_buckets, update_bytes, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
 
@@ -71,6 +71,8 @@ class DiskTransport:
         self.directory = Path(directory)
         self.bucket_bytes = bucket_bytes
         self._version = 0
+        #: Tensor bytes of the last transfer (``sync/bytes``).
+        self.last_bytes = 0
 
     async def init(self, engine: EngineClient, workers: Rank0) -> None:
         await routes_of(engine).control(
@@ -86,6 +88,7 @@ class DiskTransport:
         await trio.to_thread.run_sync(_remove_leftovers, self.directory)
         try:
             buckets = await workers.run_on_rank0(write_buckets, str(target), self.bucket_bytes)
+            self.last_bytes = update_bytes(buckets)
             await routes.control("POST", "/start_weight_update", json={})
             for bucket in buckets:
                 await routes.control("POST", "/update_weights", json={"update_info": bucket})

@@ -30,6 +30,9 @@ class _LoadsWeights(Protocol):
 class InProcessTransport:
     """Copies rank 0's parameters (where rank 0 runs) and loads them into the engine."""
 
+    #: Tensor bytes of the last transfer (``sync/bytes``).
+    last_bytes = 0
+
     async def init(self, engine: EngineClient, workers: Rank0) -> None:
         return None
 
@@ -44,6 +47,7 @@ class InProcessTransport:
                 "sync.transport=inprocess needs engine.backend=inprocess"
             )
         named = await workers.run_on_rank0(copy_weights)
+        self.last_bytes = sum(t.numel() * t.element_size() for t in named.values())
         await engine.load_weights(named, weight_version=weight_version)
 
     async def close(self, workers: Rank0) -> None:

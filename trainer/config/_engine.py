@@ -192,6 +192,16 @@ class SyncConfig:
         "WeightSyncTimeoutError saying so (after Ctrl-C: interrupted, exit status 130).",
         check=at_least(0),
     )
+    lora: Literal["merged", "adapter"] = _field(
+        "merged",
+        "How a LoRA policy (model.lora.rank > 0) reaches the engines: 'merged' sends the "
+        "merged weights W + (alpha/r) BA through sync.transport (every engine, every "
+        "transport; as many bytes as full fine-tuning); 'adapter' writes the adapter alone "
+        "(peft's files, under RUN_DIR/weight_sync) and each engine loads it in place through "
+        "vLLM's /v1/load_lora_adapter, serving it by name (engine.backend=local, vllm or "
+        "remote; the engines need --enable-lora, which the trainer passes to those it starts). "
+        "docs/lora.md compares them.",
+    )
     verify: Literal["first", "every", "never"] = _field(
         "first",
         "Check a weight sync: each engine samples a fixed probe and the policy scores the "

@@ -171,6 +171,47 @@ class RunPlan:
     vllm: VllmSettings | None
     #: ``sync.verify``'s tolerance (None in the config: by the policy's dtype).
     verify_tolerance: float
+    #: How a LoRA policy reaches the engines (``sync.lora=adapter``: the adapter, served by
+    #: name); None: full weights (full fine-tuning, or ``sync.lora=merged``).
+    served_adapter: ServedAdapter | None = None
+
+
+@attrs.frozen
+class ServedAdapter:
+    """``sync.lora=adapter``: the engines serve the policy's LoRA adapter by ``name`` (the
+    completions' ``model``), loaded in place at each sync; started with ``--enable-lora
+    --max-lora-rank max_rank`` (vLLM's smallest allowed rank that holds ``model.lora.rank``)."""
+
+    name: str
+    max_rank: int
+
+
+#: The name the engines serve the policy's adapter under (``sync.lora=adapter``).
+ADAPTER_SERVED_NAME = "policy"
+
+
+def _served_adapter(cfg: Sections) -> ServedAdapter | None:
+    """The adapter the engines serve, or None (full weights); ``ConfigError`` for an engine
+    backend that cannot load one by route."""
+    from engines.vllm.flags import max_lora_rank_for
+
+    lora = cfg.model.lora
+    if not lora.enabled or cfg.sync.lora != "adapter":
+        return None
+    backend = cfg.engine.backend
+    if backend not in ("local", "vllm", "remote"):
+        raise ConfigError(
+            f"config: sync.lora='adapter' loads the adapter through each engine server's "
+            f"/v1/load_lora_adapter, and engine.backend={backend!r} has no servers: use "
+            "engine.backend=local, vllm or remote, or sync.lora=merged"
+        )
+    try:
+        max_rank = max_lora_rank_for(lora.rank)
+    except ValueError as exc:
+        raise ConfigError(
+            f"config: model.lora.rank={lora.rank}: {exc}; use sync.lora=merged"
+        ) from None
+    return ServedAdapter(ADAPTER_SERVED_NAME, max_rank)
 
 
 def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
@@ -197,6 +238,7 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
             "frozen model and trains the adapter; its gradients are small) or "
             "model.lora.rank=0"
         )
+    served = _served_adapter(cfg)
     tolerance = cfg.sync.verify_tolerance
     if tolerance is None:
         tolerance = DEFAULT_TOLERANCE.get(policy.dtype, LOW_PRECISION_TOLERANCE)
@@ -223,8 +265,9 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
             collective_s=w.collective_timeout_s,
             group_init_s=cfg.sync.group_init_timeout_s,
         ),
-        vllm=_vllm_settings(cfg, policy, cuda) if engine_backend.runs_vllm else None,
+        vllm=_vllm_settings(cfg, policy, cuda, served) if engine_backend.runs_vllm else None,
         verify_tolerance=tolerance,
+        served_adapter=served,
     )
 
 
@@ -308,11 +351,13 @@ def _startup_timeout_s(cfg: Sections) -> float:
     return DEFAULT_STARTUP_TIMEOUT_S
 
 
-def _vllm_settings(cfg: Sections, policy: RoleDevice, cuda: bool) -> VllmSettings:
+def _vllm_settings(
+    cfg: Sections, policy: RoleDevice, cuda: bool, served: ServedAdapter | None
+) -> VllmSettings:
     """vLLM's engine settings: ``engine.*`` as given, the run's seed, sleep mode when the
     bracket sleeps, the transport, the policy's dtype (so vLLM serves what the policy trains:
-    it would serve a float32 checkpoint in bfloat16 on the CPU), and vLLM's CPU build where
-    this process sees no CUDA."""
+    it would serve a float32 checkpoint in bfloat16 on the CPU), vLLM's CPU build where
+    this process sees no CUDA, and LoRA where the engines serve the policy's adapter."""
     e = cfg.engine
     if not cuda and _bracket(cfg).sleeps:
         key = "engine.colocated" if e.colocated else "engine.offload_kv_for_weight_sync"
@@ -331,6 +376,7 @@ def _vllm_settings(cfg: Sections, policy: RoleDevice, cuda: bool) -> VllmSetting
         extra_args=tuple(e.extra_args),
         dtype=policy.dtype,
         cpu=not cuda,
+        max_lora_rank=served.max_rank if served is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ import attrs
 
 from engines.client import (
     DATA_PLANE_ROUTES,
+    LORA_ROUTES,
     PAUSE_ROUTES,
     SLEEP_ROUTES,
     WEIGHT_TRANSFER_ROUTES,
@@ -69,7 +70,9 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
     """
     e, plan = cfg.engine, cfg.plan
     sleeps = plan.bracket.sleeps
-    routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *WEIGHT_TRANSFER_ROUTES)
+    adapter = plan.served_adapter  # sync.lora=adapter: loaded by route, served by name
+    sync_routes = LORA_ROUTES if adapter is not None else WEIGHT_TRANSFER_ROUTES
+    routes = (*DATA_PLANE_ROUTES, *PAUSE_ROUTES, *sync_routes)
     routes = (*routes, *SLEEP_ROUTES) if sleeps else routes
     if plan.engine_backend is EngineBackend.VLLM_INPROCESS:
         async with open_vllm_inprocess_client(
@@ -102,10 +105,12 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
                 api_key=e.api_key,
                 max_concurrency=e.max_concurrency,
                 control_plane_timeout_s=plan.timeouts.control_plane_s,
+                model=adapter.name if adapter is not None else None,
             )
         )
         await client.probe(routes)
-        await check_server_config(client, plan.transport.name, needs_sleep=sleeps)
+        if adapter is None:  # the weight-transfer backend the run's transport speaks
+            await check_server_config(client, plan.transport.name, needs_sleep=sleeps)
         yield Engines(client, processes)
 
 
@@ -143,6 +148,7 @@ async def _start_servers(
             devices=plan.engine_devices,
             enable_sleep_mode=plan.bracket.sleeps,
             num_threads=None if plan.threads is None else plan.threads.server,
+            max_lora_rank=plan.served_adapter.max_rank if plan.served_adapter else None,
         )
     started = {"api_key": e.api_key, "startup_timeout_s": plan.timeouts.engine_startup_s}
     # the fork server forks reference servers; `vllm serve` always starts afresh

@@ -21,7 +21,7 @@ import trio
 
 from engines.models import resolve_model_path
 from sync import registry
-from sync.transports import InProcessTransport, WeightTransport
+from sync.transports import InProcessTransport, LoraAdapterTransport, WeightTransport
 from sync.transports.base import TransportSettings
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config import Config, EngineBackend, EnginePlacement, WorkerBackend
@@ -49,6 +49,8 @@ def make_transport(cfg: Config, run_dir: Path) -> WeightTransport:
     ``engine.backend=inprocess`` hands the tensors over in memory.
     """
     plan = cfg.plan
+    if plan.served_adapter is not None:  # sync.lora=adapter: the adapter, not the weights
+        return LoraAdapterTransport(run_dir / "weight_sync", plan.served_adapter.name)
     if plan.engine_backend is EngineBackend.INPROCESS:
         return InProcessTransport()
     s = cfg.sync
@@ -123,11 +125,13 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
 
 
 def _lora_spec(cfg: Config) -> LoraSpec | None:
-    """The adapter the policy trains (``model.lora``); None: full fine-tuning."""
+    """The adapter the policy trains (``model.lora``), and whether the engines get it merged;
+    None: full fine-tuning."""
     lora = cfg.model.lora
     if not lora.enabled:
         return None
-    return LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules))
+    merged = cfg.plan.served_adapter is None
+    return LoraSpec(lora.rank, lora.alpha, lora.dropout, tuple(lora.target_modules), merged)
 
 
 def critic_kwargs(cfg: Config, model_dir: Path) -> dict[str, object] | None:

@@ -49,6 +49,9 @@ class LoraSpec:
     dropout: float = 0.0
     #: Module names, or ``("all-linear",)``: every linear layer but the LM head.
     target_modules: tuple[str, ...] = ("all-linear",)
+    #: The weight transports read the merged weights (``sync.lora=merged``); False: the
+    #: policy itself, whose adapter the engines load (``sync.lora=adapter``).
+    merged: bool = True
 
 
 def add_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:

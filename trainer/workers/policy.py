@@ -148,7 +148,7 @@ class PolicyWorker:
         if lora is not None:
             self.model = add_adapter(self.model, lora)
             self._lora = LoraCheckpoint(self.model, model_dir)
-            self._merged = MergedWeights(self.model)
+            self._merged = MergedWeights(self.model) if lora.merged else None
         self._optim = start_training(
             self.model, gradient_checkpointing=gradient_checkpointing, **optim
         )
@@ -188,7 +188,8 @@ class PolicyWorker:
         """The model whose ``named_parameters`` are the full weights (what a weight
         transport reads). Sharded (FSDP2), the weights are gathered first, a collective
         every rank joins (``keep`` False on the ranks that do not read them). With a LoRA
-        adapter, the merged weights (:class:`~trainer.workers.lora.MergedWeights`)."""
+        adapter, the merged weights (:class:`~trainer.workers.lora.MergedWeights`), or the
+        peft model itself where the engines load the adapter (``LoraSpec.merged`` False)."""
         if self._merged is not None:
             self._resident()
             return self._merged.fresh()
@@ -344,8 +345,8 @@ class PolicyWorker:
         self._resident()
         if self._lora is not None:
             self._lora.load(directory / "policy")
-            assert self._merged is not None
-            self._merged.stale = True
+            if self._merged is not None:
+                self._merged.stale = True
         else:
             load_model(self.model, directory / "policy")
         self.optimizer.load_state_dict(load_state(directory / "optimizer.pt"))
