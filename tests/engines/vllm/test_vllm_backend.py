@@ -63,3 +63,16 @@ def test_a_killed_vllm_server_is_restarted_and_synced_before_it_serves_again(tra
     summary = json.loads((trainer_run.run_dir / "summary.json").read_text())
     (event,) = summary["engine_restart_events"]
     assert event["engine"] == 0 and event["step"] == 2 and event["seconds"] > 0
+
+
+@pytest.mark.trainer_run("engine.backend=vllm", "model.lora.rank=8", "optim.lr=0.01",
+                         "sync.lora=adapter", "sync.verify=every", "trainer.max_steps=3")  # fmt: skip
+def test_a_lora_adapter_loaded_in_place_by_real_vllm_trains_3_exact_steps(trainer_run):
+    """``sync.lora=adapter``: vLLM started with ``--enable-lora``, the adapter loaded in place
+    through ``/v1/load_lora_adapter`` at every sync and served by name; every sync verified
+    (vLLM's logprobs through the adapter are the policy's) and every step exact."""
+    rows, _ = _train(trainer_run, 3)
+    for row in rows:
+        assert abs(row["policy/is_ratio_mean"] - 1) < 1e-4, row
+        assert row["sync/verify_max_abs_diff"] < 1e-3, row
+        assert 0 < row["sync/bytes"] < 200_000, row  # the adapter's files, not the model

@@ -206,3 +206,22 @@ def test_lora_without_peft_is_refused_at_load_naming_the_extra(monkeypatch) -> N
 def test_lora_target_modules_are_checked_at_load(targets, error) -> None:
     with pytest.raises(ConfigError, match=error):
         load_config(None, ["model.lora.rank=8", f"model.lora.target_modules={targets}"])
+
+
+def test_the_served_adapter_is_planned_once_with_vllms_smallest_rank_that_holds_it() -> None:
+    assert load_config(None, ["model.lora.rank=8"]).plan.served_adapter is None  # merged
+    cfg = load_config(None, ["model.lora.rank=12", "sync.lora=adapter", "engine.backend=vllm"])
+    assert cfg.plan.served_adapter is not None and cfg.plan.served_adapter.max_rank == 16
+    assert cfg.plan.vllm is not None
+    assert cfg.plan.vllm.argv()[-5:] == [
+        "--enable-lora",
+        "--max-lora-rank",
+        "16",
+        "--max-loras",
+        "1",
+    ]
+    assert load_config(None, ["sync.lora=adapter"]).plan.served_adapter is None  # no adapter
+    with pytest.raises(ConfigError, match=r"engine.backend='inprocess' has no servers"):
+        load_config(None, ["model.lora.rank=8", "sync.lora=adapter", "engine.backend=inprocess"])
+    with pytest.raises(ConfigError, match=r"above vLLM's largest --max-lora-rank 512"):
+        load_config(None, ["model.lora.rank=600", "sync.lora=adapter"])

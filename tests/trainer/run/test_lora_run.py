@@ -1,7 +1,9 @@
-"""A LoRA run end to end through the reference engine server (real HTTP, the disk transport):
-every sync verified and exact (``policy/is_ratio`` 1), a resume from its checkpoint computes
-what the whole run computed, and ``ckpt export`` makes an adapter peft loads and a merged model
-directory whose logprobs are the policy's."""
+"""A LoRA run end to end through the reference engine server (real HTTP): every sync verified
+and exact (``policy/is_ratio`` 1) in both sync modes (the merged weights over the disk
+transport; the adapter loaded by name), which compute the same run; a resume from its
+checkpoint computes what the whole run computed; ``ckpt export`` makes an adapter peft loads
+and a merged model directory whose logprobs are the policy's; a load that fails ends the run
+typed."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 
 import trainer.run
 from trainer.checkpoint import ckpt_main
 from trainer.config import load_config
+from trainer.errors import FaultInjected
 
 from .test_exact_resume import _computed
 
@@ -37,13 +41,17 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path]:
-    """The whole run (3 steps, checkpoints at 2 and 3) and a run resumed from its step 2."""
+def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """The whole run (3 steps, checkpoints at 2 and 3), a run resumed from its step 2, and the
+    whole run again with the adapter loaded by the engine (``sync.lora=adapter``)."""
     root = tmp_path_factory.mktemp("lora")
-    whole, resumed = root / "whole", root / "resumed"
+    whole, resumed, adapter = root / "whole", root / "resumed", root / "adapter"
 
     async def both() -> None:
         await trainer.run.train(load_config(None, [*COMMON, f"trainer.run_dir={whole}"]))
+        await trainer.run.train(
+            load_config(None, [*COMMON, f"trainer.run_dir={adapter}", "sync.lora=adapter"])
+        )
         await trainer.run.train(
             load_config(
                 None,
@@ -56,14 +64,13 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
             )
         )
 
-    import trio
-
     trio.run(both)
-    return whole, resumed
+    return whole, resumed, adapter
 
 
-def test_every_lora_sync_is_verified_and_exact(runs):
-    rows = _computed(runs[0])
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_every_lora_sync_is_verified_and_exact(runs, mode):
+    rows = _computed(runs[0] if mode == "merged" else runs[2])
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert row["sync/verify_max_abs_diff"] < 1e-4, row["step"]
@@ -71,8 +78,24 @@ def test_every_lora_sync_is_verified_and_exact(runs):
         assert row["policy/grad_norm"] > 0
 
 
+def test_both_sync_modes_compute_the_same_run_and_the_adapter_moves_a_fraction_of_the_bytes(
+    runs,
+):
+    merged, adapter = _computed(runs[0]), _computed(runs[2])
+    merged_bytes = [r.pop("sync/bytes") for r in merged]
+    adapter_bytes = [r.pop("sync/bytes") for r in adapter]
+    assert max(adapter_bytes) < 0.25 * min(merged_bytes)
+    for want, have in zip(merged, adapter, strict=True):
+        for k in [k for k in want if k.startswith(("policy/is_ratio", "sync/verify"))]:
+            assert have.pop(k) == pytest.approx(want.pop(k), abs=1e-5), k
+        want.pop("checkpoint/step", None), have.pop("checkpoint/step", None)
+        assert have == want
+    # the engine served the adapter by name: its directory, one per sync, the last one kept
+    assert [p.name for p in (runs[2] / "weight_sync").iterdir()] == ["lora_v4"]
+
+
 def test_a_resumed_lora_run_computes_what_the_whole_run_computed(runs):
-    whole, resumed = runs
+    whole, resumed, _ = runs
     assert "at step 2" in (resumed / "train.log").read_text()
     want, have = _computed(whole)[2], _computed(resumed)[-1]
     assert have["step"] == want["step"] == 3
@@ -142,3 +165,24 @@ def model_dir_other(tmp_path_factory) -> Path:
     from engines.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("other"), seed=1)
+
+
+def test_an_adapter_load_that_fails_ends_the_run_typed(tmp_path):
+    """The load of the second step's sync fails (an injected error where the transfer
+    starts): the run ends with that error after its first step, never generating with the
+    engines paused by the bracket."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(
+        None,
+        [
+            *COMMON,
+            f"trainer.run_dir={run_dir}",
+            "sync.lora=adapter",
+            "sync.verify=first",
+            "trainer.ckpt_interval=0",
+            "faults=broadcast_to_inference_engines:error=boom@2",
+        ],
+    )
+    with pytest.raises(FaultInjected):
+        trio.run(trainer.run.train, cfg)
+    assert [r["step"] for r in _computed(run_dir)] == [1]
