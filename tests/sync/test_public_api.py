@@ -20,6 +20,7 @@ PUBLIC = {
         "DiskTransport",
         "InProcessTransport",
         "IpcTransport",
+        "LoraAdapterTransport",
         "Rank0",
         "WeightTransport",
     ],
@@ -42,7 +43,7 @@ PUBLIC = {
         "route_address",
         "send_buckets",
     ],
-    "sync.transports.buckets": ["Bucket", "plan_buckets", "update_info"],
+    "sync.transports.buckets": ["Bucket", "plan_buckets", "update_bytes", "update_info"],
     "sync.transports.flat_params": [
         "FlatParams",
         "bucket_views",
@@ -51,6 +52,7 @@ PUBLIC = {
     ],
     "sync.transports.disk": ["DiskTransport", "REMOVE_BOUND_S", "write_buckets"],
     "sync.transports.inprocess": ["InProcessTransport", "copy_weights"],
+    "sync.transports.lora_adapter": ["LoraAdapterTransport", "write_adapter"],
     "sync.transports.ipc": ["IpcTransport", "ipc_plan", "pack_ipc_bucket", "release_ipc_buffer"],
     "sync.transfer": [
         "TRANSFER_GRACE_S",
