@@ -16,6 +16,7 @@ from tests.trainer.workers.ray_helpers import POLICY_KWARGS, flat_grad, make_bat
 from trainer.vocabulary import wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.critic import CriticWorker
+from trainer.workers.lora import LoraSpec
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_group import RayWorkerGroup
 
@@ -172,3 +173,37 @@ async def test_the_batch_is_serialised_for_the_actors_off_the_trio_thread(
     # two ranks' shards for the forward and the update, the whole batch for the reference
     assert len(pickled_on) == 5
     assert threading.get_ident() not in pickled_on
+
+
+async def test_lora_ranks_reduce_the_adapters_gradient_and_rank0_reads_merged_weights(
+    ray_cluster, model_dir
+):
+    """A LoRA policy on two replicated ranks: the all-reduced gradient is the adapter's alone
+    and one worker's of the whole batch; after the step, what a transport reads on rank 0 is
+    the single worker's merged weights, by the base model's names."""
+    kwargs = POLICY_KWARGS | {"lora": LoraSpec(rank=4, alpha=8)}
+    batch = make_batch(model_dir)
+    single = PolicyWorker(model_dir, **kwargs)
+    single.forward_backward(batch, batch.counts)
+    expected = torch.cat(
+        [p.grad.reshape(-1) for p in single.model.parameters() if p.requires_grad]  # type: ignore[union-attr]
+    )
+    single.optim_step()
+    group = await RayWorkerGroup.create(
+        model_dir, policy_kwargs=kwargs, with_ref=False, num_workers=2
+    )
+    try:
+        await group.forward_backward(batch, batch.counts)
+        reduced = await wait_refs([a.reduce_gradients.remote() for a in group.policy])
+        for flat in reduced:
+            assert flat.numel() == expected.numel()  # the adapter's parameters only
+            torch.testing.assert_close(flat, expected, rtol=1e-4, atol=1e-6)
+        await group.optim_step()
+        merged = await group.run_on_rank0(copy_weights)
+        want = dict(single.readable_model().named_parameters())
+        assert list(merged) == list(want)
+        for name, w in want.items():
+            torch.testing.assert_close(merged[name], w, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        await group.shutdown()
+    assert await wait_gone(list(group.pids.values())) == []
