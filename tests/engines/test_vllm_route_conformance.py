@@ -36,7 +36,7 @@ import httpx
 import jsonschema
 import torch
 
-from engines.client import ROUTE_FLAGS, InferenceClient
+from engines.client import LORA_ROUTES, ROUTE_FLAGS, InferenceClient
 from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
@@ -428,11 +428,15 @@ def test_a_planted_query_parameter_or_body_field_is_named():
 
 
 def test_the_dump_is_vllm_0_33_0_and_has_every_route_the_client_knows():
+    """The LoRA routes aside: vLLM attaches them to its app only at start-up with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING (``attach_router``), not on the module router the dump
+    reads; their bodies and answers were probed on vLLM's CPU build instead
+    (``tests/engines/local/test_lora_serving.py``) and run against it in the tier."""
     assert VLLM["vllm_version"] == "0.33.0"
     missing = [
         f"{method} {path}"
         for path, (method, _) in ROUTE_FLAGS.items()
-        if method.lower() not in OPENAPI["paths"].get(path, {})
+        if method.lower() not in OPENAPI["paths"].get(path, {}) and path not in LORA_ROUTES
     ]
     assert missing == []
     assert VLLM["raw_query_params"] == {"POST /wake_up": {"tags": "getlist"}}

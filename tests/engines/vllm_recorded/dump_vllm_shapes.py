@@ -57,6 +57,9 @@ ENGINE_ARG_FIELDS = (
     "seed",
     "enable_sleep_mode",
     "weight_transfer_config",
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
 )
 
 
@@ -102,7 +105,8 @@ def _parameters(fn: Any) -> dict[str, dict[str, Any]]:
 
 def _cli_flags(add_cli_args: Any, fields: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """Each field's option strings in vLLM's ``add_cli_args`` source (``add_argument("--x",
-    **group_kwargs["x"])``, ``dest=`` when given), and the argparse action of a bool field.
+    **group_kwargs["x"])``, ``dest=`` when given, else argparse's dest from the first long
+    option), and the argparse action of a bool field.
 
     Read from the source, not from a built parser: building one needs vLLM's platform (a
     device), which a CPU machine without vLLM's CPU build does not have.
@@ -121,6 +125,9 @@ def _cli_flags(add_cli_args: Any, fields: tuple[str, ...]) -> dict[str, dict[str
                     field = key.value
             elif kw.arg == "dest" and isinstance(kw.value, ast.Constant):
                 field = kw.value.value
+        long = [f for f in flags if isinstance(f, str) and f.startswith("--")]
+        if field is None and long:  # argparse's own dest: ``--enable-lora`` -> enable_lora
+            field = long[0][2:].replace("-", "_")
         if field in fields:
             out[field] = {"flags": flags}
     return out
