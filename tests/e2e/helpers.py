@@ -89,11 +89,13 @@ def _stop_fork_server(proc: subprocess.Popen[str]) -> None:
 
 
 def run_trainer(
-    *args: str, marker: str | None = None, timeout: float = 300
+    *args: str, marker: str | None = None, timeout: float = 300, module: str = "trainer"
 ) -> subprocess.CompletedProcess[str]:
     """``python -m trainer trainer.progress=false ARGS`` to its end: a fork of the fork server,
-    its reference servers too; stdout and stderr captured."""
-    argv = [sys.executable, "-m", "trainer", "trainer.progress=false", *args]
+    its reference servers too; stdout and stderr captured. ``module``: another entry point
+    that runs the trainer's ``main`` (a test fixture's, such as
+    ``tests.e2e.transfer_on_event_loop``)."""
+    argv = [sys.executable, "-m", module, "trainer.progress=false", *args]
     env = trainer_env(marker or new_marker())
     env["TRAINER_FORK_SERVER"] = socket_path = fork_server()
     with (

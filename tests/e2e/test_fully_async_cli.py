@@ -29,6 +29,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import httpx
 import pytest
 
@@ -40,7 +41,6 @@ from tests.e2e.helpers import (
     processes_with_marker,
     read_metrics,
     run_trainer,
-    trainer_env,
     wait_until_gone,
 )
 
@@ -82,59 +82,78 @@ def env_service() -> Iterator[str]:
         proc.stdout.close()
 
 
-def _run_beside_a_slow_transfer(run_dir: Path, env_url: str, *, on_event_loop: bool):
+def _run_beside_a_slow_transfer(
+    run_dir: Path, env_url: str, *, on_event_loop: bool, marker: str
+) -> subprocess.CompletedProcess[str]:
     # the wrong way is a test fixture's (tests/e2e/transfer_on_event_loop.py), not a switch
-    entry = "tests.e2e.transfer_on_event_loop" if on_event_loop else "trainer"
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            entry,
-            "trainer.progress=false",
-            *ASYNC,
-            "generator.cls=examples.http_env:HttpEnvGenerator",
-            f"generator.kwargs.env_url={env_url}",
-            "generator.kwargs.env_timeout_s=2.0",
-            "generator.max_turns=2",
-            "generator.num_parallel_workers=8",
-            "generator.n_samples_per_prompt=4",  # 8 groups x 4 = 32 rollouts in flight
-            "trainer.train_batch_size=4",
-            "trainer.max_steps=4",
-            "faults=broadcast_to_inference_engines:sleep=5@2",  # the sync after step 2
-            f"trainer.run_dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=trainer_env(new_marker()),
-        cwd=REPO,
+    return run_trainer(
+        *ASYNC,
+        "generator.cls=examples.http_env:HttpEnvGenerator",
+        f"generator.kwargs.env_url={env_url}",
+        "generator.kwargs.env_timeout_s=2.0",
+        "generator.max_turns=2",
+        "generator.num_parallel_workers=8",
+        "generator.n_samples_per_prompt=4",  # 8 groups x 4 = 32 rollouts in flight
+        "trainer.train_batch_size=4",
+        "trainer.max_steps=4",
+        "faults=broadcast_to_inference_engines:sleep=5@2",  # the sync after step 2
+        f"trainer.run_dir={run_dir}",
+        marker=marker,
+        module="tests.e2e.transfer_on_event_loop" if on_event_loop else "trainer",
     )
+
+
+@attrs.frozen
+class SlowTransferRun:
+    """The run with its transfer off the event loop (the product's way), as it ended."""
+
+    run_dir: Path
+    proc: subprocess.CompletedProcess[str]
+    marker: str
+    #: The environment service's ``/stats`` before and after the run.
+    stats_before: dict
+    stats_after: dict
+
+
+@pytest.fixture(scope="module")
+def slow_transfer_run(env_service: str, tmp_path_factory) -> SlowTransferRun:
+    """One run beside a slow transfer, shared: the SkyRL #2524 test reads its environment
+    calls, and the end-of-run test its end at ``max_steps`` with rollouts in flight."""
+    stats_url = env_service.removesuffix("/step") + "/stats"
+    run_dir, marker = tmp_path_factory.mktemp("slow-transfer") / "thread", new_marker()
+    before = httpx.get(stats_url).json()
+    proc = _run_beside_a_slow_transfer(run_dir, env_service, on_event_loop=False, marker=marker)
+    return SlowTransferRun(run_dir, proc, marker, before, httpx.get(stats_url).json())
 
 
 def _timeouts(run_dir: Path) -> float:
     return max(r["env/timeouts_total"] for r in read_metrics(run_dir))
 
 
-def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(tmp_path, env_service):
-    stats_url = env_service.removesuffix("/step") + "/stats"
-    before = httpx.get(stats_url).json()["requests"]
-    proc = _run_beside_a_slow_transfer(tmp_path / "thread", env_service, on_event_loop=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    stats = httpx.get(stats_url).json()
-    assert stats["requests"] - before >= 4 * 4 * 2  # at least 4 steps of 2-turn rollouts
+def test_rollouts_call_their_environment_on_time_while_a_slow_transfer_runs(
+    tmp_path, env_service, slow_transfer_run
+):
+    run = slow_transfer_run
+    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    stats = run.stats_after
+    assert stats["requests"] - run.stats_before["requests"] >= 4 * 4 * 2  # 4 steps, 2 turns
     assert stats["peak_in_flight"] >= 16, stats  # many rollouts in their environment at once
     # the transfer really took its 5 s, and not one environment call timed out meanwhile
-    rows = read_metrics(tmp_path / "thread")
+    rows = read_metrics(run.run_dir)
     assert rows[1]["sync/last_weight_sync_seconds"] >= 5.0
     assert rows[1]["sync/max_stall_ms"] < 1000  # the loop kept turning during the sync
-    assert _timeouts(tmp_path / "thread") == 0
+    assert _timeouts(run.run_dir) == 0
 
     # the same run with the transfer's 5 s blocking the event loop: calls in flight time out
-    proc = _run_beside_a_slow_transfer(tmp_path / "loop", env_service, on_event_loop=True)
+    marker = new_marker()
+    proc = _run_beside_a_slow_transfer(
+        tmp_path / "loop", env_service, on_event_loop=True, marker=marker
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _timeouts(tmp_path / "loop") > 0
     assert max(r["loop/max_stall_ms"] for r in read_metrics(tmp_path / "loop")) >= 5000
     assert read_metrics(tmp_path / "loop")[1]["sync/max_stall_ms"] >= 5000  # inside the sync
+    assert wait_until_gone(marker) == []
 
 
 # ---------------------------------------------------------------- how a run ends
@@ -250,25 +269,20 @@ def test_a_run_whose_every_rollout_hangs_ends_with_rollout_timeout_error(tmp_pat
     assert wait_until_gone(marker) == []
 
 
-def test_the_last_step_stops_the_rollouts_and_the_run_ends_cleanly(tmp_path):
-    marker = new_marker()
-    proc = run_trainer(
-        *ASYNC,
-        "engine.backend=local",
-        "trainer.max_steps=3",
-        f"trainer.run_dir={tmp_path}",
-        marker=marker,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert json.loads((tmp_path / "summary.json").read_text())["last_step"] == 3
+def test_the_last_step_stops_the_rollouts_and_the_run_ends_cleanly(slow_transfer_run):
+    """At ``max_steps`` (the slow-transfer run above: 4 steps, each rollout two 1 s calls to
+    its environment, so some are always in flight) the rollouts are stopped, not awaited."""
+    run = slow_transfer_run
+    assert run.proc.returncode == 0, run.proc.stderr[-3000:]
+    rows = read_metrics(run.run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert json.loads((run.run_dir / "summary.json").read_text())["last_step"] == 4
     # rollouts were still running when the last step ended: they were cancelled, not awaited
     stopped = re.search(
-        r"stopping the rollouts: (\d+) groups in flight", (tmp_path / "train.log").read_text()
+        r"stopping the rollouts: (\d+) groups in flight", (run.run_dir / "train.log").read_text()
     )
     assert stopped and int(stopped[1]) > 0
-    assert wait_until_gone(marker) == []
+    assert wait_until_gone(run.marker) == []
 
 
 # ---------------------------------------------------------------- a broken-off transfer

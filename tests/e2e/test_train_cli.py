@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +26,24 @@ pytestmark = pytest.mark.slow
 SMALL = ("trainer.train_batch_size=4", "generator.n_samples_per_prompt=4")
 
 
-def test_four_steps_write_metrics_checkpoints_and_latest(tmp_path):
-    run_dir = tmp_path / "run"
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """The default run for 4 steps, a checkpoint every 2, told to resume from the latest
+    checkpoint of a directory that has none: its directory and outcome, shared by the test of
+    what a run writes, the test of ``resume_mode=latest`` without checkpoints, and the test of
+    the ``ckpt`` subcommands (which works on a copy: it breaks and prunes checkpoints)."""
+    run_dir = tmp_path_factory.mktemp("four-steps") / "run"
     proc = run_trainer(
-        "trainer.max_steps=4", "trainer.ckpt_interval=2", f"trainer.run_dir={run_dir}"
+        "trainer.max_steps=4",
+        "trainer.ckpt_interval=2",
+        "trainer.resume_mode=latest",
+        f"trainer.run_dir={run_dir}",
     )
+    return run_dir, proc
+
+
+def test_four_steps_write_metrics_checkpoints_and_latest(four_steps):
+    run_dir, proc = four_steps
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -118,21 +132,18 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
     assert "resumed from" in (killed_dir / "train.log").read_text()
 
 
-def test_resume_latest_without_checkpoints_starts_fresh(tmp_path: Path):
-    proc = run_trainer(
-        *SMALL, "trainer.max_steps=1", f"trainer.run_dir={tmp_path}", "trainer.resume_mode=latest"
-    )
+def test_resume_latest_without_checkpoints_starts_fresh(four_steps):
+    run_dir, proc = four_steps
     assert proc.returncode == 0, proc.stderr
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
-    assert "starting fresh" in (tmp_path / "train.log").read_text()
+    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
+    assert "starting fresh" in (run_dir / "train.log").read_text()
 
 
-def test_ckpt_subcommands_list_verify_and_prune(tmp_path):
+def test_ckpt_subcommands_list_verify_and_prune(four_steps, tmp_path):
+    shared, proc = four_steps
+    assert proc.returncode == 0, proc.stderr
     run_dir = tmp_path / "run"
-    proc = run_trainer(
-        *SMALL, "trainer.max_steps=4", "trainer.ckpt_interval=2", f"trainer.run_dir={run_dir}"
-    )
-    assert proc.returncode == 0, proc.stderr
+    shutil.copytree(shared, run_dir, symlinks=True)
 
     def ckpt(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

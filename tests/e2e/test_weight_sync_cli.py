@@ -41,7 +41,9 @@ def test_a_hung_group_init_ends_with_checkpoint_engine_init_error_and_no_process
     proc = run_trainer(
         "trainer.max_steps=3",
         "sync.transport=gloo",
-        "sync.group_init_timeout_s=10",
+        # the init hangs (the fault, where it runs): any bound ends it; a short one that
+        # still leaves the group's set-up calls before the hang ample time
+        "sync.group_init_timeout_s=4",
         "faults=init_process_group:hang",
         f"trainer.run_dir={tmp_path}",
         marker=marker,
@@ -49,10 +51,12 @@ def test_a_hung_group_init_ends_with_checkpoint_engine_init_error_and_no_process
     assert proc.returncode != 0
     line = last_stderr_line(proc)
     assert re.fullmatch(
-        r"CheckpointEngineInitError: process group 'weight_sync' did not initialise within 10s; "
+        r"CheckpointEngineInitError: process group 'weight_sync' did not initialise within 4s; "
         r".*sync\.group_init_timeout_s \(env TRAINER_GROUP_INIT_TIMEOUT_S\)",
         line,
     ), line
+    # it was the hang that the bound cut off (not a bound so short it ended the set-up first)
+    assert "init_process_group:hang" in (tmp_path / "faults_fired.log").read_text()
     assert wait_until_gone(marker) == []
 
 

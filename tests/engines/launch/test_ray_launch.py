@@ -171,12 +171,17 @@ async def test_cancelled_start_up_leaves_nothing(
 async def test_a_cluster_without_room_fails_start_up_saying_so(
     ray_cluster: str, model_dir: Path, tmp_path: Path, marker: str
 ) -> None:
-    with pytest.raises(EngineStartError, match="not placed or not started within 3s"):
+    """An actor no node has room for (here CPUs; GPUs, for a vLLM engine's
+    engine.tensor_parallel_size, take the same path) is never placed: start-up fails at its
+    bound, naming both (the bound is short: the actor can never be placed, however long)."""
+    with pytest.raises(
+        EngineStartError, match=r"not placed or not started within 1s: .* GPUs on one node"
+    ):
         async with open_ray_engines(
             1,
             ReferenceServers(str(model_dir)),
             tmp_path / "engines",
-            startup_timeout_s=3.0,
+            startup_timeout_s=1.0,
             num_cpus=1000,
             env=actor_env(),
         ):
@@ -195,12 +200,11 @@ def test_a_stop_that_wins_the_race_with_start_means_no_server_is_launched(
     assert leftovers(marker, timeout=0) == []
 
 
-#: In a cluster of its own that declares 3 (logical) GPUs: one engine whose actor reserves 2,
-#: then one that asks for 4. Prints the server's CUDA_VISIBLE_DEVICES and the refusal.
+#: In a cluster of its own that declares 3 (logical) GPUs: one engine whose actor reserves 2.
+#: Prints the server's CUDA_VISIBLE_DEVICES.
 _GPU_PLACEMENT = """
 import json, sys, trio, ray
-from engines.launch import ReferenceServers, ServerSpec, open_ray_engines
-from trainer.errors import EngineStartError
+from engines.launch import ReferenceServers, open_ray_engines
 from trainer.workers.ray_cluster import actor_env, init_kwargs, prepare_env
 
 prepare_env()
@@ -214,14 +218,6 @@ async def main():
     ) as (engine,):
         environ = open(f"/proc/{engine.pid}/environ", "rb").read().split(b"\\0")
         out["visible"] = [v.decode() for v in environ if v.startswith(b"CUDA_VISIBLE_DEVICES=")]
-    try:
-        async with open_ray_engines(
-            1, ReferenceServers(model_dir), log_dir, num_gpus=4, startup_timeout_s=3,
-            env=actor_env(),
-        ):
-            out["refused"] = None
-    except EngineStartError as exc:
-        out["refused"] = exc.reason
     print("RESULT " + json.dumps(out))
 
 trio.run(main)
@@ -234,12 +230,11 @@ def test_an_engine_actor_reserves_its_gpus_and_its_server_sees_exactly_them(
 ) -> None:
     """A vLLM engine placed by Ray (engine.tensor_parallel_size GPUs): Ray gives its actor
     that many GPUs and their CUDA_VISIBLE_DEVICES, which the server inherits (its spec sets
-    none); a cluster without that many says so. Logical GPUs: Ray assigns them on a CPU machine
-    as on a GPU one."""
+    none). Logical GPUs: Ray assigns them on a CPU machine as on a GPU one. (A cluster without
+    that many: an actor never placed, as in the test of a cluster without room above.)"""
     result = run_in_own_ray_cluster(
         _GPU_PLACEMENT, str(model_dir), str(tmp_path / "engines"), timeout_s=240
     )
     (visible,) = result["visible"]
     assert len(visible.removeprefix("CUDA_VISIBLE_DEVICES=").split(",")) == 2, visible
-    assert result["refused"] is not None and "GPUs on one node" in result["refused"]
     assert leftovers(marker) == []

@@ -14,13 +14,23 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
 
+from engines.launch import ForkedPopen, fork_popen
 from engines.process_group import free_port
-from tests.e2e.helpers import new_marker, popen_trainer, read_metrics, run_trainer, wait_until_gone
+from tests.e2e.helpers import (
+    REPO,
+    fork_server,
+    new_marker,
+    popen_trainer,
+    read_metrics,
+    run_trainer,
+    wait_until_gone,
+)
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -50,15 +60,17 @@ def _exact(rows: list[dict]) -> None:
 
 
 def test_a_killed_engine_is_restarted_and_every_prompt_still_trained_once(tmp_path):
-    clean = _run(tmp_path / "clean", "trainer.max_steps=24")
+    # 10 steps: the kills at steps 3 and 5, and steps after both whose prompts must still
+    # follow the clean run's order (a prompt lost or trained twice shifts every later one)
+    clean = _run(tmp_path / "clean", "trainer.max_steps=10")
     assert clean.returncode == 0, clean.stderr[-3000:]
     # engine 1 dies at step 3 (engine 0 takes its requests); engine 0 dies at step 5, so step
     # 5 is served by engine 1 once it is back, however long its restart takes on this machine
     faults = "faults=generate:kill_engine=1@3,generate:kill_engine=0@5"
-    proc = _run(tmp_path / "killed", "trainer.max_steps=24", faults)
+    proc = _run(tmp_path / "killed", "trainer.max_steps=10", faults)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path / "killed")
-    assert [r["step"] for r in rows] == list(range(1, 25))
+    assert [r["step"] for r in rows] == list(range(1, 11))
     # the same prompts in the same order as the run without a kill: none lost, none twice
     want = [r["data/example_index"] for r in read_metrics(tmp_path / "clean")]
     assert [r["data/example_index"] for r in rows] == want
@@ -71,7 +83,7 @@ def test_a_killed_engine_is_restarted_and_every_prompt_still_trained_once(tmp_pa
     assert second["engine"] == 0 and second["step"] == 5
     # each restart that finished was one more (verified) weight sync
     back = sum(e["seconds"] is not None for e in (first, second))
-    assert rows[-1]["sync/weight_version"] == 24 + 1 + back
+    assert rows[-1]["sync/weight_version"] == 10 + 1 + back
 
 
 def test_a_stopped_engine_is_found_hung_by_its_health_check_and_replaced(tmp_path):
@@ -91,51 +103,61 @@ def test_a_stopped_engine_is_found_hung_by_its_health_check_and_replaced(tmp_pat
     _exact(rows)
 
 
-def test_the_only_engine_killed_the_step_waits_for_its_restart(tmp_path):
+@pytest.fixture(scope="module")
+def only_engine_killed_twice(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One engine, one restart allowed: killed at step 2, which waits for its restart (it is
+    the only engine: back however long that takes), served steps 2 and 3 after it, killed again
+    at step 4. The run and its outcome, shared by the two tests below."""
+    run_dir = tmp_path_factory.mktemp("only-engine")
     proc = _run(
-        tmp_path,
+        run_dir,
         "engine.num_engines=1",
-        "trainer.max_steps=4",
-        "faults=generate:kill_engine=0@2",
+        "trainer.max_steps=6",
+        "engine.max_restarts=1",
+        "faults=generate:kill_engine=0@2,generate:kill_engine=0@4",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    return run_dir, proc
+
+
+def test_the_only_engine_killed_the_step_waits_for_its_restart(only_engine_killed_twice):
+    run_dir, proc = only_engine_killed_twice
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2, 3], proc.stderr[-3000:]  # it went on after it
     assert rows[1]["timing/generate"] > rows[0]["timing/generate"]  # it waited for the restart
     _exact(rows)
-    assert _summary(tmp_path)["engine_restarts"] == 1
+    assert [r["engine/restarts"] for r in rows] == [0, 1, 1]
 
 
 def test_fully_async_loses_no_rollout_to_a_killed_engine(tmp_path):
     proc = _run(
         tmp_path,
         "trainer.strategy=fully_async",
-        "trainer.max_steps=12",
+        # one epoch of 48 prompts, 4 per step (12 steps): the run ends only once every prompt
+        # is trained, so a rollout lost with its engine would be missing or keep it running
+        "data.num_examples=48",
+        "trainer.epochs=1",
+        "trainer.max_steps=null",
         "faults=generate:kill_engine=1@3",
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert rows[-1]["engine/restarts"] == 1
-    # 12 steps of 4 prompts, each drawn once: the killed engine's rollouts were sent again
-    trained = [i for r in rows for i in r["data/example_index"]]
-    assert len(trained) == 48 and len(set(trained)) == 48
+    # every prompt of the epoch trained, once: the killed engine's rollouts were sent again
+    trained = Counter(i for r in rows for i in r["data/example_index"])
+    assert sorted(trained) == list(range(48)) and set(trained.values()) == {1}
     max_staleness = load_config(None, []).trainer.fully_async.max_staleness_steps
     assert max(r["async/staleness_max"] for r in rows) <= max_staleness
 
 
-def test_past_max_restarts_the_run_ends_naming_the_engine(tmp_path):
-    proc = _run(
-        tmp_path,
-        "trainer.max_steps=12",
-        "engine.max_restarts=1",
-        # killed at step 2, back by step 6 (it waits 10 s), killed again at step 8
-        "faults=generate:kill_engine=1@2,generate:delay=10@6,generate:kill_engine=1@8",
-    )
+def test_past_max_restarts_the_run_ends_naming_the_engine(only_engine_killed_twice):
+    # the engine came back once (no sleep to outlast its restart: step 2 waited for it)
+    # and died again, past engine.max_restarts=1
+    _, proc = only_engine_killed_twice
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()
     message = next(line for line in last if line.startswith("EngineFailedError"))
-    assert "EngineFailedError: engine 1 (http://127.0.0.1:" in message
+    assert "EngineFailedError: engine 0 (http://127.0.0.1:" in message
     assert "failed after 1 restart(s), engine.max_restarts=1" in message
     assert "--- server log (tail) ---" in proc.stderr
 
@@ -159,13 +181,23 @@ def test_engine_signal_faults_are_checked_at_load():
         load_config(None, ["faults=generate:kill_engine"])
 
 
-def _serve(port: int, log: Path) -> subprocess.Popen:
+def _serve(port: int, log: Path) -> ForkedPopen:
+    """``python -m engines.local serve`` in a session of its own, forked from the suite's fork
+    server (its imports done once, as for every run's servers)."""
     cmd = [sys.executable, "-m", "engines.local", "serve", "--port", str(port)]
-    with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    with log.open("ab") as out, open(os.devnull, "rb") as null:
+        return fork_popen(
+            fork_server(),
+            cmd,
+            env=dict(os.environ),
+            cwd=REPO,
+            stdin=null.fileno(),
+            stdout=out.fileno(),
+            stderr=out.fileno(),
+        )
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_healthy(url: str, proc: ForkedPopen, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the server exited"
