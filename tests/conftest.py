@@ -92,10 +92,11 @@ HEAVY_FIRST = (
     "tests/trainer/workers/test_ray_rank0.py",  # 43
     "tests/trainer/workers/test_ray_failures.py",  # 40
     "tests/trainer/workers/test_ray_data_parallel.py",  # 39
-    "tests/e2e/test_debug_cli.py",  # 34-38
     "tests/engines/launch/test_launch.py",  # 33-35
-    "tests/e2e/test_train_cli.py",  # 31-33
     "tests/e2e/test_real_model.py",  # 26-28
+    "tests/e2e/test_debug_cli.py",  # 24-31 (trimmed 2026-12-04)
+    "tests/e2e/test_train_cli.py",  # 22-27 (trimmed 2026-12-04)
+    "tests/trainer/run/test_lora_run.py",  # 20
     "tests/trainer/workers/test_ray_setup.py",  # 18
 )
 
