@@ -76,3 +76,25 @@ def test_a_lora_adapter_loaded_in_place_by_real_vllm_trains_3_exact_steps(traine
         assert abs(row["policy/is_ratio_mean"] - 1) < 1e-4, row
         assert row["sync/verify_max_abs_diff"] < 1e-3, row
         assert 0 < row["sync/bytes"] < 200_000, row  # the adapter's files, not the model
+
+
+@pytest.mark.trainer_run("engine.backend=vllm_inprocess", "sync.transport=gloo", "model.lora.rank=8",
+                         "optim.lr=0.01", "sync.verify=every", "trainer.max_steps=3")  # fmt: skip
+def test_vllm_inprocess_serves_a_lora_policys_merged_weights_exactly(trainer_run):
+    """``sync.lora=merged`` into vLLM's ``AsyncLLM`` in the trainer's process, over gloo."""
+    for row in _train(trainer_run, 3)[0]:
+        assert abs(row["policy/is_ratio_mean"] - 1) < 1e-4, row
+        assert row["sync/verify_max_abs_diff"] < 1e-3, row
+
+
+@pytest.mark.trainer_run("engine.backend=vllm", "model.lora.rank=8", "sync.lora=adapter",
+                         "trainer.max_steps=3",
+                         "faults=broadcast_to_inference_engines:error=boom@2")  # fmt: skip
+def test_a_failed_adapter_sync_into_real_vllm_ends_the_run_typed_and_leaves_nothing(trainer_run):
+    """The adapter sync of step 2 fails where the transfer starts: the run ends with the
+    injected error after one exact step, and no process of it (vLLM's included) is left."""
+    proc = trainer_run.result()
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "FaultInjected" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert wait_until_gone(trainer_run.marker) == []
+    assert_exact_steps(trainer_run.run_dir, 1)
