@@ -17,7 +17,6 @@ from engines.local.engine import LocalEngine
 from engines.local.http import Request, Response, json_response
 from engines.local.lora import AdapterError
 from engines.local.protocol import parse_json_object
-from engines.local.validation import ProtocolError
 
 __all__ = ["RUNTIME_LORA_ENV", "LoraRoutes", "runtime_lora_updating"]
 
@@ -39,18 +38,25 @@ def _text(sentence: str) -> Response:
     return Response(200, sentence.encode(), content_type="text/plain; charset=utf-8")
 
 
-def _field(body: dict[str, object], name: str) -> str | None:
+class _Invalid(Exception):
+    """A body vLLM's request model refuses, as its validation answers it (type ``Bad Request``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.response = _error(400, "Bad Request", message, param)
+
+
+def _field(body: dict[str, object], name: str) -> str:
     """A string field of the body; 400 as vLLM's request model answers a missing one."""
     value = body.get(name)
     if value is None:
-        raise ProtocolError(
-            400,
+        raise _Invalid(
             f"1 validation error:\n  {{'type': 'missing', 'loc': 'body.{name}', 'msg': "
             f"'Field required', 'input': '<dict of {len(body)} items>'}}",
             f"body.{name}",
         )
     if not isinstance(value, str):
-        raise ProtocolError(400, f"{name} must be a string, got {value!r}", f"body.{name}")
+        raise _Invalid(f"{name} must be a string, got {value!r}", f"body.{name}")
     return value
 
 
@@ -62,7 +68,10 @@ class LoraRoutes:
 
     async def load_lora_adapter(self, request: Request) -> Response:
         body = parse_json_object(request.body)
-        name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        try:
+            name, path = _field(body, "lora_name"), _field(body, "lora_path")
+        except _Invalid as invalid:
+            return invalid.response
         if not name or not path:
             return _error(
                 400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided."
@@ -88,7 +97,10 @@ class LoraRoutes:
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = parse_json_object(request.body)
-        name = _field(body, "lora_name")
+        try:
+            name = _field(body, "lora_name")
+        except _Invalid as invalid:
+            return invalid.response
         if not name:
             return _error(
                 400,

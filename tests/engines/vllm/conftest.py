@@ -47,6 +47,7 @@ FIXTURE_KEYS = {
     "tied_server": "tiny-tied-gloo",
     "smollm2_server": "smollm2-{param}",
     "trained_policy_server": "trained-policy",
+    "vllm_lora_server": "tiny-lora",
 }
 
 TIER = pytest.StashKey[Tier]()
@@ -164,6 +165,12 @@ def fresh_vllm_disk_server(tier) -> RealServer:
     """A ``disk`` server of the built-in tiny model that no other test uses: for one that
     needs it as started and ends it."""
     return tier.shared("tiny-disk-fresh")
+
+
+@pytest.fixture
+def vllm_lora_server(tier) -> RealServer:
+    """A server of the built-in tiny model that serves LoRA adapters (``--max-lora-rank 8``)."""
+    return tier.shared("tiny-lora")
 
 
 @pytest.fixture

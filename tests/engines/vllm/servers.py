@@ -77,11 +77,14 @@ class Launched:
             self.ready.set()
 
 
-def launch(log_dir: Path, backend: str, model_dir: Path) -> Launched:
+def launch(
+    log_dir: Path, backend: str, model_dir: Path, *, lora_rank: int | None = None
+) -> Launched:
     """A real vLLM server with this weight-transfer backend (the project's plugin's ``gloo`` or
     ``disk``) serving ``model_dir``, started as docs/vllm.md tells a user to start one, under
     the project's stdin guard (a killed pytest takes it down); :meth:`Launched.stop` stops
-    its whole process group."""
+    its whole process group. ``lora_rank``: serving LoRA adapters up to that rank, with their
+    load and unload routes (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
     port = free_port()
     log = log_dir / "server.log"
     cmd = [str(VLLM_PYTHON), "-m", "engines.launch.stdin_guard", "--grace-s", "10", "--"]
@@ -94,6 +97,9 @@ def launch(log_dir: Path, backend: str, model_dir: Path) -> Launched:
     # for while vLLM is paused, when its gauges (updated on scheduler steps) count nothing
     cmd += ["--enable-log-requests"]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **cpu_env()}
+    if lora_rank is not None:
+        cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env["PYTHONPATH"] = str(PROJECT)
     started = time.monotonic()
     with open(log, "wb") as out:

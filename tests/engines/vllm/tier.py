@@ -36,7 +36,10 @@ SHARED: dict[str, tuple[str, Callable[[Path], Path]]] = {
     "smollm2-gloo": ("gloo", lambda _: resolve_model_path("smollm2-135m-instruct")),
     "smollm2-disk": ("disk", lambda _: resolve_model_path("smollm2-135m-instruct")),
     "trained-policy": ("disk", lambda base: trained_policy(base)),
+    "tiny-lora": ("disk", lambda _: build_tiny_model()),
 }
+#: The servers that serve LoRA adapters, up to this rank.
+LORA_RANKS = {"tiny-lora": 8}
 
 
 @attrs.define(eq=False)
@@ -186,7 +189,7 @@ class Tier:
         backend, model = SHARED[key]
         log_dir = self.base / f"{key}-{len(self.every)}"
         log_dir.mkdir(parents=True)
-        self.launched[key] = launch(log_dir, backend, model(log_dir))
+        self.launched[key] = launch(log_dir, backend, model(log_dir), lora_rank=LORA_RANKS.get(key))
         self.every.append(self.launched[key])
 
     def _prestart(self) -> None:
