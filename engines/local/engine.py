@@ -133,7 +133,8 @@ class LocalEngine(EngineStates):
         self._lora = LoraLayers(self.model) if max_lora_rank is not None else None
         #: The loaded LoRA adapters by name (:mod:`engines.local.lora`).
         self.adapters: dict[str, Adapter] = {}
-        self._lora_ids = 0
+        #: Held across a LoRA route's checks and its load or unload (vLLM locks per name).
+        self.adapter_lock = trio.Lock()
 
     # -- data plane ---------------------------------------------------------------------------
 
@@ -232,19 +233,14 @@ class LocalEngine(EngineStates):
 
     async def load_adapter(self, name: str, path: str) -> Adapter:
         """Load (or reload in place) the LoRA adapter in ``path`` as ``name``, between decode
-        steps; :class:`~engines.local.lora.AdapterError` as vLLM refuses one. A reload keeps
-        the name's id; requests already running keep the adapter they started with."""
+        steps; :class:`~engines.local.lora.AdapterError` as vLLM refuses one. Requests already
+        running keep the adapter they started with."""
         assert self.max_lora_rank is not None, "adapters need --enable-lora"
-        previous = self.adapters.get(name)
-        int_id = previous.int_id if previous is not None else self._lora_ids + 1
         adapter = await trio.to_thread.run_sync(
-            functools.partial(
-                read_adapter, name, path, self.model, max_rank=self.max_lora_rank, int_id=int_id
-            )
+            functools.partial(read_adapter, name, path, self.model, max_rank=self.max_lora_rank)
         )
         async with self._step_lock:
             self.adapters[name] = adapter
-            self._lora_ids = max(self._lora_ids, int_id)
         return adapter
 
     def _load_weights_sync(self, state: dict[str, torch.Tensor], adopt: bool = False) -> bool:

@@ -49,13 +49,9 @@ class Adapter:
     rank: int
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    #: vLLM's ``lora_int_id``: the same across in-place reloads of one name.
-    int_id: int
 
 
-def read_adapter(
-    name: str, path: str, model: torch.nn.Module, *, max_rank: int, int_id: int
-) -> Adapter:
+def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int) -> Adapter:
     """The adapter in ``path`` for ``model``; blocking. :class:`AdapterError` as vLLM answers
     a directory it cannot load (see the module docstring)."""
     from safetensors.torch import load_file
@@ -114,7 +110,7 @@ def read_adapter(
             a.to(weight.device, weight.dtype),
             b.to(weight.device, weight.dtype),
         )
-    return Adapter(name, str(path), rank, scale, weights, int_id)
+    return Adapter(name, str(path), rank, scale, weights)
 
 
 class LoraLayers:

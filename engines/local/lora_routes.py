@@ -76,6 +76,10 @@ class LoraRoutes:
             return _error(
                 400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided."
             )
+        async with self.engine.adapter_lock:  # the checks and the load as one, as vLLM's
+            return await self._load(body, name, path)
+
+    async def _load(self, body: dict[str, object], name: str, path: str) -> Response:
         if name == self.served_model:
             return _error(
                 400,
@@ -107,8 +111,9 @@ class LoraRoutes:
                 "InvalidUserInput",
                 "'lora_name' needs to be provided to unload a LoRA adapter.",
             )
-        if self.engine.adapters.pop(name, None) is None:
-            return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
+        async with self.engine.adapter_lock:
+            if self.engine.adapters.pop(name, None) is None:
+                return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
         return _text(f"Success: LoRA adapter '{name}' removed successfully.")
 
     def adapter_cards(self) -> list[dict[str, object]]:

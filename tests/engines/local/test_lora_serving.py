@@ -125,3 +125,20 @@ async def test_without_runtime_updating_the_lora_routes_are_404_as_vllms(model_d
             "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "/x"}
         )
         assert answer.status_code == 404
+
+
+async def test_two_loads_of_one_new_name_at_once_load_it_once(model_dir, adapters) -> None:
+    """The checks and the load are one step, as under vLLM's per-name lock: of two loads of
+    the same new name sent together, without load_inplace, one loads it and the other is
+    refused as already loaded."""
+    statuses: list[int] = []
+    async with lora_server(model_dir) as http:
+
+        async def load(path: Path) -> None:
+            body = {"lora_name": "a", "lora_path": str(path)}
+            statuses.append((await http.post("/v1/load_lora_adapter", json=body)).status_code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(load, adapters["a8"])
+            nursery.start_soon(load, adapters["a8b"])
+    assert sorted(statuses) == [200, 400]
