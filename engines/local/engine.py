@@ -233,7 +233,7 @@ class LocalEngine(EngineStates):
 
     async def load_adapter(self, name: str, path: str) -> Adapter:
         """Load (or reload in place) the LoRA adapter in ``path`` as ``name``, between decode
-        steps; :class:`~engines.local.lora.AdapterError` as vLLM refuses one. Requests already
+        steps; :class:`~engines.lora_answers.LoraRefusal` as vLLM refuses one. Requests already
         running keep the adapter they started with."""
         assert self.max_lora_rank is not None, "adapters need --enable-lora"
         adapter = await trio.to_thread.run_sync(

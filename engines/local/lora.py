@@ -7,7 +7,7 @@ adapted linear layer gets ``(alpha / r) B A x`` added to its output for the rows
 (:class:`LoraLayers`: a forward hook per linear layer, as vLLM's punica kernels add each row's
 adapter); the base weights never change. Reading a directory needs safetensors only, not peft.
 
-What vLLM checks, this checks too, with its words (:class:`AdapterError`): a rank above
+What vLLM checks, this checks too, with its words (:class:`LoraRefusal`): a rank above
 ``--max-lora-rank``, a directory that is not an adapter, a layer the model lacks or of
 another shape.
 """
@@ -24,19 +24,11 @@ from pathlib import Path
 import attrs
 import torch
 
-__all__ = ["Adapter", "AdapterError", "LoraLayers", "read_adapter"]
+from engines.lora_answers import LoraRefusal
+
+__all__ = ["Adapter", "LoraLayers", "read_adapter"]
 
 _PREFIX = "base_model.model."
-
-
-class AdapterError(Exception):
-    """An adapter vLLM would refuse: its HTTP status, error type and message."""
-
-    def __init__(self, status: int, err_type: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.err_type = err_type
-        self.message = message
 
 
 @attrs.frozen(eq=False)
@@ -52,7 +44,7 @@ class Adapter:
 
 
 def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int) -> Adapter:
-    """The adapter in ``path`` for ``model``; blocking. :class:`AdapterError` as vLLM answers
+    """The adapter in ``path`` for ``model``; blocking. :class:`LoraRefusal` as vLLM answers
     a directory it cannot load (see the module docstring)."""
     from safetensors.torch import load_file
 
@@ -62,7 +54,7 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
         directory / "adapter_model.safetensors",
     )
     if not config_file.is_file() or not weights_file.is_file():
-        raise AdapterError(
+        raise LoraRefusal(
             404,
             "NotFoundError",
             f"Loading lora {name} failed: No adapter found for {path}",
@@ -70,7 +62,7 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
     config = json.loads(config_file.read_text())
     rank = int(config["r"])
     if rank > max_rank:  # vLLM's worker raises it, and the route wraps it as a failed call
-        raise AdapterError(
+        raise LoraRefusal(
             500,
             "InternalServerError",
             "Call to add_lora method failed: Worker failed with error 'LoRA rank "
@@ -92,14 +84,14 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
     for module_name, pair in pairs.items():
         layer = modules.get(module_name)
         if not isinstance(layer, torch.nn.Linear) or set(pair) != {"lora_A", "lora_B"}:
-            raise AdapterError(
+            raise LoraRefusal(
                 500,
                 "InternalServerError",
                 f"Loading lora {name} failed: the model has no linear layer {module_name!r}",
             )
         a, b = pair["lora_A"], pair["lora_B"]
         if a.shape != (rank, layer.in_features) or b.shape != (layer.out_features, rank):
-            raise AdapterError(
+            raise LoraRefusal(
                 500,
                 "InternalServerError",
                 f"Loading lora {name} failed: {module_name} has A {tuple(a.shape)} and B "

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 
+from engines import lora_answers
 from engines.local.engine import LocalEngine
 from engines.local.http import Request, Response, json_response
-from engines.local.lora import AdapterError
 from engines.local.protocol import parse_json_object
+from engines.lora_answers import LoraRefusal, check_load, check_unload
 
 __all__ = ["RUNTIME_LORA_ENV", "LoraRoutes", "runtime_lora_updating"]
 
@@ -72,32 +73,17 @@ class LoraRoutes:
             name, path = _field(body, "lora_name"), _field(body, "lora_path")
         except _Invalid as invalid:
             return invalid.response
-        if not name or not path:
-            return _error(
-                400, "InvalidUserInput", "Both 'lora_name' and 'lora_path' must be provided."
-            )
         async with self.engine.adapter_lock:  # the checks and the load as one, as vLLM's
-            return await self._load(body, name, path)
-
-    async def _load(self, body: dict[str, object], name: str, path: str) -> Response:
-        if name == self.served_model:
-            return _error(
-                400,
-                "InvalidUserInput",
-                f"The lora adapter '{name}' conflicts with a served base model.",
-            )
-        if name in self.engine.adapters and body.get("load_inplace") is not True:
-            return _error(
-                400,
-                "InvalidUserInput",
-                f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                "adapter in place, set 'load_inplace' to True.",
-            )
-        try:
-            await self.engine.load_adapter(name, path)
-        except AdapterError as exc:
-            return _error(exc.status, exc.err_type, exc.message)
-        return _text(f"Success: LoRA adapter '{name}' added successfully.")
+            try:
+                in_place = body.get("load_inplace") is True
+                loaded = name in self.engine.adapters
+                check_load(
+                    name, path, base_model=self.served_model, loaded=loaded, in_place=in_place
+                )
+                await self.engine.load_adapter(name, path)
+            except LoraRefusal as exc:
+                return _error(exc.status, exc.err_type, exc.message)
+        return _text(lora_answers.loaded(name))
 
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = parse_json_object(request.body)
@@ -105,16 +91,13 @@ class LoraRoutes:
             name = _field(body, "lora_name")
         except _Invalid as invalid:
             return invalid.response
-        if not name:
-            return _error(
-                400,
-                "InvalidUserInput",
-                "'lora_name' needs to be provided to unload a LoRA adapter.",
-            )
         async with self.engine.adapter_lock:
-            if self.engine.adapters.pop(name, None) is None:
-                return _error(404, "NotFoundError", f"The lora adapter '{name}' cannot be found.")
-        return _text(f"Success: LoRA adapter '{name}' removed successfully.")
+            try:
+                check_unload(name, loaded=name in self.engine.adapters)
+            except LoraRefusal as exc:
+                return _error(exc.status, exc.err_type, exc.message)
+            del self.engine.adapters[name]
+        return _text(lora_answers.removed(name))
 
     def adapter_cards(self) -> list[dict[str, object]]:
         """``/v1/models``' card of each loaded adapter, as vLLM lists them."""

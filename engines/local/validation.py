@@ -17,6 +17,7 @@ from typing import NoReturn, TypedDict, TypeGuard
 import attrs
 
 from engines.local.requests import EngineAsleepError, EngineDeadError
+from engines.lora_answers import unknown_model
 from engines.types import SamplingParams
 
 __all__ = [
@@ -180,7 +181,7 @@ def check_model(body: Mapping[str, object], served_model: str) -> None:
     if model is not None and model != served_model:
         if not isinstance(model, str):
             raise ProtocolError(400, f"model must be a string, got {model!r}", "model")
-        raise ProtocolError(404, f"The model `{model}` does not exist.", "model")
+        raise ProtocolError(404, unknown_model(model).message, "model")
 
 
 def refuse_unsupported(

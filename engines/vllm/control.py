@@ -18,6 +18,8 @@ returns the JSON body that route answers::
     /update_weights               update_weights(request=WeightTransferUpdateRequest(update_info=))
     /finish_weight_update         finish_weight_update(weight_version)    body: weight_version (None)
     /weight_checker               compute_weight_checksums()              body: action="checksum" only
+    /v1/load_lora_adapter         add_lora(LoRARequest(...))              (engines.vllm.lora)
+    /v1/unload_lora_adapter       the name dropped                        (engines.vllm.lora)
 
 ``update_info`` travels unchanged, ``ipc_handles_pickled`` included: vLLM's worker decodes it
 (``IPCWeightTransferUpdateInfo.__post_init__``, only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``),
@@ -34,8 +36,8 @@ from typing import Any, Literal, Protocol, TypeVar
 
 import attrs
 
-from engines.client import ROUTE_FLAGS, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
-from engines.types import JSON, QueryParams, QueryValue
+from engines.client import LORA_ROUTES, ROUTE_FLAGS, SLEEP_ROUTES, WEIGHT_TRANSFER_ROUTES
+from engines.types import JSON, JSONValue, QueryParams, QueryValue
 from trainer.errors import InferenceServerError
 
 __all__ = [
@@ -62,6 +64,8 @@ class VLLMClasses:
     init_request: Callable[..., object]
     #: ``vllm.distributed.weight_transfer.base.WeightTransferUpdateRequest``.
     update_request: Callable[..., object]
+    #: ``vllm.lora.request.LoRARequest`` (``sync.lora=adapter``: :mod:`engines.vllm.lora`).
+    lora_request: Callable[..., object]
 
 
 class VLLMSample(Protocol):
@@ -90,8 +94,11 @@ class AsyncLLMLike(Protocol):
     control routes' methods (:data:`VLLM_ROUTES`) and ``generate``. ``vllm_config``, where
     present, is read with ``getattr``."""
 
-    def generate(self, prompt: JSON, params: object, request_id: str) -> AsyncIterator[VLLMOutput]:
-        """The request's cumulative outputs, the last one final."""
+    def generate(
+        self, prompt: JSON, params: object, request_id: str, *, lora_request: object = None
+    ) -> AsyncIterator[VLLMOutput]:
+        """The request's cumulative outputs, the last one final (through the adapter of
+        ``lora_request``, where one is given)."""
         ...
 
     async def pause_generation(self, *, mode: str, clear_cache: bool) -> None: ...
@@ -106,6 +113,7 @@ class AsyncLLMLike(Protocol):
     async def update_weights(self, *, request: object) -> None: ...
     async def finish_weight_update(self, weight_version: str | None, /) -> None: ...
     async def compute_weight_checksums(self) -> list[dict[str, str]]: ...
+    async def add_lora(self, lora_request: object, /) -> bool: ...
 
 
 def load_vllm_classes() -> VLLMClasses:
@@ -114,9 +122,12 @@ def load_vllm_classes() -> VLLMClasses:
         WeightTransferInitRequest,
         WeightTransferUpdateRequest,
     )
+    from vllm.lora.request import LoRARequest  # type: ignore[import-not-found]
     from vllm.sampling_params import SamplingParams  # type: ignore[import-not-found]
 
-    return VLLMClasses(SamplingParams, WeightTransferInitRequest, WeightTransferUpdateRequest)
+    return VLLMClasses(
+        SamplingParams, WeightTransferInitRequest, WeightTransferUpdateRequest, LoRARequest
+    )
 
 
 T = TypeVar("T")
@@ -125,7 +136,7 @@ T = TypeVar("T")
 VLLM_URL = "inprocess://vllm"
 
 #: ``await call(llm, classes, params, body)``: a route's JSON answer.
-RouteCall = Callable[[AsyncLLMLike, VLLMClasses, QueryParams, object], Awaitable[JSON]]
+RouteCall = Callable[[AsyncLLMLike, VLLMClasses, QueryParams, object], Awaitable[JSONValue]]
 
 
 @attrs.frozen
@@ -294,6 +305,9 @@ PROBE_METHODS: Mapping[str, tuple[str, ...]] = {
     "/health": ("check_health",),
     "/v1/completions": ("generate",),
     **{path: route.llm_methods for path, route in VLLM_ROUTES.items()},
+    # engines.vllm.lora: a load is add_lora; an unload drops the name (vLLM's route too)
+    "/v1/load_lora_adapter": ("add_lora",),
+    "/v1/unload_lora_adapter": (),
 }
 
 
@@ -331,6 +345,7 @@ def probe_asyncllm(llm: object, required: Iterable[str]) -> None:
             config.weight_transfer_config is None,
             "a weight_transfer_backend (nccl or ipc)",
         ),
+        (LORA_ROUTES, getattr(config, "lora_config", None) is None, "--enable-lora"),
     ]
     for group, lacking, setting in needs:
         wanted = [r for r in routes if r in group]

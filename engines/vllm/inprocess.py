@@ -15,7 +15,9 @@ with :class:`engines.client.ControlPlane`'s signatures (``control``, ``control_o
 ``pause``, ``resume``, ``sleep``, ``wake_up``, ``is_paused``, ``is_sleeping``,
 ``reset_prefix_cache``, ``weight_checksums``, ``probe``, ``urls``; the route methods are
 both classes' base, :class:`engines.client.ControlRoutes`), so the weight transports
-(``sync.transports``) and the weight sync's bracket (``sync.bracket``) drive it unchanged. Each
+(``sync.transports``, the LoRA adapter's included) and the weight sync's bracket
+(``sync.bracket``) drive it unchanged. LoRA adapters are loaded and served by name as
+``vllm serve`` does (:mod:`engines.vllm.lora`); ``model`` names the one completions use. Each
 control route becomes the ``AsyncLLM`` call ``vllm serve``'s route makes, with the same
 argument conversion (:mod:`engines.vllm.control`), and answers that route's JSON body.
 
@@ -66,15 +68,18 @@ from engines.vllm.async_llm import (
     open_async_llm,
 )
 from engines.vllm.control import (
+    PROBE_METHODS,
     VLLM_ROUTES,
     VLLM_URL,
     AsyncLLMLike,
+    Route,
     VLLMClasses,
     VLLMOutput,
     VLLMSample,
     probe_asyncllm,
 )
 from engines.vllm.flags import VllmSettings
+from engines.vllm.lora import LOAD_ROUTE, UNLOAD_ROUTE, ServedAdapters
 from engines.vllm.serve import cpu_env, require_vllm
 from trainer.errors import EngineStartError, InferenceServerError
 from trainer.vocabulary import OPERATIONS, fire_fault, operation
@@ -149,7 +154,9 @@ class VLLMInProcessEngine(ControlRoutes):
 
     ``llm`` is the ``AsyncLLM`` (or an object with its methods), ``classes`` the vLLM classes
     it is handed values of; ``control_plane_timeout_s`` resolves as ``ControlPlane``'s does
-    (the environment variable wins; None: 600 s; <= 0: unbounded).
+    (the environment variable wins; None: 600 s; <= 0: unbounded). ``model`` is what every
+    completion names, as ``InferenceClient``'s: None or ``base_model`` for the base weights,
+    else a LoRA adapter loaded by ``/v1/load_lora_adapter`` (:mod:`engines.vllm.lora`).
     """
 
     def __init__(
@@ -159,11 +166,21 @@ class VLLMInProcessEngine(ControlRoutes):
         classes: VLLMClasses,
         *,
         control_plane_timeout_s: float | None = None,
+        model: str | None = None,
+        base_model: str = "",
     ) -> None:
         self.bridge = bridge
         self.llm = llm
         self.classes = classes
         self.control_plane_timeout_s = resolve_control_plane_timeout(control_plane_timeout_s)
+        self.model = model
+        #: The LoRA adapters it serves by name.
+        self.adapters = ServedAdapters(base_model)
+        self._routes: dict[str, Route] = {
+            **VLLM_ROUTES,
+            LOAD_ROUTE: Route("POST", PROBE_METHODS[LOAD_ROUTE], self.adapters.load),
+            UNLOAD_ROUTE: Route("POST", PROBE_METHODS[UNLOAD_ROUTE], self.adapters.unload),
+        }
 
     @property
     def urls(self) -> list[str]:
@@ -202,7 +219,8 @@ class VLLMInProcessEngine(ControlRoutes):
             last: VLLMOutput | None = None
             samples: dict[int, VLLMSample] = {}
             prompt = {"prompt_token_ids": list(prompt_ids)}
-            async for out in self.llm.generate(prompt, params, request_id):
+            lora = self.adapters.request_for(self.model)
+            async for out in self.llm.generate(prompt, params, request_id, lora_request=lora):
                 last = out
                 samples.update((int(sample.index), sample) for sample in out.outputs)
             if last is None or sorted(samples) != list(range(n)):
@@ -235,10 +253,11 @@ class VLLMInProcessEngine(ControlRoutes):
         """
         if url not in self.urls:
             raise ValueError(f"{url!r} is not this engine; its urls are {self.urls}")
-        route = VLLM_ROUTES.get(path)
+        route = self._routes.get(path)
         if route is None:
+            known = ", ".join(self._routes)
             raise InferenceServerError(
-                url, path, 404, f"no such control route in-process; known: {', '.join(VLLM_ROUTES)}"
+                url, path, 404, f"no such control route in-process; known: {known}"
             )
         if method.upper() != route.method:
             raise InferenceServerError(url, path, 405, f"{path} takes {route.method}, not {method}")
@@ -250,6 +269,8 @@ class VLLMInProcessEngine(ControlRoutes):
                 return await self.bridge.run(
                     route.call, self.llm, self.classes, dict(params or {}), json
                 )
+            except InferenceServerError:  # the route's own answer (engines.vllm.lora)
+                raise
             except Exception as exc:
                 detail = f"{type(exc).__name__}: {exc}"
                 raise InferenceServerError(url, path, None, detail) from exc
@@ -301,8 +322,12 @@ async def open_vllm_inprocess_client(
     control_plane_timeout_s: float | None = None,
     startup_timeout_s: float = DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
+    model: str | None = None,
 ) -> AsyncIterator[VLLMInProcessEngine]:
     """Open a bridge, build ``AsyncLLM`` in a thread, yield the engine, shut it all down.
+
+    ``model``: what every completion names (:class:`VLLMInProcessEngine`); the base model's
+    name is ``settings.model``, as ``vllm serve`` names it.
 
     The settings become ``vllm serve`` flags (:meth:`VllmSettings.argv`), all parsed by vLLM's
     own engine-args parser. With
@@ -338,5 +363,10 @@ async def open_vllm_inprocess_client(
             build, startup_timeout_s=startup_timeout_s, shutdown_timeout_s=shutdown_timeout_s
         ) as (llm, classes):
             yield VLLMInProcessEngine(
-                bridge, llm, classes, control_plane_timeout_s=control_plane_timeout_s
+                bridge,
+                llm,
+                classes,
+                control_plane_timeout_s=control_plane_timeout_s,
+                model=model,
+                base_model=settings.model,
             )

@@ -22,6 +22,7 @@ from trainer.checkpoint._io import rng_state as rng_state
 from trainer.checkpoint._io import save_model as save_model
 from trainer.checkpoint._io import save_state as save_state
 from trainer.checkpoint._io import set_rng_state as set_rng_state
+from trainer.checkpoint._lora import ADAPTER_WEIGHTS as ADAPTER_WEIGHTS
 from trainer.checkpoint._lora import BASE_FILE as BASE_FILE
 from trainer.checkpoint._lora import check_adapter_shape as check_adapter_shape
 from trainer.checkpoint._lora import is_adapter_dir as is_adapter_dir
@@ -30,6 +31,7 @@ from trainer.checkpoint._lora import weights_digest as weights_digest
 from trainer.checkpoint._lora import write_base as write_base
 
 __all__ = [
+    "ADAPTER_WEIGHTS",
     "BASE_FILE",
     "SaveCheckpoint",
     "check_adapter_shape",

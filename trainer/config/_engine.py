@@ -198,8 +198,9 @@ class SyncConfig:
         "merged weights W + (alpha/r) BA through sync.transport (every engine, every "
         "transport; as many bytes as full fine-tuning); 'adapter' writes the adapter alone "
         "(peft's files, under RUN_DIR/weight_sync) and each engine loads it in place through "
-        "vLLM's /v1/load_lora_adapter, serving it by name (engine.backend=local, vllm or "
-        "remote; the engines need --enable-lora, which the trainer passes to those it starts). "
+        "vLLM's /v1/load_lora_adapter, serving it by name (engine.backend=local, vllm, "
+        "vllm_inprocess or remote; the engines need --enable-lora, which the trainer passes to "
+        "those it starts). "
         "docs/lora.md compares them.",
     )
     verify: Literal["first", "every", "never"] = _field(

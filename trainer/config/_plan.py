@@ -199,11 +199,11 @@ def _served_adapter(cfg: Sections) -> ServedAdapter | None:
     if not lora.enabled or cfg.sync.lora != "adapter":
         return None
     backend = cfg.engine.backend
-    if backend not in ("local", "vllm", "remote"):
+    if backend == "inprocess":
         raise ConfigError(
-            f"config: sync.lora='adapter' loads the adapter through each engine server's "
-            f"/v1/load_lora_adapter, and engine.backend={backend!r} has no servers: use "
-            "engine.backend=local, vllm or remote, or sync.lora=merged"
+            "config: sync.lora='adapter' loads the adapter through each engine's "
+            "/v1/load_lora_adapter, and engine.backend='inprocess' takes weights in memory "
+            "only: use engine.backend=local, vllm, vllm_inprocess or remote, or sync.lora=merged"
         )
     try:
         max_rank = max_lora_rank_for(lora.rank)
@@ -231,13 +231,6 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         and w.num_policy_workers > 1
         and (w.data_parallel == "fsdp2" or (w.data_parallel == "auto" and policy.device == "cuda"))
     )
-    if sharded and cfg.model.lora.enabled:
-        raise ConfigError(
-            "config: model.lora.rank > 0 with a policy sharded over its Ray workers (FSDP2) is "
-            "not supported yet: set workers.data_parallel=replicate (each worker holds the "
-            "frozen model and trains the adapter; its gradients are small) or "
-            "model.lora.rank=0"
-        )
     served = _served_adapter(cfg)
     tolerance = cfg.sync.verify_tolerance
     if tolerance is None:

@@ -79,6 +79,7 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
             vllm_settings(cfg, model_dir),
             control_plane_timeout_s=plan.timeouts.control_plane_s,
             startup_timeout_s=plan.timeouts.engine_startup_s,
+            model=adapter.name if adapter is not None else None,
         ) as client:
             await client.probe(routes)
             yield Engines(client)

@@ -27,6 +27,7 @@ from sync.transports import WeightTransport
 from trainer.config import Config, to_dict
 from trainer.data import RewardFunction, open_rewards
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
+from trainer.errors import ConfigError
 from trainer.generators import Generator
 from trainer.loop import (
     RunContext,
@@ -67,8 +68,22 @@ def with_run_dir(cfg: Config) -> Config:
 
 
 def _make_run_dir(cfg: Config) -> Path:
-    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``)."""
+    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``).
+
+    ``ConfigError`` for a fresh run (``trainer.resume_mode=none``) into a directory where a run
+    already logged steps: its lines would be appended to that run's ``metrics.jsonl`` (two
+    step 1s, curves that jump back), and its checkpoints would mix with that run's.
+    """
     run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
+    metrics = run_dir / "metrics.jsonl"
+    if cfg.trainer.resume_mode == "none" and metrics.exists() and metrics.stat().st_size > 0:
+        lines = metrics.read_text().count("\n")
+        raise ConfigError(
+            f"config: trainer.run_dir={str(run_dir)!r} already holds a run ({lines} lines in "
+            "its metrics.jsonl): continue it with trainer.resume_mode=latest, or give a new "
+            "trainer.run_dir (or remove that directory); a fresh run there would append its "
+            "steps to that run's"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 

@@ -19,22 +19,26 @@ per step on one H200 for a 494M model).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GatheredModel", "gathered_model", "is_sharded", "shard_model"]
+__all__ = ["GatheredModel", "gathered_model", "is_sharded", "shard_model", "unsharded"]
 
 
 def shard_model(model: torch.nn.Module) -> None:
-    """``fully_shard`` each decoder layer (``model.model.layers``, if any), then ``model``.
+    """``fully_shard`` each decoder layer (``model.model.layers``, if any; through a LoRA
+    policy's peft wrapper), then ``model``. Frozen parameters (a LoRA policy's base) shard
+    alike; only those with gradients are reduce-scattered.
 
     Needs the default process group (``torch.distributed.init_process_group``) formed; the
     parameters become DTensors, so an optimizer must be built *after* this.
     """
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
+    get_base_model = getattr(model, "get_base_model", None)  # a LoRA policy: peft's wrapper
+    base = get_base_model() if callable(get_base_model) else model
+    layers = getattr(getattr(base, "model", None), "layers", None)
     if isinstance(layers, torch.nn.ModuleList):
         for layer in layers:
             fully_shard(layer)
@@ -85,3 +89,19 @@ def gathered_model(model: torch.nn.Module, *, keep: bool) -> torch.nn.Module:
             if keep:
                 named[name] = full
     return GatheredModel(named, getattr(model, "config", None)) if keep else model
+
+
+@contextmanager
+def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """``model`` with every FSDP2 module unsharded: its full parameters in place, plain tensors
+    the model's own code reads (peft's, for a LoRA policy), resharded on exit. Unsharding is
+    an all-gather: every rank enters, in the same order. What is read inside must be copied:
+    the full tensors are freed on exit."""
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in modules:
+        module.unshard()
+    try:
+        yield model
+    finally:
+        for module in modules:
+            module.reshard()

@@ -18,6 +18,7 @@ The reference model (KL) is the base model itself: a LoRA policy starts there.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ import attrs
 import torch
 
 from trainer.checkpoint.format import (
+    ADAPTER_WEIGHTS,
     check_adapter_shape,
     read_base,
     weights_digest,
@@ -34,7 +36,15 @@ from trainer.checkpoint.format import (
 )
 from trainer.errors import CheckpointError
 
-__all__ = ["ADAPTER_NAME", "LoraSpec", "MergedWeights", "add_adapter", "base_parameters"]
+__all__ = [
+    "ADAPTER_NAME",
+    "AdapterCopy",
+    "LoraSpec",
+    "MergedWeights",
+    "add_adapter",
+    "base_parameters",
+    "merged_copy",
+]
 
 #: The adapter's name inside the peft model (peft's default).
 ADAPTER_NAME = "default"
@@ -126,8 +136,7 @@ class MergedWeights(torch.nn.Module):
         """Recompute every merged weight from the adapter now (in place: the tensors a
         transport keeps a layout of stay where they are)."""
         for merged, layer in self._merged:
-            delta = layer.get_delta_weight(ADAPTER_NAME)
-            merged.copy_(layer.base_layer.weight + delta.to(merged.dtype))
+            merged.copy_(_merged_weight(layer, merged.dtype))
         self.stale = False
 
     def fresh(self) -> MergedWeights:
@@ -147,6 +156,50 @@ class MergedWeights(torch.nn.Module):
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:  # type: ignore[override]
         yield from self._params.values()
+
+
+def _merged_weight(layer: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``W + (alpha / r) B A`` of a peft LoRA layer (peft's ``get_delta_weight``), in ``dtype``."""
+    return layer.base_layer.weight + layer.get_delta_weight(ADAPTER_NAME).to(dtype)
+
+
+@torch.no_grad()
+def merged_copy(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The merged weights by the base model's names, every one a tensor of its own: what
+    :class:`MergedWeights` holds, for a policy whose parameters are FSDP2 shards (read while
+    unsharded, :func:`trainer.workers.fsdp.unsharded`, whose full tensors go on exit)."""
+    base = peft_model.get_base_model()  # type: ignore[operator]
+    out: dict[str, torch.Tensor] = {}
+    for name, p in base_parameters(peft_model):
+        layer = _adapted_layer(base, name)
+        out[name] = p.detach().clone() if layer is None else _merged_weight(layer, p.dtype)
+    return out
+
+
+class AdapterCopy(torch.nn.Module):
+    """A LoRA policy's adapter copied out (peft's adapter state dict and its config), saved as
+    peft's ``save_pretrained`` saves it: what ``sync.lora=adapter`` reads of a policy whose
+    parameters are FSDP2 shards (copied while unsharded). No parameters of its own."""
+
+    def __init__(self, peft_model: torch.nn.Module) -> None:
+        from peft import get_peft_model_state_dict
+
+        super().__init__()
+        with torch.no_grad():
+            # its parameters, not its state_dict: FSDP2 hooks that to answer the shards
+            params = dict(peft_model.named_parameters())
+            state = get_peft_model_state_dict(peft_model, state_dict=params)
+            self.state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+        self.peft_config: Any = copy.deepcopy(peft_model.peft_config[ADAPTER_NAME])  # type: ignore[index]
+        self.peft_config.inference_mode = True  # as peft writes it
+
+    def save_pretrained(self, directory: str) -> None:
+        """``adapter_model.safetensors`` and ``adapter_config.json`` into ``directory``."""
+        from safetensors.torch import save_file
+
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        save_file(self.state, str(Path(directory) / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        self.peft_config.save_pretrained(directory)
 
 
 def _adapted_layer(base: torch.nn.Module, name: str) -> Any:
@@ -206,7 +259,7 @@ class LoraCheckpoint:
                 "target_modules": config.target_modules,
             },
         )
-        weights = load_file(str(Path(directory) / "adapter_model.safetensors"), device="cpu")
+        weights = load_file(str(Path(directory) / ADAPTER_WEIGHTS), device="cpu")
         result = set_peft_model_state_dict(self.model, weights, adapter_name=ADAPTER_NAME)
         missing = [k for k in result.missing_keys if ".lora_" in k]
         if result.unexpected_keys or missing:

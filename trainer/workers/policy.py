@@ -31,9 +31,16 @@ from trainer.checkpoint.format import (
 )
 from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
-from trainer.workers.fsdp import gathered_model, is_sharded, shard_model
+from trainer.workers.fsdp import GatheredModel, gathered_model, is_sharded, shard_model, unsharded
 from trainer.workers.logprobs import forward_logprobs
-from trainer.workers.lora import LoraCheckpoint, LoraSpec, MergedWeights, add_adapter
+from trainer.workers.lora import (
+    AdapterCopy,
+    LoraCheckpoint,
+    LoraSpec,
+    MergedWeights,
+    add_adapter,
+    merged_copy,
+)
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
 from trainer.workers.training import MicroBatching, OptimArgs, add_metrics, start_training
 
@@ -145,6 +152,7 @@ class PolicyWorker:
         self.model = _load_model(model_dir, self.device, resolve_dtype(dtype, self.device))
         self._lora: LoraCheckpoint | None = None
         self._merged: MergedWeights | None = None
+        self.lora = lora
         if lora is not None:
             self.model = add_adapter(self.model, lora)
             self._lora = LoraCheckpoint(self.model, model_dir)
@@ -182,6 +190,7 @@ class PolicyWorker:
         GPUs; :mod:`trainer.workers.fsdp`), then rebuild optimizer and scheduler over the
         shards. Call it once, before the first step, on every rank."""
         shard_model(self.model)
+        self._merged = None  # its tensors were the unsharded parameters: read while unsharded
         self._optim.rebuild()
 
     def readable_model(self, *, keep: bool = True) -> torch.nn.Module:
@@ -189,14 +198,23 @@ class PolicyWorker:
         transport reads). Sharded (FSDP2), the weights are gathered first, a collective
         every rank joins (``keep`` False on the ranks that do not read them). With a LoRA
         adapter, the merged weights (:class:`~trainer.workers.lora.MergedWeights`), or the
-        peft model itself where the engines load the adapter (``LoraSpec.merged`` False)."""
+        peft model itself where the engines load the adapter (``LoraSpec.merged`` False);
+        sharded, copies of those taken while every rank holds the model unsharded."""
         if self._merged is not None:
             self._resident()
             return self._merged.fresh()
         if not is_sharded(self.model):
             return self.model
         self._resident()
-        return gathered_model(self.model, keep=keep)
+        if self.lora is None:
+            return gathered_model(self.model, keep=keep)
+        with unsharded(self.model):  # peft computes on the full tensors, every rank joins
+            if not keep:
+                return self.model
+            if self.lora.merged:
+                config = getattr(self.model.get_base_model(), "config", None)  # type: ignore[operator]
+                return GatheredModel(merged_copy(self.model), config)
+            return AdapterCopy(self.model)
 
     def _resident(self) -> None:
         """Bring an offloaded policy back before it computes."""

@@ -47,6 +47,7 @@ def recorded_classes() -> VLLMClasses:
         sampling_params=recorded_sampling_params(),
         init_request=recorded_class("WeightTransferInitRequest"),
         update_request=recorded_class("WeightTransferUpdateRequest"),
+        lora_request=recorded_class("LoRARequest"),
     )
 
 
@@ -96,7 +97,9 @@ def final_output(classes: OutputClasses, finish_reason: str | None) -> Any:
 class StandInAsyncLLM:
     """``AsyncLLM``'s methods that the engine calls, with vLLM 0.33.0's signatures."""
 
-    def __init__(self, *, enable_sleep_mode: bool = True, weight_transfer: bool = True) -> None:
+    def __init__(
+        self, *, enable_sleep_mode: bool = True, weight_transfer: bool = True, lora: bool = False
+    ) -> None:
         #: ``(method, {argument: value})`` of every call, in order.
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.results: dict[str, Any] = {}
@@ -109,6 +112,7 @@ class StandInAsyncLLM:
         self.vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(enable_sleep_mode=enable_sleep_mode),
             weight_transfer_config=SimpleNamespace(backend="nccl") if weight_transfer else None,
+            lora_config=SimpleNamespace(max_lora_rank=8) if lora else None,
         )
 
     async def _called(self, name: str, **arguments: Any) -> Any:
@@ -151,7 +155,11 @@ class StandInAsyncLLM:
         reasoning_parser_kwargs: Any = None,
     ) -> Any:
         outputs = await self._called(
-            "generate", prompt=prompt, sampling_params=sampling_params, request_id=request_id
+            "generate",
+            prompt=prompt,
+            sampling_params=sampling_params,
+            request_id=request_id,
+            lora_request=lora_request,
         )
         for output in outputs or []:
             yield output
@@ -197,6 +205,9 @@ class StandInAsyncLLM:
 
     async def finish_weight_update(self, weight_version: Any = None) -> Any:
         return await self._called("finish_weight_update", weight_version=weight_version)
+
+    async def add_lora(self, lora_request: Any) -> Any:
+        return await self._called("add_lora", lora_request=lora_request)
 
     async def compute_weight_checksums(self) -> Any:
         return await self._called("compute_weight_checksums")

@@ -87,6 +87,18 @@ def test_vllm_inprocess_serves_a_lora_policys_merged_weights_exactly(trainer_run
         assert row["sync/verify_max_abs_diff"] < 1e-3, row
 
 
+@pytest.mark.trainer_run("engine.backend=vllm_inprocess", "model.lora.rank=8", "optim.lr=0.01",
+                         "sync.lora=adapter", "sync.verify=every", "trainer.max_steps=3")  # fmt: skip
+def test_vllm_inprocess_serves_a_lora_adapter_loaded_in_place_exactly(trainer_run):
+    """``sync.lora=adapter`` into vLLM's ``AsyncLLM`` in the trainer's process: each sync is
+    ``add_lora`` in place under the served name (engines/vllm/lora.py), every completion goes
+    through it, every sync verified and every step exact."""
+    for row in _train(trainer_run, 3)[0]:
+        assert abs(row["policy/is_ratio_mean"] - 1) < 1e-4, row
+        assert row["sync/verify_max_abs_diff"] < 1e-3, row
+        assert 0 < row["sync/bytes"] < 200_000, row
+
+
 @pytest.mark.trainer_run("engine.backend=vllm", "model.lora.rank=8", "sync.lora=adapter",
                          "trainer.max_steps=3",
                          "faults=broadcast_to_inference_engines:error=boom@2")  # fmt: skip

@@ -21,7 +21,6 @@ from engines.client import (
     CONTROL_PLANE_TIMEOUT_ENV,
     DATA_PLANE_ROUTES,
     DEFAULT_CONTROL_PLANE_TIMEOUT_S,
-    LORA_ROUTES,
     PAUSE_ROUTES,
     ROUTE_FLAGS,
     SLEEP_ROUTES,
@@ -101,9 +100,8 @@ def test_every_asyncllm_method_the_routes_call_is_recorded_and_stood_in() -> Non
         name for name in vars(StandInAsyncLLM) if not name.startswith("_")
     }
     # the probe knows every route engines.client.ROUTE_FLAGS knows (so ControlPlane's callers
-    # work), but the LoRA routes: the in-process engine loads no adapter by route
-    # (sync.lora=adapter is refused with engine.backend=vllm_inprocess at load)
-    assert set(PROBE_METHODS) == set(ROUTE_FLAGS) - set(LORA_ROUTES) | {"/weight_checker"}
+    # work), the LoRA routes included (engines.vllm.lora)
+    assert set(PROBE_METHODS) == set(ROUTE_FLAGS) | {"/weight_checker"}
 
 
 def test_the_probes_config_attributes_are_vllms() -> None:

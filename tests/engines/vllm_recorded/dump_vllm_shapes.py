@@ -47,6 +47,7 @@ ASYNC_LLM_METHODS = (
     "update_weights",
     "finish_weight_update",
     "compute_weight_checksums",
+    "add_lora",
     "shutdown",
 )
 #: ``AsyncEngineArgs`` fields that ``engines.vllm.flags.VllmSettings`` sets by their flags.
@@ -146,6 +147,18 @@ def _dataclass_shape(cls: type) -> dict[str, Any]:
     }
 
 
+def _struct_shape(cls: type) -> dict[str, Any]:
+    """A ``msgspec.Struct``'s fields, as :func:`_dataclass_shape` gives a dataclass's."""
+    import msgspec
+
+    fields = msgspec.structs.fields(cls)
+    return {
+        "qualname": f"{cls.__module__}.{cls.__qualname__}",
+        "attributes": [f.name for f in fields],
+        "required": [f.name for f in fields if f.required],
+    }
+
+
 def vllm_shapes() -> dict[str, Any]:
     """The shapes of the installed vLLM, as written to ``vllm_shapes.json``."""
     import msgspec
@@ -157,6 +170,7 @@ def vllm_shapes() -> dict[str, Any]:
     )
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
     from vllm.logprobs import Logprob
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput, RequestOutput
     from vllm.sampling_params import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -214,6 +228,7 @@ def vllm_shapes() -> dict[str, Any]:
         "ModelConfig": {"attributes": [f.name for f in dataclasses.fields(ModelConfig)]},
         "WeightTransferInitRequest": _dataclass_shape(WeightTransferInitRequest),
         "WeightTransferUpdateRequest": _dataclass_shape(WeightTransferUpdateRequest),
+        "LoRARequest": _struct_shape(LoRARequest),
         "AsyncLLM": {
             "qualname": f"{AsyncLLM.__module__}.{AsyncLLM.__qualname__}",
             "methods": {m: _parameters(getattr(AsyncLLM, m)) for m in ASYNC_LLM_METHODS},

@@ -178,9 +178,9 @@ def test_no_part_of_the_trainer_re_derives_a_planned_decision() -> None:
     assert _RE_DERIVED.search('if t.strategy == "fully_async":')  # the check can fail
 
 
-def test_a_lora_adapter_on_a_sharded_policy_is_refused_and_a_replicated_one_planned() -> None:
-    with pytest.raises(ConfigError, match=r"model.lora.rank > 0 with a policy sharded"):
-        load_config(None, [*RAY_2, "workers.data_parallel=fsdp2", "model.lora.rank=8"])
+def test_a_lora_adapter_is_planned_on_a_sharded_and_on_a_replicated_policy() -> None:
+    cfg = load_config(None, [*RAY_2, "workers.data_parallel=fsdp2", "model.lora.rank=8"])
+    assert cfg.plan.sharded and cfg.model.lora.enabled
     cfg = load_config(None, [*RAY_2, "workers.data_parallel=replicate", "model.lora.rank=8"])
     assert not cfg.plan.sharded and cfg.model.lora.enabled
 
@@ -221,7 +221,12 @@ def test_the_served_adapter_is_planned_once_with_vllms_smallest_rank_that_holds_
         "1",
     ]
     assert load_config(None, ["sync.lora=adapter"]).plan.served_adapter is None  # no adapter
-    with pytest.raises(ConfigError, match=r"engine.backend='inprocess' has no servers"):
+    with pytest.raises(ConfigError, match=r"engine.backend='inprocess' takes weights in memory"):
         load_config(None, ["model.lora.rank=8", "sync.lora=adapter", "engine.backend=inprocess"])
+    inproc = load_config(
+        None, ["model.lora.rank=8", "sync.lora=adapter", "engine.backend=vllm_inprocess"]
+    ).plan
+    assert inproc.served_adapter is not None and inproc.vllm is not None
+    assert "--enable-lora" in inproc.vllm.argv()
     with pytest.raises(ConfigError, match=r"above vLLM's largest --max-lora-rank 512"):
         load_config(None, ["model.lora.rank=600", "sync.lora=adapter"])

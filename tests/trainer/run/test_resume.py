@@ -54,6 +54,24 @@ async def test_a_resume_with_another_seed_stops_before_any_step(tmp_path):
     assert _steps(tmp_path) == [1]
 
 
+async def test_a_fresh_run_into_a_finished_runs_directory_is_refused_before_it_starts(
+    tmp_path, monkeypatch
+):
+    """Run twice with the same ``trainer.run_dir`` and no resume: the second is refused at once
+    (nothing loaded, the first run's files as they were) instead of appending its steps."""
+    common = [*SMALL, f"trainer.run_dir={tmp_path}", "trainer.max_steps=1"]
+    await trainer.run.train(load_config(None, common))
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+    loaded: list[object] = []
+    monkeypatch.setattr("trainer.run._prepare.resolve_model_path", loaded.append)
+    with pytest.raises(ConfigError, match=r"already holds a run \(1 lines.*resume_mode=latest"):
+        await trainer.run.train(load_config(None, common))
+    assert loaded == []
+    assert {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()} == before
+    monkeypatch.undo()
+    await trainer.run.train(load_config(None, [*common, "trainer.resume_mode=latest"]))
+
+
 async def test_a_refused_resume_leaves_config_yaml_as_the_run_recorded_it(tmp_path):
     recorded = tmp_path / "config.yaml"
     await trainer.run.train(

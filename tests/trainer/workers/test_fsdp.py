@@ -10,9 +10,11 @@ and rank 0 reading the gathered full weights as a weight transport does.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,9 +23,11 @@ import torch.multiprocessing as mp
 from engines.models import resolve_model_path
 from engines.process_group import free_port
 from tests.trainer.helpers import assert_same_adam_step, random_batch
+from trainer.checkpoint.format import ADAPTER_WEIGHTS
 from trainer.workers.batch import TrainBatch
 from trainer.workers.critic import CriticWorker
 from trainer.workers.fsdp import GatheredModel, is_sharded
+from trainer.workers.lora import AdapterCopy, LoraSpec
 from trainer.workers.policy import PolicyWorker
 from trainer.workers.ray_placement import padded_shard, shards
 
@@ -141,3 +145,85 @@ def test_padded_shard_keeps_real_rows_and_masks_the_padding():
     assert part.num_tokens == batch.select([3, 4]).num_tokens
     assert float(part.loss_mask[2].sum()) == 0.0
     assert float(batch.loss_mask[0].sum()) > 0  # the source row was not touched
+
+
+def _lora_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        worker = PolicyWorker(model_dir, lora=LORA, **KWARGS)  # type: ignore[arg-type]
+        worker.shard()
+        batch = make_batch(Path(model_dir))
+        parts = shards(len(batch), WORLD)
+        size = max(s.stop - s.start for s in parts)
+        worker.forward_backward(padded_shard(batch, parts[rank], size), batch.counts)
+        metrics = worker.optim_step()
+        merged = worker.readable_model(keep=rank == 0)  # sync.lora=merged
+        worker.lora = attrs.evolve(LORA, merged=False)
+        adapter = worker.readable_model(keep=rank == 0)  # sync.lora=adapter
+        if rank == 0:
+            assert isinstance(merged, GatheredModel) and isinstance(adapter, AdapterCopy)
+            adapter.save_pretrained(str(Path(out).with_suffix(".adapter")))
+            state = {
+                "sharded": is_sharded(worker.model),
+                "grad_norm": metrics["policy/grad_norm"],
+                "merged": {n: p.detach().clone() for n, p in merged.named_parameters()},
+                "trainable": [n for n, p in worker.model.named_parameters() if p.requires_grad],
+            }
+            torch.save(state, out)
+    finally:
+        dist.destroy_process_group()
+
+
+LORA = LoraSpec(rank=4, alpha=8)
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_policy_sharded_over_gloo_steps_and_syncs_as_one_unsharded_worker(tmp_path):
+    """FSDP2 with a LoRA adapter: the frozen base is sharded alike, only the adapter has
+    gradients and steps; rank 0 reads, while every rank holds the model unsharded, the merged
+    weights (sync.lora=merged) and the adapter as peft saves it (sync.lora=adapter), both equal
+    to one unsharded worker's after the same step on the whole batch."""
+    from safetensors.torch import load_file
+
+    model_dir = resolve_model_path(None)
+    out = tmp_path / "rank0.pt"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(
+        _lora_rank_main,
+        args=(free_port("127.0.0.1"), str(model_dir), str(out)),
+        nprocs=WORLD,
+        start_method="spawn",
+    )
+    got = torch.load(out, weights_only=True)
+
+    single = PolicyWorker(model_dir, lora=LORA, **KWARGS)  # type: ignore[arg-type]
+    batch = make_batch(model_dir)
+    single.forward_backward(batch, batch.counts)
+    expected_norm = single.optim_step()["policy/grad_norm"]
+    assert got["sharded"]
+    assert got["trainable"] and all(".lora_" in n for n in got["trainable"])
+    assert got["grad_norm"] == pytest.approx(expected_norm, rel=1e-4)
+    expected = dict(single.readable_model().named_parameters())
+    assert set(got["merged"]) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got["merged"][name], tensor, rtol=1e-5, atol=1e-6)
+    base = PolicyWorker(model_dir, **KWARGS)  # type: ignore[arg-type]
+    moved = [n for n, p in base.model.named_parameters() if not torch.equal(p, expected[n])]
+    assert moved, "the step left the merged weights where the base is"
+
+    single.model.save_pretrained(str(tmp_path / "single"))
+    theirs = load_file(str(tmp_path / "single" / ADAPTER_WEIGHTS))
+    ours = load_file(str(out.with_suffix(".adapter") / ADAPTER_WEIGHTS))
+    assert set(ours) == set(theirs)
+    for key, tensor in theirs.items():
+        torch.testing.assert_close(ours[key], tensor, rtol=1e-5, atol=1e-6)
+    configs = [
+        json.loads((where / "adapter_config.json").read_text())
+        for where in (out.with_suffix(".adapter"), tmp_path / "single")
+    ]
+    for config in configs:  # a set in peft, written in each process's own order
+        config["target_modules"] = sorted(config["target_modules"])
+    assert configs[0] == configs[1]
