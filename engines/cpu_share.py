@@ -20,6 +20,12 @@ count is per thread) and sets ``torch.set_num_threads`` to the answer; a window 
 decides nothing. Where ``/proc`` has no ``schedstat`` (not Linux), the count stays at its
 cores. Torch-free.
 
+A process whose event loop works while its torch threads rest reads its threads but that one
+(``thread_times(exclude=...)``): the trainer's trio thread runs the generators' HTTP streams
+while an engine server holds the cores, and its waiting then is not the update's. Measured
+2026-12-05, before it was left out: a window over an eval's 9 s of sampling took a thread from
+the SmolLM2 recipe's update for 35 s on an otherwise idle machine.
+
 The cores are what :func:`available_cores` says: ``OMP_NUM_THREADS`` where it is set, else the
 process's CPU affinity (``os.sched_getaffinity``: a container or ``taskset`` limits it), else
 the machine's count.
@@ -31,7 +37,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "SHRINK_AT",
     "CpuShare",
     "available_cores",
+    "own_thread_id",
     "thread_times",
 ]
 
@@ -67,13 +74,16 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def thread_times(task_dir: Path = Path("/proc/self/task")) -> dict[int, tuple[int, int]] | None:
-    """Each thread of this process: (ns on a CPU, ns ready but waiting for one), from
-    ``/proc/self/task/TID/schedstat``; None where there is no such file (not Linux, or
-    schedstats off). Blocking (reads ``/proc``): call it off the trio thread."""
+def thread_times(
+    task_dir: Path = Path("/proc/self/task"), exclude: Collection[int] = ()
+) -> dict[int, tuple[int, int]] | None:
+    """Each thread of this process but those in ``exclude`` (native ids): (ns on a CPU, ns
+    ready but waiting for one), from ``/proc/self/task/TID/schedstat``; None where there is no
+    such file (not Linux, or schedstats off). Blocking (reads ``/proc``): call it off the trio
+    thread."""
     times: dict[int, tuple[int, int]] = {}
     try:
-        tasks = list(task_dir.iterdir())
+        tasks = [t for t in task_dir.iterdir() if int(t.name) not in exclude]
     except OSError:
         return None
     for task in tasks:
@@ -84,6 +94,16 @@ def thread_times(task_dir: Path = Path("/proc/self/task")) -> dict[int, tuple[in
         if len(fields) >= 2:
             times[int(task.name)] = (int(fields[0]), int(fields[1]))
     return times or None
+
+
+def own_thread_id() -> int:
+    """The calling thread's id as ``/proc/self/task`` numbers it (``/proc/thread-self``; a PID
+    namespace may number it otherwise than ``threading.get_native_id``, the fallback where
+    there is no such link)."""
+    try:
+        return int(os.readlink("/proc/thread-self").rsplit("/", 1)[1])
+    except (OSError, ValueError):
+        return threading.get_native_id()
 
 
 class CpuShare:

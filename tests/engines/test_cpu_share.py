@@ -14,6 +14,7 @@ from engines.cpu_share import (
     SHRINK_AT,
     CpuShare,
     available_cores,
+    own_thread_id,
     thread_times,
 )
 
@@ -118,6 +119,16 @@ def test_a_spinning_thread_adds_to_the_process_time_on_a_cpu() -> None:
     assert during is not None
     gained = sum(r for r, _ in during.values()) - sum(r for r, _ in before.values())
     assert gained > 0.05e9
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self"), reason="Linux's /proc")
+def test_a_thread_left_out_is_not_read() -> None:
+    """The trainer leaves its event loop's thread out of its readings: that thread is found
+    by the id /proc numbers it with, and is then absent."""
+    me = own_thread_id()
+    everything, without = thread_times(), thread_times(exclude=(me,))
+    assert everything is not None and without is not None
+    assert me in everything and me not in without
 
 
 def test_the_cores_are_omp_num_threads_else_the_affinity(monkeypatch) -> None:

@@ -64,6 +64,7 @@ PUBLIC = {
         "set_rng_state",
     ],
     "trainer.checkpoint.format": [
+        "ADAPTER_WEIGHTS",
         "BASE_FILE",
         "SaveCheckpoint",
         "check_adapter_shape",
@@ -289,7 +290,13 @@ PUBLIC = {
     "trainer.workers.batch": ["TrainBatch"],
     "trainer.workers.critic": ["CRITIC_FILES", "CriticWorker"],
     "trainer.workers.device": ["collective_backend"],
-    "trainer.workers.fsdp": ["GatheredModel", "gathered_model", "is_sharded", "shard_model"],
+    "trainer.workers.fsdp": [
+        "GatheredModel",
+        "gathered_model",
+        "is_sharded",
+        "shard_model",
+        "unsharded",
+    ],
     "trainer.workers.group": ["WorkerGroup"],
     "trainer.workers.local": ["LocalWorkerGroup", "SHUTDOWN_WAIT_S"],
     "trainer.workers.offload": [
@@ -301,10 +308,12 @@ PUBLIC = {
     "trainer.workers.logprobs": ["LOGIT_TRANSFORMS", "forward_logprobs", "fused_head"],
     "trainer.workers.lora": [
         "ADAPTER_NAME",
+        "AdapterCopy",
         "LoraSpec",
         "MergedWeights",
         "add_adapter",
         "base_parameters",
+        "merged_copy",
     ],
     "trainer.workers.policy": [
         "OFFLOAD_METRICS",

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 import trio
 
-from engines.cpu_share import CpuShare
+from engines.cpu_share import CpuShare, own_thread_id, thread_times
 from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.vocabulary import fire_fault_sync, operation
@@ -62,8 +62,11 @@ class LocalWorkerGroup:
         threads: int | None = None,
     ) -> None:
         #: ``threads``: the most torch threads a call uses, fewer while the machine's other
-        #: processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own.
-        self.cpu = CpuShare(threads) if threads else None
+        #: processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own. The
+        #: thread that builds the group (the trio thread, which runs the generators' HTTP
+        #: streams while the engines sample) is not counted.
+        read = functools.partial(thread_times, exclude=(own_thread_id(),))
+        self.cpu = CpuShare(threads, read=read) if threads else None
         self.policy = policy
         self.ref = ref
         self.critic = critic
