@@ -14,6 +14,7 @@ the socket; ``python -m trainer debug dump`` falls back to it.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import functools
 import json
@@ -62,7 +63,9 @@ def debug_paths(pid: int) -> tuple[Path, Path]:
 def stack_signal(stacks: Path) -> Iterator[None]:
     """While inside, ``SIGUSR1`` writes every thread's stack to ``stacks`` (``faulthandler``).
 
-    A no-op where there is no ``SIGUSR1``. The file is truncated on entry; it is removed when
+    A no-op where there is no ``SIGUSR1``. On exit ``SIGUSR1`` is ignored (from the main
+    thread), so a late ``debug dump`` cannot kill an ending run. The file is truncated on
+    entry; it is removed when
     the body ends normally (the process it describes is ending: nothing is left in
     ``$TMPDIR`` per run) and kept when the body raises (the last stacks asked for stay
     readable beside the error).
@@ -77,6 +80,10 @@ def stack_signal(stacks: Path) -> Iterator[None]:
             yield
         finally:
             faulthandler.unregister(signal.SIGUSR1)
+            # the process is ending: a `debug dump` that comes late (its check raced the end)
+            # must not kill it, and SIGUSR1's default action is to terminate
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread
+                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     stacks.unlink(missing_ok=True)  # reached on a normal end only
 
 
