@@ -104,16 +104,21 @@ def converted_gguf(source: Path, cache_dir: Path) -> Path:
 @contextmanager
 def gguf_progress_only_on_a_terminal() -> Iterator[None]:
     """transformers' GGUF reader draws a tqdm bar of its own (``\\r`` lines), which
-    ``disable_progress_bar`` does not reach: off where stderr is not a terminal (a log, CI)."""
+    ``disable_progress_bar`` does not reach, and its weight loading draws another
+    ("Loading weights"), which it does: both off where stderr is not a terminal (a log, CI)."""
     from transformers import modeling_gguf_pytorch_utils as reader
+    from transformers.utils import logging as hf_logging
 
-    bar = reader.tqdm
+    bar, bars_were_on = reader.tqdm, hf_logging.is_progress_bar_enabled()
     if not sys.stderr.isatty():
         reader.tqdm = functools.partial(bar, disable=True)
+        hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         reader.tqdm = bar
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
 
 
 def _convert(source: Path, out: Path) -> None:

@@ -121,3 +121,17 @@ def test_the_gguf_readers_progress_bar_stays_off_a_stderr_that_is_not_a_terminal
     for _ in reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
         pass
     assert "\r" in capfd.readouterr().err
+
+
+def test_the_weight_loading_bar_stays_off_during_a_conversion_and_comes_back_after(capfd):
+    """The conversion's from_pretrained draws transformers' "Loading weights" bar (its
+    logging.tqdm), which a first run's redirected stderr showed as ``\r`` lines."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()
+    with gguf_models.gguf_progress_only_on_a_terminal():
+        assert not hf_logging.is_progress_bar_enabled()
+        for _ in hf_logging.tqdm(range(3), desc="Loading weights"):
+            pass
+    assert "\r" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()  # as it was before

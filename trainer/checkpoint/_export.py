@@ -54,11 +54,33 @@ def export_policy(
         else:
             base_dir = _merge(policy, tmp, base)
             what = f"the policy merged into its base model {base_dir}"
+        _as_created(tmp)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return what
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it); 0o022 where
+    ``/proc`` does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
+def _as_created(tree: Path) -> None:
+    """The modes a directory and files made afresh would have (the checkpoint's private
+    0600 files and the temporary directory's 0700 would keep another user, a server's, out)."""
+    umask = _umask()
+    tree.chmod(0o777 & ~umask)
+    for path in tree.rglob("*"):
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _merge(adapter_dir: Path, out: Path, base: Path | None) -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from trainer.debug._render import tree_of
-from trainer.debug._server import DEBUG_FILE, debug_paths, request_dump
+from trainer.debug._server import DEBUG_FILE, debug_paths, pid_alive, request_dump
 
 __all__ = ["debug_main"]
 
@@ -41,16 +41,6 @@ def _target(arg: str) -> tuple[int, Path, Path]:
             f"debug: {arg} is not the directory of a running trainer (no {DEBUG_FILE})"
         ) from None
     return int(info["pid"]), Path(info["socket"]), Path(info["stacks"])
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _stacks_by_signal(pid: int, stacks: Path, wait_s: float = 5.0) -> str | None:
@@ -72,7 +62,7 @@ def _stacks_by_signal(pid: int, stacks: Path, wait_s: float = 5.0) -> str | None
 
 def _dump(args: argparse.Namespace) -> int:
     pid, sock, stacks = _target(args.target)
-    if not _alive(pid):
+    if not pid_alive(pid):
         print(f"debug: trainer pid {pid} is not running", file=sys.stderr)
         return 1
     try:

@@ -65,26 +65,29 @@ def stack_signal(stacks: Path) -> Iterator[None]:
 
     A no-op where there is no ``SIGUSR1``. On exit ``SIGUSR1`` is ignored (from the main
     thread), so a late ``debug dump`` cannot kill an ending run. The file is truncated on
-    entry; it is removed when
-    the body ends normally (the process it describes is ending: nothing is left in
-    ``$TMPDIR`` per run) and kept when the body raises (the last stacks asked for stay
-    readable beside the error).
+    entry; it is removed when the body ends normally (the process it describes is ending:
+    nothing is left in ``$TMPDIR`` per run) and kept when the body raises, if stacks were
+    asked for (they stay readable beside the error; an empty file is removed). What a killed
+    run leaves, the next run's debug socket removes (:func:`remove_stale_debug_files`).
     """
     if not hasattr(signal, "SIGUSR1"):
         yield
         return
     stacks.parent.mkdir(mode=0o700, exist_ok=True)
+    failed = True
     with stacks.open("w") as f:
         faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
         try:
             yield
+            failed = False
         finally:
             faulthandler.unregister(signal.SIGUSR1)
             # the process is ending: a `debug dump` that comes late (its check raced the end)
             # must not kill it, and SIGUSR1's default action is to terminate
             with contextlib.suppress(ValueError):  # ValueError: not the main thread
                 signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    stacks.unlink(missing_ok=True)  # reached on a normal end only
+            if not failed or os.fstat(f.fileno()).st_size == 0:  # kept: stacks beside an error
+                stacks.unlink(missing_ok=True)
 
 
 async def _answer(dumper: Dumper, stream: trio.SocketStream) -> None:
@@ -135,6 +138,31 @@ async def serve_debug_socket(
 def _prepare_socket_dir(sock_path: Path) -> None:
     sock_path.parent.mkdir(mode=0o700, exist_ok=True)
     sock_path.unlink(missing_ok=True)  # a dead process with our pid left it
+    remove_stale_debug_files(sock_path.parent)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_debug_files(folder: Path) -> int:
+    """Remove the ``PID.sock`` and ``PID.stacks`` files in ``folder`` whose process is gone (a
+    run killed, or one that failed after its stacks were asked for, leaves them); how many.
+    Blocking."""
+    removed = 0
+    for path in folder.iterdir():
+        pid, _, kind = path.name.partition(".")
+        if kind in ("sock", "stacks") and pid.isdigit() and not pid_alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def _remove(*paths: Path) -> None:

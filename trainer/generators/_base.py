@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import abc
+import ast
+import difflib
 import inspect
+import textwrap
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -198,9 +201,11 @@ def check_generator_kwargs(cls: type[Generator], kwargs: Mapping[str, object]) -
     """ConfigError, before anything starts, for ``generator.kwargs`` that ``cls`` cannot take.
 
     A key the trainer passes itself (:data:`TRAINER_ARGUMENTS`) is refused; so is a key that
-    ``cls``'s constructor neither names nor could take through ``**kwargs``. A key taken by
-    ``**kwargs`` and never consumed on the way to :class:`Generator` fails when the
-    generator is built (still before the first step).
+    ``cls``'s constructor neither names nor could take through ``**kwargs``, and, where each
+    ``**kwargs`` on the way to :class:`Generator` is handed on (``super().__init__(**kwargs)``,
+    read from the source), a key no constructor of the chain names. Where one keeps them for
+    itself (or its source cannot be read), a key nothing consumes fails when the generator is
+    built (still before the first step).
     """
     for key in kwargs:
         if key in TRAINER_ARGUMENTS:
@@ -219,16 +224,69 @@ def check_generator_kwargs(cls: type[Generator], kwargs: Mapping[str, object]) -
     except (TypeError, ValueError):
         return
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        accepted = _handed_on_keywords(cls)
+        for key in kwargs:
+            if accepted is not None and key not in accepted:
+                raise _unknown_kwarg(cls, key, accepted)
         return
+    named = {n for n, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     for key in kwargs:
-        p = params.get(key)
-        if p is None or p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL):
-            raise _unknown_kwarg(cls, key)
+        if key not in named:
+            raise _unknown_kwarg(cls, key, named)
 
 
-def _unknown_kwarg(cls: type, key: str) -> ConfigError:
+def _handed_on_keywords(cls: type[Generator]) -> set[str] | None:
+    """The keywords ``cls``'s constructors name on the way to :class:`Generator`'s, where each
+    hands its ``**kwargs`` on to ``super().__init__``; None where one does not (or its source
+    cannot be read): it may take any key."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None:
+            continue
+        if klass is Generator:
+            return names
+        try:
+            params = inspect.signature(init).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        names.update(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        rest = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+        if rest is None:
+            return names  # the chain ends here: nothing further is reached
+        if not _hands_on(init, rest):
+            return None
+    return None
+
+
+def _hands_on(init: object, rest: str) -> bool:
+    """Whether ``init``'s source calls ``super().__init__(..., **rest)``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))  # type: ignore[arg-type]
+    except (OSError, TypeError, SyntaxError):
+        return False
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "__init__"
+            and isinstance(node.func.value, ast.Call)
+            and isinstance(node.func.value.func, ast.Name)
+            and node.func.value.func.id == "super"
+            and any(
+                k.arg is None and isinstance(k.value, ast.Name) and k.value.id == rest
+                for k in node.keywords
+            )
+        ):
+            return True
+    return False
+
+
+def _unknown_kwarg(cls: type, key: str, known: set[str] | None = None) -> ConfigError:
+    close = difflib.get_close_matches(key, sorted(known or ()), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
     return ConfigError(
         f"config: generator.kwargs.{key}: {cls.__module__}:{cls.__qualname__} takes no keyword "
-        f"argument {key!r}; remove it from generator.kwargs, or add it to the constructor "
+        f"argument {key!r}{hint}; remove it from generator.kwargs, or add it to the constructor "
         "(def __init__(self, *, NAME=DEFAULT, **kwargs): ...; super().__init__(**kwargs))"
     )

@@ -24,6 +24,7 @@ import trio
 from engines.types import EngineClient, SamplingParams
 from engines.vllm.serve import require_vllm
 from sync.transports import WeightTransport
+from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_dict
 from trainer.data import RewardFunction, open_rewards
 from trainer.debug import Dumper, Watchdog, open_debug_services, where_line
@@ -68,24 +69,42 @@ def with_run_dir(cfg: Config) -> Config:
 
 
 def _make_run_dir(cfg: Config) -> Path:
-    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``).
-
-    ``ConfigError`` for a fresh run (``trainer.resume_mode=none``) into a directory where a run
-    already logged steps: its lines would be appended to that run's ``metrics.jsonl`` (two
-    step 1s, curves that jump back), and its checkpoints would mix with that run's.
-    """
+    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``), after
+    :func:`_refuse_a_second_run` (blocking: it reads the directory)."""
     run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
-    metrics = run_dir / "metrics.jsonl"
-    if cfg.trainer.resume_mode == "none" and metrics.exists() and metrics.stat().st_size > 0:
-        lines = metrics.read_text().count("\n")
-        raise ConfigError(
-            f"config: trainer.run_dir={str(run_dir)!r} already holds a run ({lines} lines in "
-            "its metrics.jsonl): continue it with trainer.resume_mode=latest, or give a new "
-            "trainer.run_dir (or remove that directory); a fresh run there would append its "
-            "steps to that run's"
-        )
+    _refuse_a_second_run(cfg.trainer.resume_mode, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def _refuse_a_second_run(resume_mode: str, run_dir: Path) -> None:
+    """``ConfigError`` where a run would replace the record of one that already logged steps
+    in ``run_dir`` (a fresh start there rewrites ``metrics.jsonl`` and leaves that run's
+    checkpoints beside its own): a fresh run (``resume_mode=none``), or ``resume_mode=latest``
+    that finds no checkpoint to continue from. ``resume_mode=path`` names its checkpoint."""
+    metrics = run_dir / "metrics.jsonl"
+    if resume_mode == "path" or not metrics.is_file() or metrics.stat().st_size == 0:
+        return
+    lines = metrics.read_text(errors="replace").count("\n")
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    held = f"config: trainer.run_dir={str(run_dir)!r} already holds a run ({lines} lines in its metrics.jsonl"
+    if latest is not None and resume_mode == "none":
+        raise ConfigError(
+            f"{held}, its latest checkpoint {latest.name}): continue it with "
+            "trainer.resume_mode=latest, or give a new trainer.run_dir (or remove that "
+            "directory); a fresh run there would replace that run's metrics"
+        )
+    if latest is None:
+        asked = (
+            "trainer.resume_mode=latest found no checkpoint of it"
+            if resume_mode == "latest"
+            else "it saved no checkpoint"
+        )
+        raise ConfigError(
+            f"{held}) and {asked} (trainer.ckpt_interval=0?), so it cannot be continued: "
+            "give a new trainer.run_dir, or remove that directory; a fresh run there would "
+            "replace that run's metrics"
+        )
 
 
 class _TeardownClock:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -27,6 +29,7 @@ from trainer.debug import (
     thread_stacks,
     where_line,
 )
+from trainer.debug._server import remove_stale_debug_files
 from trainer.vocabulary import Timer, operation, step_deadline
 
 
@@ -172,6 +175,10 @@ def test_sigusr1_writes_every_threads_stack_without_the_event_loop(tmp_path):
             time.sleep(0.05)
         raise RuntimeError("the run failed")
     assert "test_sigusr1_writes_every_threads_stack" in stacks.read_text()
+    # a failed one that nobody asked stacks of leaves nothing
+    with pytest.raises(RuntimeError), stack_signal(tmp_path / "unasked"):
+        raise RuntimeError("the run failed")
+    assert not (tmp_path / "unasked").exists()
     # a dump that comes after the end (its check raced it) is ignored, not this process's end
     # (SIGUSR1's default action): if it were not, this test's process would die here
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
@@ -211,3 +218,15 @@ async def test_a_client_that_leaves_before_its_dump_costs_one_log_line(tmp_path,
         "debug socket: the client left before its dump was sent"
     ]
     assert all(r.exc_info is None for r in records)
+
+
+def test_the_debug_files_of_processes_that_are_gone_are_removed(tmp_path):
+    """A killed run cannot remove its PID.sock and PID.stacks; the next run's socket does."""
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    dead, alive = int(gone.stdout), os.getpid()
+    names = [f"{dead}.sock", f"{dead}.stacks", f"{alive}.stacks", "notes.txt", "12x.stacks"]
+    for name in names:
+        (tmp_path / name).write_text("")
+    assert remove_stale_debug_files(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -296,9 +296,23 @@ class Forwarding(AgentLoopGenerator):
         self.depth = depth
 
 
+class KeepsItsOptions(AgentLoopGenerator):
+    def __init__(self, *, depth: int = 1, **options) -> None:
+        super().__init__(**{k: options.pop(k) for k in list(options) if k in TRAINER_ARGS})
+        self.options = options  # free-form: any key may be meant for it
+
+
+TRAINER_ARGS = ("engine", "tokenizer", "reward_fn", "sampling", "max_turns", "max_response_tokens")
+
+
 def test_generator_kwargs_are_checked_against_the_constructor_before_anything_starts():
     check_generator_kwargs(Explicit, {"depth": 2})
-    check_generator_kwargs(Forwarding, {"depth": 2, "anything": 1})  # checked when built
+    check_generator_kwargs(Forwarding, {"depth": 2})
+    # **kwargs handed on to super().__init__ all the way: a key no constructor names is
+    # refused here, with the closest name (what the journeys met only after start-up)
+    with pytest.raises(ConfigError, match=r"kwargs\.detph: .*Forwarding .*did you mean 'depth'"):
+        check_generator_kwargs(Forwarding, {"detph": 2})
+    check_generator_kwargs(KeepsItsOptions, {"depth": 2, "anything": 1})  # checked when built
     with pytest.raises(
         ConfigError,
         match=r"generator.kwargs.width: \S*test_agent_loop:Explicit takes no keyword argument 'width'",

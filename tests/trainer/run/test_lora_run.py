@@ -8,6 +8,7 @@ typed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -143,6 +144,13 @@ def test_the_export_is_an_adapter_peft_loads_and_a_merged_model_with_the_policys
         exported = merged(ids).logits.log_softmax(-1)
     torch.testing.assert_close(exported, policy, rtol=0, atol=1e-5)
     assert (policy - before).abs().max() > 1e-3  # the adapter trained: not a comparison of bases
+    # modes as made afresh (the checkpoint's files are private 0600): a server's user reads it
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for out in (tmp_path / "merged", tmp_path / "adapter"):
+        for path in [out, *out.rglob("*")]:
+            want = (0o777 if path.is_dir() else 0o666) & ~umask
+            assert path.stat().st_mode & 0o777 == want, path
 
 
 def test_export_refuses_an_existing_directory_and_a_wrong_base(

@@ -72,6 +72,21 @@ async def test_a_fresh_run_into_a_finished_runs_directory_is_refused_before_it_s
     await trainer.run.train(load_config(None, [*common, "trainer.resume_mode=latest"]))
 
 
+async def test_a_run_without_checkpoints_is_neither_overwritten_nor_resumed_from_nothing(
+    tmp_path,
+):
+    """The default run saves no checkpoint: advising resume_mode=latest would start afresh and
+    replace its metrics. Both a fresh run and a resume there are refused, the record kept."""
+    common = [*SMALL, f"trainer.run_dir={tmp_path}", "trainer.max_steps=1"]
+    await trainer.run.train(load_config(None, [*common, "trainer.ckpt_interval=0"]))
+    before = (tmp_path / "metrics.jsonl").read_text()
+    for mode, said in (("none", "it saved no checkpoint"), ("latest", "found no checkpoint of it")):
+        with pytest.raises(ConfigError, match=rf"{said} .*give a new trainer.run_dir") as info:
+            await trainer.run.train(load_config(None, [*common, f"trainer.resume_mode={mode}"]))
+        assert "resume_mode=latest, or" not in str(info.value)
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+
+
 async def test_a_refused_resume_leaves_config_yaml_as_the_run_recorded_it(tmp_path):
     recorded = tmp_path / "config.yaml"
     await trainer.run.train(
