@@ -13,7 +13,7 @@ import difflib
 import os
 import types
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -172,8 +172,8 @@ def _build(values: dict[str, object]) -> Config:
                 raise ConfigError(
                     f"config: {key} is a section, not a value; set its keys ({key}.KEY=...)"
                 )
-            hint = difflib.get_close_matches(key, list(known), n=1)
-            tail = f" (did you mean {hint[0]!r}?)" if hint else "; see `python -m trainer --help`"
+            hint = _closest_key(key, known)
+            tail = f" (did you mean {hint!r}?)" if hint else "; see `python -m trainer --help`"
             raise ConfigError(f"config: unknown key {key!r}{tail}")
         leaves[key] = value
     for key, (a, _tp) in known.items():
@@ -189,6 +189,19 @@ def _build(values: dict[str, object]) -> Config:
             raise ConfigError(f"config: {key}={value!r} is out of range: {problem}")
         leaves[key] = value
     return _assemble(Config, leaves, "")
+
+
+def _closest_key(key: str, known: Mapping[str, object]) -> str | None:
+    """The key ``key`` was likely meant to be: the closest of its section's keys by their
+    last part (``trainer.max_step``: ``trainer.max_steps``; a shared ``trainer.`` makes any
+    two keys look alike), else a close whole key (a misspelled section); None."""
+    section, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in known if k.rpartition(".")[0] == section}
+    if siblings:
+        close = difflib.get_close_matches(leaf, list(siblings), n=1)
+        return siblings[close[0]] if close else None
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.8)
+    return close[0] if close else None
 
 
 def _assemble(cls: type, leaves: dict[str, object], prefix: str) -> Any:

@@ -181,6 +181,8 @@ async def _train(
     Whatever starts is entered on one exit stack, so it stops in the reverse order.
     """
     prepared = await prepare(cfg, run_dir, progress)
+    if prepared.resume_from is not None and int(prepared.state["step"]) >= prepared.last_step:
+        return await trio.to_thread.run_sync(_nothing_to_train, run_dir, prepared)
     async with open_owner_nursery() as preloading, AsyncExitStack() as stack:
         # the workers' model code is imported while the servers start (seconds each)
         preloading.start_soon(trio.to_thread.run_sync, preload_model_code, prepared.model_dir)
@@ -378,6 +380,21 @@ def _make_generator(
         max_response_tokens=cfg.generator.max_response_tokens,
         **cfg.generator.kwargs,
     )
+
+
+def _nothing_to_train(run_dir: Path, prepared: Prepared) -> dict[str, Any]:
+    """A resume from the run's last step: said, and its summary returned as it stands (no
+    model, engine or worker started; blocking)."""
+    log.warning(
+        "nothing to train: %s is at step %d, the run's last (trainer.max_steps or its epochs); "
+        "raise trainer.max_steps to go on",
+        prepared.resume_from,
+        int(prepared.state["step"]),
+    )
+    recorded = run_dir / "summary.json"
+    if recorded.is_file():
+        return json.loads(recorded.read_text())
+    return _summarize(run_dir, run_dir / "metrics.jsonl")
 
 
 def _summarize(

@@ -22,6 +22,12 @@ from trainer.errors import ConfigError
             "config: unknown key 'trainer.max_step' (did you mean 'trainer.max_steps'?)",
         ),
         (["nonsense.key=1"], "config: unknown key 'nonsense.key'; see `python -m trainer --help`"),
+        # a key like no other of its section gets no guess ('trainer.epochs' was offered)
+        (["trainer.foo=1"], "config: unknown key 'trainer.foo'; see `python -m trainer --help`"),
+        (
+            ["trainr.max_steps=3"],  # a misspelled section
+            "config: unknown key 'trainr.max_steps' (did you mean 'trainer.max_steps'?)",
+        ),
         (
             ["+trainer.max_steps=3"],  # verl's (Hydra's) way of adding a key
             "config: '+trainer.max_steps': '+' adds or removes a key in Hydra; here every key "

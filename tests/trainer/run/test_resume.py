@@ -140,3 +140,23 @@ async def test_a_resumed_runs_new_engine_serves_the_trainers_weight_version(tmp_
     assert _steps(tmp_path) == [1, 2, 3]
     # the first sync makes version 1; the checkpoint of step 2 was saved before its sync
     assert EngineVersions.seen == [(1, 1), (2, 2), (3, 3)]
+
+
+async def test_a_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, monkeypatch, caplog):
+    """Resumed at its last step (a finished run, re-launched): no engine or worker starts, the
+    run's files stay as they were, and its summary comes back."""
+    common = [*SMALL, f"trainer.run_dir={tmp_path}", "trainer.max_steps=2"]
+    first = await trainer.run.train(load_config(None, common))
+    before = {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+
+    def no_engines(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr("trainer.run._train.open_engines", no_engines)
+    again = await trainer.run.train(load_config(None, [*common, "trainer.resume_mode=latest"]))
+    assert again == first
+    assert "nothing to train" in caplog.text and "raise trainer.max_steps" in caplog.text
+    after = {f.name: f.read_bytes() for f in tmp_path.iterdir() if f.is_file()}
+    assert {k: v for k, v in after.items() if k != "train.log"} == {
+        k: v for k, v in before.items() if k != "train.log"
+    }
