@@ -8,6 +8,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -177,14 +178,18 @@ class _StepFields(TypedDict):
     step_s: str
 
 
+#: Where stderr is no terminal, a start-up phase that still runs says so this often.
+STILL_EVERY_S = 15.0
+
+
 class StepProgress:
     """The live display on stderr: each start-up phase with its time, then the step bar.
 
     On a terminal (rich): a line per start-up phase with a spinner and the time it has taken
     so far, kept with its final time when the phase ends; then a bar with the step, the ETA,
     reward, loss, KL and step time. Elsewhere (CI, a pipe): plain lines, ``startup: engines
-    ...`` when a phase begins, ``startup: engines ready in 3.1s`` when it ends, and one line
-    per step. Disabled (``trainer.progress=false``): nothing on stderr. ``train.log`` gets
+    ...`` when a phase begins, ``startup: engines ... 15s so far`` every :data:`STILL_EVERY_S`
+    while it runs, ``startup: engines ready in 3.1s`` when it ends, and one line per step. Disabled (``trainer.progress=false``): nothing on stderr. ``train.log`` gets
     each phase's time either way. ``console`` (default: stderr) decides which it is. With
     ``one_update_per_batch`` the KL column shows :data:`ONE_UPDATE_METRICS` (the gradient
     norm where there is no KL penalty), else :data:`KL_METRICS`.
@@ -258,7 +263,8 @@ class StepProgress:
         if self.plain:
             print(f"startup: {name} ...", file=self.console.file, flush=True)
         try:
-            yield
+            with self._still_going(name, started):
+                yield
         except BaseException:
             elapsed = time.monotonic() - started
             self._phases.update(task, description=f"{name} [red]failed", completed=1)
@@ -275,6 +281,31 @@ class StepProgress:
         log.info("startup: %s ready in %.2fs", name, elapsed)
         if self.plain:
             print(f"startup: {name} ready in {elapsed:.1f}s", file=self.console.file, flush=True)
+
+    @contextmanager
+    def _still_going(self, name: str, started: float) -> Iterator[None]:
+        """Plain lines only: every :data:`STILL_EVERY_S` of a phase, a line saying it still
+        runs (a terminal shows its clock; a log would show nothing for a vLLM server's
+        minute). A thread of its own, stopped and joined when the phase ends."""
+        if not self.plain:
+            yield
+            return
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(STILL_EVERY_S):
+                so_far = time.monotonic() - started
+                print(
+                    f"startup: {name} ... {so_far:.0f}s so far", file=self.console.file, flush=True
+                )
+
+        ticker = threading.Thread(target=tick, name=f"startup {name}", daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
     @contextmanager
     def evaluating(self, step: int) -> Iterator[dict[str, float]]:

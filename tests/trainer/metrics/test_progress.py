@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import re
+import threading
+import time
 
 import pytest
 from rich.console import Console
@@ -58,6 +60,23 @@ def test_elsewhere_plain_lines_and_the_approximate_kl_without_a_kl_loss():
         "step 2/3 reward 0.250 loss -0.0123 approx_kl 0.0004 4.00s/step ETA 0:03",
         "step 3/3 reward 0.500 loss - kl - -s/step ETA 0:00",
     ]
+
+
+def test_elsewhere_a_long_phase_says_it_still_runs(monkeypatch):
+    """A log shows no clock: a phase (a vLLM server's start: a minute) says it is still going."""
+    monkeypatch.setattr("trainer.metrics._logger.STILL_EVERY_S", 0.05)
+    console = _console(terminal=False)
+    with StepProgress(console=console) as progress:
+        with progress.phase("engines"):
+            time.sleep(0.3)
+        with progress.phase("workers"):
+            pass
+    lines = _text(console).splitlines()
+    assert lines[0] == "startup: engines ..."
+    assert re.fullmatch(r"startup: engines \.\.\. \d+s so far", lines[1])
+    assert lines[-1].startswith("startup: workers ready in")
+    assert not any("workers ... " in line and "so far" in line for line in lines)
+    assert not [t for t in threading.enumerate() if t.name.startswith("startup ")]
 
 
 def test_disabled_it_prints_nothing():
