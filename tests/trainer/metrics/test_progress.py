@@ -33,12 +33,13 @@ def test_a_terminal_shows_each_phase_with_its_time_then_the_bar_with_eta_loss_an
         with pytest.raises(RuntimeError), progress.phase("first weight sync"):
             raise RuntimeError("boom")
         progress.start_steps(100, start=10)
-        progress.update(11, {**ROW, "policy/kl": 0.002})
+        progress.update(11, {**ROW, "timing/step": 30.0})  # the process's first: warming up
+        progress.update(12, {**ROW, "policy/kl": 0.002})
     text = _text(console)
     assert "startup: engines" in text and "startup: first weight sync failed" in text
     assert re.search(r"✓ startup: engines\s+0:00:00", text)
-    assert "11/100" in text
-    assert "ETA 2:58" in text  # 89 steps left at 2 s each
+    assert "12/100" in text
+    assert "ETA 2:56" in text  # 88 steps left at 2 s each: the first step's 30 s left out
     assert "reward 0.250" in text and "loss -0.0123" in text
     assert "kl 0.0020" in text  # the KL penalty, when the run has one
 
@@ -50,16 +51,27 @@ def test_elsewhere_plain_lines_and_the_approximate_kl_without_a_kl_loss():
             pass
         progress.start_steps(3)
         progress.update(1, ROW)
-        progress.update(2, {**ROW, "timing/step": 4.0})  # the ETA follows the mean step time
+        progress.update(2, {**ROW, "timing/step": 4.0})  # the ETA from the second step on
         progress.update(3, {"reward/mean": 0.5})  # a row without loss or timing
     lines = _text(console).splitlines()
     assert lines[0] == "startup: model ..."
     assert re.fullmatch(r"startup: model ready in \d+\.\ds", lines[1])
     assert lines[2:] == [
-        "step 1/3 reward 0.250 loss -0.0123 approx_kl 0.0004 2.00s/step ETA 0:04",
-        "step 2/3 reward 0.250 loss -0.0123 approx_kl 0.0004 4.00s/step ETA 0:03",
+        "step 1/3 reward 0.250 loss -0.0123 approx_kl 0.0004 2.00s/step ETA -",
+        "step 2/3 reward 0.250 loss -0.0123 approx_kl 0.0004 4.00s/step ETA 0:04",
         "step 3/3 reward 0.500 loss - kl - -s/step ETA 0:00",
     ]
+
+
+def test_the_eta_leaves_out_the_first_step_and_is_not_moved_by_one_slow_step():
+    console = _console(terminal=False)
+    with StepProgress(console=console) as progress:
+        progress.start_steps(200)
+        for step, seconds in enumerate([2.4, 0.1, 0.1, 3.0, 0.1], start=1):
+            progress.update(step, {**ROW, "timing/step": seconds})
+    etas = [line.rsplit("ETA ", 1)[1] for line in _text(console).splitlines()]
+    # steps 2-5: 198..195 steps left at the median 0.1 s (a mean would say 3:29 after step 4)
+    assert etas == ["-", "0:20", "0:20", "0:20", "0:20"]
 
 
 def test_elsewhere_a_long_phase_says_it_still_runs(monkeypatch):
@@ -96,7 +108,7 @@ def test_with_one_update_per_batch_the_bar_shows_the_grad_norm_not_a_zero_approx
         progress.update(1, {**ROW, "policy/approx_kl": 0.0, "policy/grad_norm": 0.8123})
         progress.update(2, {**ROW, "policy/kl": 0.002, "policy/grad_norm": 0.5})
     assert _text(console).splitlines() == [
-        "step 1/2 reward 0.250 loss -0.0123 grad_norm 0.8123 2.00s/step ETA 0:02",
+        "step 1/2 reward 0.250 loss -0.0123 grad_norm 0.8123 2.00s/step ETA -",
         "step 2/2 reward 0.250 loss -0.0123 kl 0.0020 2.00s/step ETA 0:00",  # a KL penalty first
     ]
 
