@@ -313,6 +313,7 @@ PUBLIC = {
         "MergedWeights",
         "add_adapter",
         "base_parameters",
+        "is_adapter_parameter",
         "merged_copy",
     ],
     "trainer.workers.policy": [

@@ -63,8 +63,9 @@ def debug_paths(pid: int) -> tuple[Path, Path]:
 def stack_signal(stacks: Path) -> Iterator[None]:
     """While inside, ``SIGUSR1`` writes every thread's stack to ``stacks`` (``faulthandler``).
 
-    A no-op where there is no ``SIGUSR1``. On exit ``SIGUSR1`` is ignored (from the main
-    thread), so a late ``debug dump`` cannot kill an ending run. The file is truncated on
+    A no-op where there is no ``SIGUSR1``. Where ``SIGUSR1`` has its default action
+    (terminate), it is ignored from entry (from the main thread), so on exit a late
+    ``debug dump`` cannot kill an ending run. The file is truncated on
     entry; it is removed when the body ends normally (the process it describes is ending:
     nothing is left in ``$TMPDIR`` per run) and kept when the body raises, if stacks were
     asked for (they stay readable beside the error; an empty file is removed). What a killed
@@ -75,6 +76,13 @@ def stack_signal(stacks: Path) -> Iterator[None]:
         return
     stacks.parent.mkdir(mode=0o700, exist_ok=True)
     failed = True
+    # a `debug dump` that comes after the end (its check raced it) must not kill the ending
+    # process, and SIGUSR1's default action is to terminate: where it has that default, it is
+    # ignored first, so unregistering below puts back "ignore" with no moment of "terminate"
+    # between (a handler of the program's own is left as it is)
+    if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     with stacks.open("w") as f:
         faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
         try:
@@ -82,10 +90,6 @@ def stack_signal(stacks: Path) -> Iterator[None]:
             failed = False
         finally:
             faulthandler.unregister(signal.SIGUSR1)
-            # the process is ending: a `debug dump` that comes late (its check raced the end)
-            # must not kill it, and SIGUSR1's default action is to terminate
-            with contextlib.suppress(ValueError):  # ValueError: not the main thread
-                signal.signal(signal.SIGUSR1, signal.SIG_IGN)
             if not failed or os.fstat(f.fileno()).st_size == 0:  # kept: stacks beside an error
                 stacks.unlink(missing_ok=True)
 

@@ -247,7 +247,7 @@ def _handed_on_keywords(cls: type[Generator]) -> set[str] | None:
         if klass is Generator:
             return names
         try:
-            params = inspect.signature(init).parameters.values()
+            params = list(inspect.signature(init).parameters.values())[1:]  # not self
         except (TypeError, ValueError):
             return None
         names.update(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
@@ -260,11 +260,15 @@ def _handed_on_keywords(cls: type[Generator]) -> set[str] | None:
 
 
 def _hands_on(init: object, rest: str) -> bool:
-    """Whether ``init``'s source calls ``super().__init__(..., **rest)``."""
+    """Whether ``init``'s source hands ``**rest`` on to ``super().__init__`` and does nothing
+    else with it: a constructor that reads, pops, renames or rebuilds its keywords
+    (``kwargs.pop("depth", 1)``) takes keys its signature does not name, so it is not checked.
+    """
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(init)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError):
         return False
+    handed_on: list[ast.expr] = []
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Call)
@@ -273,13 +277,10 @@ def _hands_on(init: object, rest: str) -> bool:
             and isinstance(node.func.value, ast.Call)
             and isinstance(node.func.value.func, ast.Name)
             and node.func.value.func.id == "super"
-            and any(
-                k.arg is None and isinstance(k.value, ast.Name) and k.value.id == rest
-                for k in node.keywords
-            )
         ):
-            return True
-    return False
+            handed_on += [k.value for k in node.keywords if k.arg is None]
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == rest]
+    return bool(uses) and all(any(n is v for v in handed_on) for n in uses)
 
 
 def _unknown_kwarg(cls: type, key: str, known: set[str] | None = None) -> ConfigError:

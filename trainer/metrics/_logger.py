@@ -300,9 +300,9 @@ class StepProgress:
         def tick() -> None:
             while not done.wait(STILL_EVERY_S):
                 so_far = time.monotonic() - started
-                print(
-                    f"startup: {name} ... {so_far:.0f}s so far", file=self.console.file, flush=True
-                )
+                # one write, so a log line from another thread cannot land inside it
+                self.console.file.write(f"startup: {name} ... {so_far:.0f}s so far\n")
+                self.console.file.flush()
 
         ticker = threading.Thread(target=tick, name=f"startup {name}", daemon=True)
         ticker.start()
@@ -310,7 +310,9 @@ class StepProgress:
             yield
         finally:
             done.set()
-            ticker.join()
+            # bounded: a write blocked on a full stderr pipe must not hold the caller (the
+            # event loop's thread), and the thread is a daemon
+            ticker.join(timeout=1.0)
 
     @contextmanager
     def evaluating(self, step: int) -> Iterator[dict[str, float]]:

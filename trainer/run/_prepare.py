@@ -89,8 +89,9 @@ async def prepare(cfg: Config, run_dir: Path, progress: StepProgress) -> Prepare
     a fresh run records its ``config.yaml`` here (a resume once its checkpoint has loaded)."""
     t = cfg.trainer
     # a generator that does not import, or kwargs it cannot take, fail before any model loads
-    generator_cls = _load_generator_cls(cfg.generator.cls)
-    check_generator_kwargs(generator_cls, cfg.generator.kwargs)
+    # (importing it and reading its constructors' source touch the disk: in a thread)
+    generator_cls = await trio.to_thread.run_sync(_load_generator_cls, cfg.generator.cls)
+    await trio.to_thread.run_sync(check_generator_kwargs, generator_cls, cfg.generator.kwargs)
     with progress.phase("model"):
         model_dir = await trio.to_thread.run_sync(resolve_model_path, cfg.model.path)
         tokenizer = await trio.to_thread.run_sync(load_tokenizer, model_dir)
@@ -141,7 +142,8 @@ async def _read_resume_state(
     if resume_from is None:
         if t.resume_mode != "none":
             log.warning(
-                "resume_mode=%s but no checkpoint under %s: starting fresh",
+                "resume_mode=%s but no checkpoint under %s: starting from step 1 (the lines "
+                "of a run that ended before its first checkpoint are replaced)",
                 t.resume_mode,
                 ckpt.root,
             )

@@ -72,21 +72,27 @@ def _make_run_dir(cfg: Config) -> Path:
     """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``), after
     :func:`_refuse_a_second_run` (blocking: it reads the directory)."""
     run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
-    _refuse_a_second_run(cfg.trainer.resume_mode, run_dir)
+    _refuse_a_second_run(cfg.trainer.resume_mode, cfg.trainer.ckpt_interval, run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
-def _refuse_a_second_run(resume_mode: str, run_dir: Path) -> None:
+def _refuse_a_second_run(resume_mode: str, ckpt_interval: int, run_dir: Path) -> None:
     """``ConfigError`` where a run would replace the record of one that already logged steps
     in ``run_dir`` (a fresh start there rewrites ``metrics.jsonl`` and leaves that run's
     checkpoints beside its own): a fresh run (``resume_mode=none``), or ``resume_mode=latest``
-    that finds no checkpoint to continue from. ``resume_mode=path`` names its checkpoint."""
+    that finds no checkpoint to continue from where that run ended (its ``summary.json``) or
+    saves none (``trainer.ckpt_interval=0``). A run killed before its first checkpoint, which
+    a scheduler relaunches with ``resume_mode=latest``, starts again from step 0 (as a resume
+    drops the lines after its checkpoint). ``resume_mode=path`` names its checkpoint."""
     metrics = run_dir / "metrics.jsonl"
     if resume_mode == "path" or not metrics.is_file() or metrics.stat().st_size == 0:
         return
-    lines = metrics.read_text(errors="replace").count("\n")
     latest = CheckpointManager(run_dir / "checkpoints").latest()
+    ended = (run_dir / "summary.json").is_file()
+    if latest is None and resume_mode == "latest" and not ended and ckpt_interval > 0:
+        return
+    lines = metrics.read_text(errors="replace").count("\n")
     held = f"config: trainer.run_dir={str(run_dir)!r} already holds a run ({lines} lines in its metrics.jsonl"
     if latest is not None and resume_mode == "none":
         raise ConfigError(
@@ -392,8 +398,10 @@ def _nothing_to_train(run_dir: Path, prepared: Prepared) -> dict[str, Any]:
         int(prepared.state["step"]),
     )
     recorded = run_dir / "summary.json"
-    if recorded.is_file():
-        return json.loads(recorded.read_text())
+    if recorded.is_file():  # as the run wrote it, where it ended at this checkpoint's step
+        summary = json.loads(recorded.read_text())
+        if summary.get("last_step") == int(prepared.state["step"]):
+            return summary
     return _summarize(run_dir, run_dir / "metrics.jsonl")
 
 

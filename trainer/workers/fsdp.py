@@ -18,7 +18,7 @@ per step on one H200 for a 494M model).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,8 +73,11 @@ class GatheredModel(torch.nn.Module):
         yield from self._full.values()
 
 
-def gathered_model(model: torch.nn.Module, *, keep: bool) -> torch.nn.Module:
-    """The full weights of ``model`` (a collective when sharded: call it on every rank).
+def gathered_model(
+    model: torch.nn.Module, *, keep: bool, only: Callable[[str], bool] | None = None
+) -> torch.nn.Module:
+    """The full weights of ``model`` (a collective when sharded: call it on every rank), one
+    parameter at a time; ``only`` those whose names it accepts, where given.
 
     ``keep`` is True on the rank that reads them (rank 0): it gets a :class:`GatheredModel`;
     the others drop each tensor as soon as it is gathered and get ``model`` back. An
@@ -85,6 +88,8 @@ def gathered_model(model: torch.nn.Module, *, keep: bool) -> torch.nn.Module:
     named: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
+            if only is not None and not only(name):
+                continue
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             if keep:
                 named[name] = full

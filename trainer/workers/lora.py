@@ -43,6 +43,7 @@ __all__ = [
     "MergedWeights",
     "add_adapter",
     "base_parameters",
+    "is_adapter_parameter",
     "merged_copy",
 ]
 
@@ -176,18 +177,28 @@ def merged_copy(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def is_adapter_parameter(name: str) -> bool:
+    """Whether ``name`` (a peft model's parameter name) is one of the adapter's tensors."""
+    return ".lora_" in name
+
+
 class AdapterCopy(torch.nn.Module):
     """A LoRA policy's adapter copied out (peft's adapter state dict and its config), saved as
     peft's ``save_pretrained`` saves it: what ``sync.lora=adapter`` reads of a policy whose
-    parameters are FSDP2 shards (copied while unsharded). No parameters of its own."""
+    parameters are FSDP2 shards, from ``params``: the adapter's tensors gathered
+    (:func:`~trainer.workers.fsdp.gathered_model` with :func:`is_adapter_parameter`; the base
+    stays sharded). No parameters of its own."""
 
-    def __init__(self, peft_model: torch.nn.Module) -> None:
+    def __init__(
+        self, peft_model: torch.nn.Module, params: dict[str, torch.Tensor] | None = None
+    ) -> None:
         from peft import get_peft_model_state_dict
 
         super().__init__()
         with torch.no_grad():
             # its parameters, not its state_dict: FSDP2 hooks that to answer the shards
-            params = dict(peft_model.named_parameters())
+            if params is None:
+                params = dict(peft_model.named_parameters())
             state = get_peft_model_state_dict(peft_model, state_dict=params)
             self.state = {k: v.detach().clone().contiguous() for k, v in state.items()}
         self.peft_config: Any = copy.deepcopy(peft_model.peft_config[ADAPTER_NAME])  # type: ignore[index]

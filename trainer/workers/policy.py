@@ -39,6 +39,7 @@ from trainer.workers.lora import (
     LoraSpec,
     MergedWeights,
     add_adapter,
+    is_adapter_parameter,
     merged_copy,
 )
 from trainer.workers.offload import Offloaded, offload_training_state, restore_training_state
@@ -208,13 +209,16 @@ class PolicyWorker:
         self._resident()
         if self.lora is None:
             return gathered_model(self.model, keep=keep)
-        with unsharded(self.model):  # peft computes on the full tensors, every rank joins
+        if not self.lora.merged:  # the adapter alone, gathered tensor by tensor
+            adapter = gathered_model(self.model, keep=keep, only=is_adapter_parameter)
+            return AdapterCopy(self.model, dict(adapter.named_parameters())) if keep else adapter
+        # the merged weights: peft computes on the full tensors, so every rank holds the whole
+        # model unsharded for the copy (a layer at a time would hold less: not done yet)
+        with unsharded(self.model):
             if not keep:
                 return self.model
-            if self.lora.merged:
-                config = getattr(self.model.get_base_model(), "config", None)  # type: ignore[operator]
-                return GatheredModel(merged_copy(self.model), config)
-            return AdapterCopy(self.model)
+            config = getattr(self.model.get_base_model(), "config", None)  # type: ignore[operator]
+            return GatheredModel(merged_copy(self.model), config)
 
     def _resident(self) -> None:
         """Bring an offloaded policy back before it computes."""

@@ -183,6 +183,19 @@ def test_sigusr1_writes_every_threads_stack_without_the_event_loop(tmp_path):
     # (SIGUSR1's default action): if it were not, this test's process would die here
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
     os.kill(os.getpid(), signal.SIGUSR1)
+    # a handler of the program's own is left as it was
+    seen: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: seen.append(signum))
+    try:
+        with stack_signal(tmp_path / "own"):
+            pass
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [signal.SIGUSR1]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 class _SlowDumper(Dumper):

@@ -302,6 +302,18 @@ class KeepsItsOptions(AgentLoopGenerator):
         self.options = options  # free-form: any key may be meant for it
 
 
+class PopsItsOwn(AgentLoopGenerator):
+    def __init__(self, **kwargs) -> None:
+        self.depth = kwargs.pop("depth", 1)  # takes a key its signature does not name
+        super().__init__(**kwargs)
+
+
+class Renames(Forwarding):
+    def __init__(self, **kwargs) -> None:
+        kwargs["depth"] = kwargs.pop("levels", 1)
+        super().__init__(**kwargs)
+
+
 TRAINER_ARGS = ("engine", "tokenizer", "reward_fn", "sampling", "max_turns", "max_response_tokens")
 
 
@@ -313,6 +325,13 @@ def test_generator_kwargs_are_checked_against_the_constructor_before_anything_st
     with pytest.raises(ConfigError, match=r"kwargs\.detph: .*Forwarding .*did you mean 'depth'"):
         check_generator_kwargs(Forwarding, {"detph": 2})
     check_generator_kwargs(KeepsItsOptions, {"depth": 2, "anything": 1})  # checked when built
+    # a constructor that pops or renames a key before handing the rest on takes keys its
+    # signature does not name: never refused here
+    check_generator_kwargs(PopsItsOwn, {"depth": 2})
+    check_generator_kwargs(Renames, {"levels": 2})
+    with pytest.raises(ConfigError) as refused:
+        check_generator_kwargs(Forwarding, {"slf": 2})
+    assert "did you mean" not in str(refused.value)  # 'self' is no keyword it takes
     with pytest.raises(
         ConfigError,
         match=r"generator.kwargs.width: \S*test_agent_loop:Explicit takes no keyword argument 'width'",

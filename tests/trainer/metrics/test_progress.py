@@ -80,7 +80,10 @@ def test_elsewhere_a_long_phase_says_it_still_runs(monkeypatch):
     console = _console(terminal=False)
     with StepProgress(console=console) as progress:
         with progress.phase("engines"):
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60  # a busy machine may be slow to run the thread
+            while "so far" not in _text(console) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        monkeypatch.setattr("trainer.metrics._logger.STILL_EVERY_S", 3600.0)
         with progress.phase("workers"):
             pass
     lines = _text(console).splitlines()

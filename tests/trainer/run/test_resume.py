@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -87,6 +88,20 @@ async def test_a_run_without_checkpoints_is_neither_overwritten_nor_resumed_from
     assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
+async def test_a_run_killed_before_its_first_checkpoint_is_relaunched_from_step_1(tmp_path, caplog):
+    """A scheduler relaunching a preempted run with resume_mode=latest: where the run saves
+    checkpoints but died before its first (no checkpoint, no summary.json), it starts again
+    from step 1, as a resume drops the lines after its checkpoint; not refused."""
+    common = [*SMALL, f"trainer.run_dir={tmp_path}", "trainer.max_steps=1"]
+    await trainer.run.train(load_config(None, common))
+    shutil.rmtree(tmp_path / "checkpoints")  # what a kill before the first one leaves
+    (tmp_path / "summary.json").unlink()
+    relaunched = [*common, "trainer.max_steps=2", "trainer.resume_mode=latest"]
+    await trainer.run.train(load_config(None, relaunched))
+    assert _steps(tmp_path) == [1, 2]
+    assert "no checkpoint under" in caplog.text and "starting from step 1" in caplog.text
+
+
 async def test_a_refused_resume_leaves_config_yaml_as_the_run_recorded_it(tmp_path):
     recorded = tmp_path / "config.yaml"
     await trainer.run.train(
@@ -160,3 +175,9 @@ async def test_a_resume_of_a_finished_run_starts_nothing_and_says_so(tmp_path, m
     assert {k: v for k, v in after.items() if k != "train.log"} == {
         k: v for k, v in before.items() if k != "train.log"
     }
+    # a summary.json from an earlier end (the run resumed once more, then died before writing
+    # its own) is not returned for this checkpoint's step: the summary is made again
+    stale = {**first, "last_step": 1}
+    (tmp_path / "summary.json").write_text(json.dumps(stale))
+    again = await trainer.run.train(load_config(None, [*common, "trainer.resume_mode=latest"]))
+    assert again["last_step"] == 2 and again["reward/last_20pct"] == first["reward/last_20pct"]

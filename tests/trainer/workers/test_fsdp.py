@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import trainer.workers.policy as policy_module
 from engines.models import resolve_model_path
 from engines.process_group import free_port
 from tests.trainer.helpers import assert_same_adam_step, random_batch
@@ -162,7 +163,20 @@ def _lora_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         metrics = worker.optim_step()
         merged = worker.readable_model(keep=rank == 0)  # sync.lora=merged
         worker.lora = attrs.evolve(LORA, merged=False)
-        adapter = worker.readable_model(keep=rank == 0)  # sync.lora=adapter
+        unsharded_for_adapter: list[torch.nn.Module] = []
+        whole = policy_module.unsharded
+
+        def recorded(model: torch.nn.Module):
+            unsharded_for_adapter.append(model)
+            return whole(model)
+
+        policy_module.unsharded = recorded  # type: ignore[assignment]
+        try:
+            adapter = worker.readable_model(keep=rank == 0)  # sync.lora=adapter
+        finally:
+            policy_module.unsharded = whole
+        # the adapter is gathered alone: the base model is never unsharded for it
+        assert unsharded_for_adapter == [] and is_sharded(worker.model)
         if rank == 0:
             assert isinstance(merged, GatheredModel) and isinstance(adapter, AdapterCopy)
             adapter.save_pretrained(str(Path(out).with_suffix(".adapter")))
@@ -183,9 +197,10 @@ LORA = LoraSpec(rank=4, alpha=8)
 @pytest.mark.timeout(600)
 def test_a_lora_policy_sharded_over_gloo_steps_and_syncs_as_one_unsharded_worker(tmp_path):
     """FSDP2 with a LoRA adapter: the frozen base is sharded alike, only the adapter has
-    gradients and steps; rank 0 reads, while every rank holds the model unsharded, the merged
-    weights (sync.lora=merged) and the adapter as peft saves it (sync.lora=adapter), both equal
-    to one unsharded worker's after the same step on the whole batch."""
+    gradients and steps; rank 0 reads the merged weights (sync.lora=merged: while every rank
+    holds the model unsharded) and the adapter as peft saves it (sync.lora=adapter: its tensors
+    gathered alone, the base left sharded), both equal to one unsharded worker's after the same
+    step on the whole batch."""
     from safetensors.torch import load_file
 
     model_dir = resolve_model_path(None)
