@@ -10,17 +10,52 @@ of vLLM's CPU build answered (docs/engines.md).
 
 from __future__ import annotations
 
-__all__ = ["LoraRefusal", "check_load", "check_unload", "loaded", "removed", "unknown_model"]
+__all__ = [
+    "LoraRefusal",
+    "check_load",
+    "check_unload",
+    "in_place",
+    "loaded",
+    "removed",
+    "string_field",
+    "unknown_model",
+]
 
 
 class LoraRefusal(Exception):
     """A load or unload vLLM refuses: its HTTP ``status``, error ``err_type`` and ``message``."""
 
-    def __init__(self, status: int, err_type: str, message: str) -> None:
+    def __init__(self, status: int, err_type: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.err_type = err_type
         self.message = message
+        #: The body field it is about, where vLLM's request model names one.
+        self.param = param
+
+
+def string_field(body: dict[str, object], name: str) -> str:
+    """A string field of a load or unload body; ``LoraRefusal`` (400, ``Bad Request``) as
+    vLLM's request model (pydantic) answers a missing one or one of another type."""
+    value = body.get(name)
+    if value is None:
+        raise LoraRefusal(
+            400,
+            "Bad Request",
+            f"1 validation error:\n  {{'type': 'missing', 'loc': 'body.{name}', 'msg': "
+            f"'Field required', 'input': '<dict of {len(body)} items>'}}",
+            f"body.{name}",
+        )
+    if not isinstance(value, str):
+        raise LoraRefusal(
+            400, "Bad Request", f"{name} must be a string, got {value!r}", f"body.{name}"
+        )
+    return value
+
+
+def in_place(body: dict[str, object]) -> bool:
+    """Whether a load body asks to replace a loaded adapter (``"load_inplace": true``)."""
+    return body.get("load_inplace") is True
 
 
 def check_load(name: str, path: str, *, base_model: str, loaded: bool, in_place: bool) -> None:

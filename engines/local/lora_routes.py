@@ -39,28 +39,6 @@ def _text(sentence: str) -> Response:
     return Response(200, sentence.encode(), content_type="text/plain; charset=utf-8")
 
 
-class _Invalid(Exception):
-    """A body vLLM's request model refuses, as its validation answers it (type ``Bad Request``)."""
-
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.response = _error(400, "Bad Request", message, param)
-
-
-def _field(body: dict[str, object], name: str) -> str:
-    """A string field of the body; 400 as vLLM's request model answers a missing one."""
-    value = body.get(name)
-    if value is None:
-        raise _Invalid(
-            f"1 validation error:\n  {{'type': 'missing', 'loc': 'body.{name}', 'msg': "
-            f"'Field required', 'input': '<dict of {len(body)} items>'}}",
-            f"body.{name}",
-        )
-    if not isinstance(value, str):
-        raise _Invalid(f"{name} must be a string, got {value!r}", f"body.{name}")
-    return value
-
-
 class LoraRoutes:
     """The LoRA routes, over the engine :class:`~engines.local.server.ServerApp` holds."""
 
@@ -70,15 +48,18 @@ class LoraRoutes:
     async def load_lora_adapter(self, request: Request) -> Response:
         body = parse_json_object(request.body)
         try:
-            name, path = _field(body, "lora_name"), _field(body, "lora_path")
-        except _Invalid as invalid:
-            return invalid.response
+            name = lora_answers.string_field(body, "lora_name")
+            path = lora_answers.string_field(body, "lora_path")
+        except LoraRefusal as invalid:
+            return _error(invalid.status, invalid.err_type, invalid.message, invalid.param)
         async with self.engine.adapter_lock:  # the checks and the load as one, as vLLM's
             try:
-                in_place = body.get("load_inplace") is True
-                loaded = name in self.engine.adapters
                 check_load(
-                    name, path, base_model=self.served_model, loaded=loaded, in_place=in_place
+                    name,
+                    path,
+                    base_model=self.served_model,
+                    loaded=name in self.engine.adapters,
+                    in_place=lora_answers.in_place(body),
                 )
                 await self.engine.load_adapter(name, path)
             except LoraRefusal as exc:
@@ -88,9 +69,9 @@ class LoraRoutes:
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = parse_json_object(request.body)
         try:
-            name = _field(body, "lora_name")
-        except _Invalid as invalid:
-            return invalid.response
+            name = lora_answers.string_field(body, "lora_name")
+        except LoraRefusal as invalid:
+            return _error(invalid.status, invalid.err_type, invalid.message, invalid.param)
         async with self.engine.adapter_lock:
             try:
                 check_unload(name, loaded=name in self.engine.adapters)

@@ -36,14 +36,6 @@ def _refused(path: str, refusal: LoraRefusal) -> InferenceServerError:
     return InferenceServerError(VLLM_URL, path, refusal.status, refusal.message)
 
 
-def _string(body: object, key: str, path: str) -> str:
-    """A string field of the JSON body; 400 as vLLM's request model answers a missing one."""
-    value = body.get(key) if isinstance(body, dict) else None
-    if not isinstance(value, str):
-        raise InferenceServerError(VLLM_URL, path, 400, f"body.{key}: a string is required")
-    return value
-
-
 class ServedAdapters:
     """The adapters an ``AsyncLLM`` serves by name, as ``vllm serve`` keeps them."""
 
@@ -59,8 +51,13 @@ class ServedAdapters:
         self, llm: AsyncLLMLike, classes: VLLMClasses, params: QueryParams, body: object
     ) -> JSONValue:
         """``POST /v1/load_lora_adapter``: vLLM's checks, then ``add_lora``; its sentence."""
-        name, path = _string(body, "lora_name", LOAD_ROUTE), _string(body, "lora_path", LOAD_ROUTE)
-        in_place = isinstance(body, dict) and body.get("load_inplace") is True
+        try:
+            fields = body if isinstance(body, dict) else {}
+            name = lora_answers.string_field(fields, "lora_name")
+            path = lora_answers.string_field(fields, "lora_path")
+        except LoraRefusal as invalid:
+            raise _refused(LOAD_ROUTE, invalid) from None
+        in_place = lora_answers.in_place(fields)
         async with self._locks[name]:
             try:
                 lora_answers.check_load(
@@ -94,7 +91,10 @@ class ServedAdapters:
     ) -> JSONValue:
         """``POST /v1/unload_lora_adapter``: the name dropped (as vLLM's route, which leaves the
         engine's cached weights to its LRU); its sentence."""
-        name = _string(body, "lora_name", UNLOAD_ROUTE)
+        try:
+            name = lora_answers.string_field(body if isinstance(body, dict) else {}, "lora_name")
+        except LoraRefusal as invalid:
+            raise _refused(UNLOAD_ROUTE, invalid) from None
         async with self._locks[name]:
             try:
                 lora_answers.check_unload(name, loaded=name in self.requests)

@@ -107,7 +107,9 @@ async def test_an_unloaded_adapter_is_an_unknown_model_as_vllm_answers() -> None
     [
         ({"lora_name": "", "lora_path": "/a"}, 400, "Both 'lora_name' and 'lora_path'"),
         ({"lora_name": BASE, "lora_path": "/a"}, 400, "conflicts with a served base model"),
-        ({"lora_path": "/a"}, 400, "body.lora_name"),
+        # as vLLM's request model answers (the reference server's words alike: lora_answers)
+        ({"lora_path": "/a"}, 400, "'loc': 'body.lora_name', 'msg': 'Field required'"),
+        ({"lora_name": "a", "lora_path": 3}, 400, "lora_path must be a string, got 3"),
     ],
 )
 async def test_loads_vllm_refuses_never_reach_it(body: dict, status: int, message: str) -> None:
