@@ -295,7 +295,7 @@ PUBLIC = {
         "gathered_model",
         "is_sharded",
         "shard_model",
-        "unsharded",
+        "unsharded_in_turn",
     ],
     "trainer.workers.group": ["WorkerGroup"],
     "trainer.workers.local": ["LocalWorkerGroup", "SHUTDOWN_WAIT_S"],

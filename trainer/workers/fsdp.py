@@ -19,13 +19,18 @@ per step on one H200 for a 494M model).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["GatheredModel", "gathered_model", "is_sharded", "shard_model", "unsharded"]
+__all__ = [
+    "GatheredModel",
+    "gathered_model",
+    "is_sharded",
+    "shard_model",
+    "unsharded_in_turn",
+]
 
 
 def shard_model(model: torch.nn.Module) -> None:
@@ -96,17 +101,15 @@ def gathered_model(
     return GatheredModel(named, getattr(model, "config", None)) if keep else model
 
 
-@contextmanager
-def unsharded(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``model`` with every FSDP2 module unsharded: its full parameters in place, plain tensors
-    the model's own code reads (peft's, for a LoRA policy), resharded on exit. Unsharding is
-    an all-gather: every rank enters, in the same order. What is read inside must be copied:
-    the full tensors are freed on exit."""
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for module in modules:
+def unsharded_in_turn(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """Each FSDP2 module of ``model`` unsharded in turn (the root, then every decoder layer:
+    the same order on every rank, as each unshard is an all-gather), yielded while its own
+    parameters are full tensors and resharded before the next: at most one module's
+    parameters are whole at a time, not the whole model's. What is
+    read of a module must be copied before the next."""
+    for module in [m for m in model.modules() if isinstance(m, FSDPModule)]:
         module.unshard()
-    try:
-        yield model
-    finally:
-        for module in modules:
+        try:
+            yield module
+        finally:
             module.reshard()

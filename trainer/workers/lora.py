@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.format import (
     ADAPTER_WEIGHTS,
@@ -165,13 +166,17 @@ def _merged_weight(layer: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.no_grad()
-def merged_copy(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def merged_copy(peft_model: torch.nn.Module, done: Container[str] = ()) -> dict[str, torch.Tensor]:
     """The merged weights by the base model's names, every one a tensor of its own: what
-    :class:`MergedWeights` holds, for a policy whose parameters are FSDP2 shards (read while
-    unsharded, :func:`trainer.workers.fsdp.unsharded`, whose full tensors go on exit)."""
+    :class:`MergedWeights` holds, for a policy whose parameters are FSDP2 shards: those whose
+    module is unsharded now (:func:`trainer.workers.fsdp.unsharded_in_turn`, whose full
+    tensors go when the next module's turn comes), leaving out the shards (DTensors) and the
+    names in ``done``."""
     base = peft_model.get_base_model()  # type: ignore[operator]
     out: dict[str, torch.Tensor] = {}
     for name, p in base_parameters(peft_model):
+        if name in done or isinstance(p, DTensor):
+            continue
         layer = _adapted_layer(base, name)
         out[name] = p.detach().clone() if layer is None else _merged_weight(layer, p.dtype)
     return out

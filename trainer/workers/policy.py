@@ -31,7 +31,13 @@ from trainer.checkpoint.format import (
 )
 from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
 from trainer.workers.batch import TrainBatch
-from trainer.workers.fsdp import GatheredModel, gathered_model, is_sharded, shard_model, unsharded
+from trainer.workers.fsdp import (
+    GatheredModel,
+    gathered_model,
+    is_sharded,
+    shard_model,
+    unsharded_in_turn,
+)
 from trainer.workers.logprobs import forward_logprobs
 from trainer.workers.lora import (
     AdapterCopy,
@@ -191,7 +197,7 @@ class PolicyWorker:
         GPUs; :mod:`trainer.workers.fsdp`), then rebuild optimizer and scheduler over the
         shards. Call it once, before the first step, on every rank."""
         shard_model(self.model)
-        self._merged = None  # its tensors were the unsharded parameters: read while unsharded
+        self._merged = None  # its tensors were the unsharded parameters: read in turns now
         self._optim.rebuild()
 
     def readable_model(self, *, keep: bool = True) -> torch.nn.Module:
@@ -200,7 +206,8 @@ class PolicyWorker:
         every rank joins (``keep`` False on the ranks that do not read them). With a LoRA
         adapter, the merged weights (:class:`~trainer.workers.lora.MergedWeights`), or the
         peft model itself where the engines load the adapter (``LoraSpec.merged`` False);
-        sharded, copies of those taken while every rank holds the model unsharded."""
+        sharded, copies of those: the adapter's tensors gathered alone, the merged weights
+        taken one FSDP module at a time while it is unsharded on every rank."""
         if self._merged is not None:
             self._resident()
             return self._merged.fresh()
@@ -212,13 +219,15 @@ class PolicyWorker:
         if not self.lora.merged:  # the adapter alone, gathered tensor by tensor
             adapter = gathered_model(self.model, keep=keep, only=is_adapter_parameter)
             return AdapterCopy(self.model, dict(adapter.named_parameters())) if keep else adapter
-        # the merged weights: peft computes on the full tensors, so every rank holds the whole
-        # model unsharded for the copy (a layer at a time would hold less: not done yet)
-        with unsharded(self.model):
-            if not keep:
-                return self.model
-            config = getattr(self.model.get_base_model(), "config", None)  # type: ignore[operator]
-            return GatheredModel(merged_copy(self.model), config)
+        # the merged weights: peft computes on full tensors, one FSDP module's at a time
+        merged: dict[str, torch.Tensor] = {}
+        for _ in unsharded_in_turn(self.model):  # every rank joins each all-gather
+            if keep:
+                merged |= merged_copy(self.model, done=merged)
+        if not keep:
+            return self.model
+        config = getattr(self.model.get_base_model(), "config", None)  # type: ignore[operator]
+        return GatheredModel(merged, config)
 
     def _resident(self) -> None:
         """Bring an offloaded policy back before it computes."""

@@ -156,6 +156,8 @@ def _lora_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
     try:
         worker = PolicyWorker(model_dir, lora=LORA, **KWARGS)  # type: ignore[arg-type]
         worker.shard()
+        first = worker.readable_model(keep=rank == 0)  # a run's first sync: before any forward
+        first_merged = {n: p.detach().clone() for n, p in first.named_parameters()}
         batch = make_batch(Path(model_dir))
         parts = shards(len(batch), WORLD)
         size = max(s.stop - s.start for s in parts)
@@ -164,17 +166,17 @@ def _lora_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
         merged = worker.readable_model(keep=rank == 0)  # sync.lora=merged
         worker.lora = attrs.evolve(LORA, merged=False)
         unsharded_for_adapter: list[torch.nn.Module] = []
-        whole = policy_module.unsharded
+        in_turn = policy_module.unsharded_in_turn
 
         def recorded(model: torch.nn.Module):
             unsharded_for_adapter.append(model)
-            return whole(model)
+            return in_turn(model)
 
-        policy_module.unsharded = recorded  # type: ignore[assignment]
+        policy_module.unsharded_in_turn = recorded  # type: ignore[assignment]
         try:
             adapter = worker.readable_model(keep=rank == 0)  # sync.lora=adapter
         finally:
-            policy_module.unsharded = whole
+            policy_module.unsharded_in_turn = in_turn
         # the adapter is gathered alone: the base model is never unsharded for it
         assert unsharded_for_adapter == [] and is_sharded(worker.model)
         if rank == 0:
@@ -184,6 +186,7 @@ def _lora_rank_main(rank: int, port: int, model_dir: str, out: str) -> None:
                 "sharded": is_sharded(worker.model),
                 "grad_norm": metrics["policy/grad_norm"],
                 "merged": {n: p.detach().clone() for n, p in merged.named_parameters()},
+                "first_merged": first_merged,
                 "trainable": [n for n, p in worker.model.named_parameters() if p.requires_grad],
             }
             torch.save(state, out)
@@ -197,10 +200,10 @@ LORA = LoraSpec(rank=4, alpha=8)
 @pytest.mark.timeout(600)
 def test_a_lora_policy_sharded_over_gloo_steps_and_syncs_as_one_unsharded_worker(tmp_path):
     """FSDP2 with a LoRA adapter: the frozen base is sharded alike, only the adapter has
-    gradients and steps; rank 0 reads the merged weights (sync.lora=merged: while every rank
-    holds the model unsharded) and the adapter as peft saves it (sync.lora=adapter: its tensors
+    gradients and steps; rank 0 reads the merged weights (sync.lora=merged: one FSDP module
+    unsharded at a time) and the adapter as peft saves it (sync.lora=adapter: its tensors
     gathered alone, the base left sharded), both equal to one unsharded worker's after the same
-    step on the whole batch."""
+    step on the whole batch; before any forward (a run's first sync), the base's."""
     from safetensors.torch import load_file
 
     model_dir = resolve_model_path(None)
@@ -228,6 +231,10 @@ def test_a_lora_policy_sharded_over_gloo_steps_and_syncs_as_one_unsharded_worker
     base = PolicyWorker(model_dir, **KWARGS)  # type: ignore[arg-type]
     moved = [n for n, p in base.model.named_parameters() if not torch.equal(p, expected[n])]
     assert moved, "the step left the merged weights where the base is"
+    # before any step a new adapter adds nothing (B = 0): the first sync sends the base
+    assert set(got["first_merged"]) == set(expected)
+    for name, tensor in base.model.named_parameters():
+        torch.testing.assert_close(got["first_merged"][name], tensor, rtol=0, atol=0)
 
     single.model.save_pretrained(str(tmp_path / "single"))
     theirs = load_file(str(tmp_path / "single" / ADAPTER_WEIGHTS))
