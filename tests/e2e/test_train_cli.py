@@ -136,7 +136,8 @@ def test_resume_latest_without_checkpoints_starts_fresh(four_steps):
     run_dir, proc = four_steps
     assert proc.returncode == 0, proc.stderr
     assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3, 4]
-    assert "starting fresh" in (run_dir / "train.log").read_text()
+    assert "no checkpoint under" in (run_dir / "train.log").read_text()
+    assert "starting from step 1" in (run_dir / "train.log").read_text()
 
 
 def test_ckpt_subcommands_list_verify_and_prune(four_steps, tmp_path):
