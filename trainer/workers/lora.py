@@ -194,16 +194,12 @@ class AdapterCopy(torch.nn.Module):
     (:func:`~trainer.workers.fsdp.gathered_model` with :func:`is_adapter_parameter`; the base
     stays sharded). No parameters of its own."""
 
-    def __init__(
-        self, peft_model: torch.nn.Module, params: dict[str, torch.Tensor] | None = None
-    ) -> None:
+    def __init__(self, peft_model: torch.nn.Module, params: dict[str, torch.Tensor]) -> None:
         from peft import get_peft_model_state_dict
 
         super().__init__()
         with torch.no_grad():
-            # its parameters, not its state_dict: FSDP2 hooks that to answer the shards
-            if params is None:
-                params = dict(peft_model.named_parameters())
+            # the gathered parameters, not its state_dict: FSDP2 hooks that to answer the shards
             state = get_peft_model_state_dict(peft_model, state_dict=params)
             self.state = {k: v.detach().clone().contiguous() for k, v in state.items()}
         self.peft_config: Any = copy.deepcopy(peft_model.peft_config[ADAPTER_NAME])  # type: ignore[index]
