@@ -6,7 +6,9 @@
   where the run is.
 - :func:`serve_debug_socket` answers ``python -m trainer debug dump PID|RUN_DIR``
   (:func:`request_dump`); :func:`stack_signal` makes ``SIGUSR1`` write every thread's stack
-  when the event loop itself is blocked.
+  when the event loop itself is blocked. Their folder under ``$TMPDIR`` is private:
+  :func:`private_dir` makes or checks it, refusing one another user may control
+  (:class:`UnsafePathError`).
 - :class:`Watchdog` writes the dump when a step runs far longer than usual, and just before
   a step's deadline fails it.
 - :class:`StallInstrument` measures the event loop's longest stall per step
@@ -15,6 +17,8 @@
 """
 
 from trainer.debug._cli import debug_main as debug_main
+from trainer.debug._private import UnsafePathError as UnsafePathError
+from trainer.debug._private import private_dir as private_dir
 from trainer.debug._render import innermost_place as innermost_place
 from trainer.debug._render import render as render
 from trainer.debug._render import tree_of as tree_of
@@ -38,12 +42,14 @@ __all__ = [
     "Dumper",
     "StallInstrument",
     "StallWindow",
+    "UnsafePathError",
     "WaitClock",
     "Watchdog",
     "debug_main",
     "debug_paths",
     "innermost_place",
     "open_debug_services",
+    "private_dir",
     "render",
     "request_dump",
     "serve_debug_socket",

@@ -9,6 +9,11 @@ When the trainer does not answer within ``--timeout`` (its event loop is blocked
 command sends it ``SIGUSR1`` and prints the stacks of all its threads, which the
 interpreter writes without the event loop. Exit status: 0 with a dump or the stacks,
 1 when neither could be had.
+
+Only this user's files are trusted: a socket that is not a socket of this user in a private
+debug folder is never connected to, stacks are read without following a link, and
+``SIGUSR1`` goes only to a process of this user; anything else is refused in one line
+(:mod:`trainer.debug._private`).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ import argparse
 import json
 import os
 import signal
+import stat
 import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from trainer.debug._private import UnsafePathError, check_own_socket, check_private_dir
 from trainer.debug._render import tree_of
 from trainer.debug._server import DEBUG_FILE, debug_paths, pid_alive, request_dump
 
@@ -43,19 +50,48 @@ def _target(arg: str) -> tuple[int, Path, Path]:
     return int(info["pid"]), Path(info["socket"]), Path(info["stacks"])
 
 
+def _own_process(pid: int) -> bool:
+    """Whether ``pid`` runs as this user (where ``/proc`` says; else assumed)."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return not Path("/proc/self").exists()
+
+
+def _size(stacks: Path) -> int:
+    """The size of the regular file ``stacks`` (0 where there is none, or it is a link)."""
+    try:
+        st = os.lstat(stacks)
+    except FileNotFoundError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
+
+
+def _read_from(stacks: Path, offset: int) -> str:
+    fd = os.open(stacks, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
 def _stacks_by_signal(pid: int, stacks: Path, wait_s: float = 5.0) -> str | None:
-    """Make ``pid`` write its threads' stacks (``SIGUSR1``); their text, or None."""
-    if not hasattr(signal, "SIGUSR1") or not stacks.parent.is_dir():
+    """Make ``pid`` write its threads' stacks (``SIGUSR1``); their text, or None (also where
+    ``pid`` is another user's or ``stacks`` is not in a private folder of this user)."""
+    if not hasattr(signal, "SIGUSR1") or not stacks.parent.is_dir() or not _own_process(pid):
         return None
-    size = stacks.stat().st_size if stacks.exists() else 0
+    try:
+        check_private_dir(stacks.parent)
+    except (UnsafePathError, FileNotFoundError):
+        return None
+    size = _size(stacks)
     os.kill(pid, signal.SIGUSR1)
     deadline = time.monotonic() + wait_s
     last = -1
     while time.monotonic() < deadline:
         time.sleep(0.2)
-        now = stacks.stat().st_size if stacks.exists() else 0
+        now = _size(stacks)
         if now > size and now == last:  # written, and done growing
-            return stacks.read_text(errors="replace")[size:]
+            return _read_from(stacks, size)
         last = now
     return None
 
@@ -65,6 +101,13 @@ def _dump(args: argparse.Namespace) -> int:
     if not pid_alive(pid):
         print(f"debug: trainer pid {pid} is not running", file=sys.stderr)
         return 1
+    try:
+        check_own_socket(sock)
+    except UnsafePathError as exc:
+        print(f"debug: {exc}", file=sys.stderr)
+        return 1
+    except FileNotFoundError:
+        pass  # nothing listens there: said below, by the attempt to connect
     try:
         snapshot = request_dump(sock, args.timeout)
     except (OSError, ValueError) as exc:  # TimeoutError and ConnectionRefusedError are OSErrors

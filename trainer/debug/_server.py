@@ -10,6 +10,12 @@ The socket is served from the trio thread, so a loop blocked by a call that neve
 (a bug: DESIGN 3.1) cannot answer. For that case ``SIGUSR1`` makes the interpreter itself
 (``faulthandler``, in C, no trio needed) write every thread's stack to ``PID.stacks`` beside
 the socket; ``python -m trainer debug dump`` falls back to it.
+
+The folder ``trainer-debug-UID`` sits in a directory every user may write to, so it is made
+with mode 0700 or, if it is there already, used only when it is a real folder of this user
+that no one else may write to (:func:`~trainer.debug._private.private_dir`); the stacks file
+is opened without following a link. A folder that fails raises
+:class:`~trainer.debug._private.UnsafePathError` (one line naming it) and is left untouched.
 """
 
 from __future__ import annotations
@@ -31,10 +37,12 @@ from typing import cast
 
 import trio
 
+from trainer.debug._private import open_private, private_dir
 from trainer.debug._snapshot import Dumper, Snapshot
 
 __all__ = [
     "DEBUG_FILE",
+    "debug_folder",
     "debug_paths",
     "request_dump",
     "serve_debug_socket",
@@ -51,11 +59,17 @@ REMOVE_BOUND_S = 5.0
 _REQUEST_TIMEOUT_S = 10.0
 
 
+def debug_folder() -> Path:
+    """``$TMPDIR/trainer-debug-UID``: this user's debug sockets and stacks files (whether or
+    not it exists, and unchecked: see :func:`~trainer.debug._private.private_dir`)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return Path(tempfile.gettempdir()) / f"trainer-debug-{uid}"
+
+
 def debug_paths(pid: int) -> tuple[Path, Path]:
     """(socket, stacks file) of the trainer with process id ``pid`` (short: a unix socket's
     path must fit in about 100 bytes, which a run directory under pytest's tmp may not)."""
-    uid = os.getuid() if hasattr(os, "getuid") else 0
-    folder = Path(tempfile.gettempdir()) / f"trainer-debug-{uid}"
+    folder = debug_folder()
     return folder / f"{pid}.sock", folder / f"{pid}.stacks"
 
 
@@ -70,11 +84,17 @@ def stack_signal(stacks: Path) -> Iterator[None]:
     nothing is left in ``$TMPDIR`` per run) and kept when the body raises, if stacks were
     asked for (they stay readable beside the error; an empty file is removed). What a killed
     run leaves, the next run's debug socket removes (:func:`remove_stale_debug_files`).
+
+    ``stacks``'s folder is made private or checked (:func:`~trainer.debug._private.private_dir`)
+    and the file is opened without following a link (mode 0600): a folder or file another user
+    may control raises :class:`~trainer.debug._private.UnsafePathError` on entry, before the
+    signal is touched, and nothing there is truncated or written.
     """
     if not hasattr(signal, "SIGUSR1"):
         yield
         return
-    stacks.parent.mkdir(mode=0o700, exist_ok=True)
+    private_dir(stacks.parent)
+    fd = open_private(stacks, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     failed = True
     # a `debug dump` that comes after the end (its check raced it) must not kill the ending
     # process, and SIGUSR1's default action is to terminate: where it has that default, it is
@@ -83,7 +103,7 @@ def stack_signal(stacks: Path) -> Iterator[None]:
     if signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL:
         with contextlib.suppress(ValueError):  # ValueError: not the main thread
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    with stacks.open("w") as f:
+    with os.fdopen(fd, "w") as f:
         faulthandler.register(signal.SIGUSR1, file=f, all_threads=True, chain=False)
         try:
             yield
@@ -117,6 +137,8 @@ async def serve_debug_socket(
 
     ``task_status.started(socket_path)`` once it listens and ``RUN_DIR/debug.json`` is
     written. On cancellation (the run's end) the socket file and ``debug.json`` are removed.
+    A debug folder another user may control raises
+    :class:`~trainer.debug._private.UnsafePathError` before anything is bound or written.
     Each request is answered in its own task; a failing one is logged, never raised.
     """
     sock_path, stacks_path = debug_paths(os.getpid())
@@ -140,7 +162,9 @@ async def serve_debug_socket(
 
 
 def _prepare_socket_dir(sock_path: Path) -> None:
-    sock_path.parent.mkdir(mode=0o700, exist_ok=True)
+    """The socket's folder made private or checked (``UnsafePathError``), emptied of our pid's
+    old socket and of what dead runs left. Blocking."""
+    private_dir(sock_path.parent)
     sock_path.unlink(missing_ok=True)  # a dead process with our pid left it
     remove_stale_debug_files(sock_path.parent)
 
@@ -159,7 +183,8 @@ def pid_alive(pid: int) -> bool:
 def remove_stale_debug_files(folder: Path) -> int:
     """Remove the ``PID.sock`` and ``PID.stacks`` files in ``folder`` whose process is gone (a
     run killed, or one that failed after its stacks were asked for, leaves them); how many.
-    Blocking."""
+    Only names are removed (``unlink`` never follows a link). Blocking: call it on a folder
+    that passed :func:`~trainer.debug._private.private_dir`."""
     removed = 0
     for path in folder.iterdir():
         pid, _, kind = path.name.partition(".")
