@@ -6,6 +6,11 @@ server's ``/init_weight_transfer_engine`` (which joins in a thread). It lives he
 engines may not import ``sync``. No ``torch.distributed`` global (default-group) state is
 touched, as with vLLM's weight-transfer groups.
 
+Rank 0's store listens on ``master_address`` alone, never on every interface (torch's
+``TCPStore`` binds ``*:PORT`` when it makes its own socket): :func:`listening_socket` binds
+it and the store is handed the listening descriptor (``master_listen_fd``), as vLLM's
+``StatelessProcessGroup`` does.
+
 ``backend="nccl"`` (GPU only: :func:`require_cuda` refuses it on a machine without CUDA)
 forms the group the way vLLM's ``nccl`` weight-transfer backend does when vLLM is
 importable in this process (``nccl_common.stateless_init_process_group``: vLLM's
@@ -17,6 +22,7 @@ real vLLM server's workers expect; without vLLM, torch's ``ProcessGroupNCCL`` ov
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Any, Literal
 
@@ -26,7 +32,15 @@ import torch.distributed as dist
 
 from trainer.vocabulary import fire_fault_sync
 
-__all__ = ["BACKSTOP_S", "GroupBackend", "GroupHandle", "free_port", "join_group", "require_cuda"]
+__all__ = [
+    "BACKSTOP_S",
+    "GroupBackend",
+    "GroupHandle",
+    "free_port",
+    "join_group",
+    "listening_socket",
+    "require_cuda",
+]
 
 #: The collective backends of a weight-sync group.
 GroupBackend = Literal["gloo", "nccl"]
@@ -101,10 +115,63 @@ def require_cuda(what: str) -> torch.device:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (for a group's store)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
+    """A TCP port on ``host`` (a name or an IPv4 or IPv6 address) that was free a moment ago
+    (for a group's store, or a server's ``--port``): bound on ``host`` alone to find it, and
+    closed at once, so another process may take it before its user binds it."""
+    family, address = _address_of(host, 0)
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind(address)
         return s.getsockname()[1]
+
+
+def _address_of(host: str, port: int) -> tuple[socket.AddressFamily, Any]:
+    """The family and socket address of ``host:port`` (a name: its first TCP address)."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not info:
+        raise OSError(f"{host!r} has no TCP address")
+    family, _type, _proto, _name, address = info[0]
+    return family, address
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` alone (``SO_REUSEADDR``, as torch's own), listening.
+
+    ``OSError`` when ``host`` is not an address of this machine or the port is taken."""
+    family, address = _address_of(host, port)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _tcp_store(
+    address: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta
+) -> Any:
+    """The group's ``TCPStore``: rank 0 hosts it on ``address`` alone (the descriptor of
+    :func:`listening_socket`, which the store then owns and closes), the others connect."""
+    if rank != 0:
+        return dist.TCPStore(
+            address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
+        )
+    fd = listening_socket(address, port).detach()
+    try:
+        return dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_group(
@@ -129,14 +196,7 @@ def join_group(
     timeout = datetime.timedelta(seconds=store_timeout_s)
     if backend == "nccl":
         return _join_nccl(name, master_address, master_port, rank, world_size, timeout)
-    store = dist.TCPStore(
-        master_address,
-        master_port,
-        world_size,
-        is_master=rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-    )
+    store = _tcp_store(master_address, master_port, world_size, rank, timeout)
     prefixed = dist.PrefixStore(f"{name}/", store)
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     return GroupHandle(name, rank, world_size, store, group)
@@ -156,9 +216,7 @@ def _join_nccl(
     if stateless_init_process_group is not None:
         comm = stateless_init_process_group(address, port, rank, world_size, device.index)
         return GroupHandle(name, rank, world_size, None, comm, "nccl", device)
-    store = dist.TCPStore(
-        address, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-    )
+    store = _tcp_store(address, port, world_size, rank, timeout)
     # each broadcast passes its own timeout (broadcast_async), as with gloo
     options = dist.ProcessGroupNCCL.Options()
     group = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/", store), rank, world_size, options)
