@@ -11,7 +11,9 @@ of vLLM's CPU build answered (docs/engines.md).
 from __future__ import annotations
 
 __all__ = [
+    "MAX_ADAPTER_CONFIG_BYTES",
     "LoraRefusal",
+    "bad_adapter",
     "check_load",
     "check_unload",
     "in_place",
@@ -20,6 +22,11 @@ __all__ = [
     "string_field",
     "unknown_model",
 ]
+
+
+#: The largest ``adapter_config.json`` a load reads (checked by its size before reading it):
+#: peft writes a few hundred bytes.
+MAX_ADAPTER_CONFIG_BYTES = 1024 * 1024
 
 
 class LoraRefusal(Exception):
@@ -100,6 +107,18 @@ def loaded(name: str) -> str:
 def removed(name: str) -> str:
     """The sentence vLLM answers an unload with."""
     return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def bad_adapter(reason: str) -> LoraRefusal:
+    """A directory whose adapter cannot be loaded (``reason``: vLLM's words where it has them,
+    e.g. ``LoRA rank `r` must be a positive integer, got 0.``), in the frame vLLM answers a
+    failed load with; a 400 where vLLM answers 500 (bad input is never a 5xx here)."""
+    return LoraRefusal(
+        400,
+        "BadRequestError",
+        f"Call to add_lora method failed: Worker failed with error '{reason}', please check "
+        "the stack trace above for the root cause",
+    )
 
 
 def unknown_model(name: str) -> LoraRefusal:

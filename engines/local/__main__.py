@@ -3,8 +3,10 @@
 ::
 
     python -m engines.local serve [--model DIR] [--host 127.0.0.1] [--port 8000]
-                                  [--api-key KEY] [--seed N] [--exit-on-stdin-eof]
-                                  [--no-weight-transfer] [--enable-sleep-mode]
+                                  [--api-key KEY] [--allow-keyless-control] [--seed N]
+                                  [--exit-on-stdin-eof] [--no-weight-transfer]
+                                  [--weight-dir DIR] [--weight-sync-hosts H1,H2]
+                                  [--enable-sleep-mode]
                                   [--device auto|cpu|cuda|cuda:N]
                                   [--dtype auto|float32|bfloat16]
 
@@ -44,6 +46,14 @@ from engines.local.lora_routes import runtime_lora_updating
 from engines.local.server import ServerApp
 from engines.local.weight_routes import BACKENDS, DEFAULT_STORE_TIMEOUT_S, WeightReceiver
 from engines.models import resolve_model_path
+from engines.weight_access import (
+    LOOPBACK_HOSTS,
+    SYNC_HOSTS_ENV,
+    WEIGHT_DIR_ENV,
+    parse_hosts,
+    sync_hosts_from_env,
+    weight_dir_from_env,
+)
 
 __all__ = ["main", "serve"]
 
@@ -97,7 +107,15 @@ def _model_and_http_args(s: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--api-key",
         default=os.environ.get("VLLM_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on every route (env VLLM_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on every route but GET /health (env "
+        "VLLM_API_KEY, which keeps the key out of the process list)",
+    )
+    s.add_argument(
+        "--allow-keyless-control",
+        action="store_true",
+        help="without an API key, serve the control, weight-transfer, LoRA and statistics "
+        "routes anyway (default: 403; only the data plane and /health are served): for a "
+        "loopback server on a machine whose users you trust",
     )
     s.add_argument(
         "--seed", type=int, default=0, help="seed of the per-request samplers (default 0)"
@@ -155,6 +173,19 @@ def _weight_and_lifetime_args(s: argparse.ArgumentParser) -> None:
         default=DEFAULT_STORE_TIMEOUT_S,
         help="bound of the weight-sync group's store and collectives on this server "
         f"(default {DEFAULT_STORE_TIMEOUT_S:g})",
+    )
+    s.add_argument(
+        "--weight-dir",
+        default=weight_dir_from_env(),
+        help="the only folder whose files a disk weight update may read (regular files under "
+        f"it, no links followed; env {WEIGHT_DIR_ENV}); unset: disk updates are refused",
+    )
+    s.add_argument(
+        "--weight-sync-hosts",
+        type=parse_hosts,
+        default=sync_hosts_from_env(),
+        help="comma-separated addresses a gloo/nccl init_info's master_address may name "
+        f"(env {SYNC_HOSTS_ENV}; default: loopback only, {', '.join(sorted(LOOPBACK_HOSTS))})",
     )
     s.add_argument(
         "--enable-sleep-mode",
@@ -239,12 +270,15 @@ async def serve(args: argparse.Namespace) -> bool:
                 engine,
                 served_model=args.served_model_name or args.model or str(model_dir),
                 api_key=args.api_key,
+                control_without_key=args.allow_keyless_control,
                 weight_transfer_routes=args.weight_transfer_routes,
                 sleep_mode=args.enable_sleep_mode,
                 lora_routes=args.enable_lora and runtime_lora_updating(),
                 weight_receiver=WeightReceiver(
                     configured=args.weight_transfer_config,
                     store_timeout_s=args.weight_transfer_timeout_s,
+                    weight_dir=args.weight_dir,
+                    sync_hosts=args.weight_sync_hosts,
                 ),
             )
             config = Config()
@@ -254,9 +288,10 @@ async def serve(args: argparse.Namespace) -> bool:
             config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
             config.accesslog = None
             config.errorlog = logging.getLogger("hypercorn.error")  # one handler: ours
-            if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+            if args.api_key is None and args.host not in LOCAL_HOSTS:
                 log.warning(
-                    "listening on %s without --api-key: anyone who can reach it can use it",
+                    "listening on %s without --api-key: anyone who can reach it can generate "
+                    "(its control routes are closed)",
                     args.host,
                 )
             async with trio.open_nursery() as server_nursery:
@@ -270,8 +305,23 @@ async def serve(args: argparse.Namespace) -> bool:
     return died
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (exit 2) what would open the control plane beyond this machine without a key."""
+    if args.allow_keyless_control and args.api_key is None and args.host not in LOCAL_HOSTS:
+        parser.error(
+            f"--allow-keyless-control on --host {args.host} would let anyone who reaches it "
+            "change the weights: give --api-key (or VLLM_API_KEY), or bind 127.0.0.1"
+        )
+
+
+#: Addresses that only this machine reaches.
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -21,10 +21,14 @@ Control-plane state (each change wakes the scheduler):
   step runs and ``generate`` raises ``EngineAsleepError``; ``load_weights`` needs the weights
   half awake.
 - *weights partial* (``weights_partial``, set by the weight routes from
-  ``/start_weight_update`` until a ``/finish_weight_update`` succeeds): real vLLM's layers
-  hold partial weights then, and its worker crashes on the next forward pass. So does this
-  engine: a decode step due while the weights are partial ends the engine instead
-  (``died``; every request and every later one raises ``EngineDeadError``, vLLM's words).
+  ``/start_weight_update`` (:meth:`begin_update`) until a ``/finish_weight_update`` succeeds
+  (:meth:`end_update`)): real vLLM's layers hold partial weights then, and its worker crashes
+  on the next forward pass. This engine holds its decode steps while the update is open
+  (requests queue, as while paused, and run once the finish made the weights whole: a client
+  cannot kill the server by sending a completion mid-update); once an update failed and
+  closed with the weights still partial, a decode step due ends the engine as vLLM's worker
+  ends (``died``; every request and every later one raises ``EngineDeadError``, vLLM's words)
+  until a complete update makes it whole.
 """
 
 from __future__ import annotations
@@ -126,6 +130,9 @@ class LocalEngine(EngineStates):
         self.weight_version = 0
         #: Why the weights are partial (an update started and not finished); None: whole.
         self.weights_partial: str | None = None
+        #: An update is open (started, neither finished nor failed): decode steps wait.
+        self.update_open = False
+        self._held_warned = False
         #: Set once the engine died (see the module docstring); the server then shuts down.
         self.died = trio.Event()
         #: ``--enable-lora``'s ``--max-lora-rank``; None: adapters are not served.
@@ -254,6 +261,22 @@ class LocalEngine(EngineStates):
         """vLLM's ``/weight_checker`` digests (:func:`parameter_digests`)."""
         return parameter_digests(self.model)
 
+    def begin_update(self, reason: str) -> None:
+        """A weight update opened: the weights are partial (``reason`` says why) and decode
+        steps wait until :meth:`end_update`."""
+        self.weights_partial = reason
+        self.update_open = True
+        self._held_warned = False
+        self._poke()
+
+    def end_update(self, *, whole: bool) -> None:
+        """The open update (if any) closed: ``whole`` (finished) makes the weights whole; else
+        (it failed) they stay partial, and the next decode step ends the engine (vLLM's)."""
+        self.update_open = False
+        if whole:
+            self.weights_partial = None
+        self._poke()
+
     # -- scheduler ----------------------------------------------------------------------------
 
     def _admit(self) -> None:
@@ -270,9 +293,21 @@ class LocalEngine(EngineStates):
         taken = set(admitted)
         self._pending = [r for r in self._pending if r not in taken]
 
+    def _warn_held(self) -> None:
+        """Say once per update that requests wait on it (real vLLM's worker would crash)."""
+        if self.update_open and self.num_requests and not self._held_warned:
+            self._held_warned = True
+            log.warning(
+                "%d request(s) wait for the open weight update to finish (%s): no decode step "
+                "runs on partial weights (real vLLM's worker crashes here)",
+                self.num_requests,
+                self.weights_partial,
+            )
+
     def _runnable(self) -> list[Request]:
-        """The batch of the next decode step (empty while asleep or paused, unless draining)."""
-        if not self._awake:
+        """The batch of the next decode step (empty while asleep, while a weight update is
+        open, or paused unless draining)."""
+        if not self._awake or self.update_open:
             return []
         if self._paused:
             if self._drain is None:
@@ -292,6 +327,7 @@ class LocalEngine(EngineStates):
                 self._admit()
             if not self._runnable():
                 idle = not self._active
+                self._warn_held()
                 await changed.wait()
                 continue
             idle = False

@@ -9,7 +9,9 @@ adapter); the base weights never change. Reading a directory needs safetensors o
 
 What vLLM checks, this checks too, with its words (:class:`LoraRefusal`): a rank above
 ``--max-lora-rank``, a directory that is not an adapter, a layer the model lacks or of
-another shape.
+another shape. An ``adapter_config.json`` over :data:`~engines.lora_answers.MAX_ADAPTER_CONFIG_BYTES`
+(checked by its size, before reading), not JSON, or whose ``r`` is not a positive integer or
+``lora_alpha`` not a finite number is a 400 (:func:`~engines.lora_answers.bad_adapter`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from engines.lora_answers import LoraRefusal
+from engines.lora_answers import MAX_ADAPTER_CONFIG_BYTES, LoraRefusal, bad_adapter
 
 __all__ = ["Adapter", "LoraLayers", "read_adapter"]
 
@@ -59,8 +61,7 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
             "NotFoundError",
             f"Loading lora {name} failed: No adapter found for {path}",
         )
-    config = json.loads(config_file.read_text())
-    rank = int(config["r"])
+    rank, alpha, rslora = _read_config(config_file)
     if rank > max_rank:  # vLLM's worker raises it, and the route wraps it as a failed call
         raise LoraRefusal(
             500,
@@ -69,9 +70,11 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
             f"{rank} is greater than max_lora_rank {max_rank}.', please check the stack trace "
             "above for the root cause",
         )
-    alpha = float(config.get("lora_alpha", rank))
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = load_file(str(weights_file), device="cpu")
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
+    try:
+        tensors = load_file(str(weights_file), device="cpu")
+    except Exception as exc:  # safetensors' own errors: a corrupt header, a short file
+        raise bad_adapter(f"adapter_model.safetensors cannot be read: {exc}") from None
     modules = dict(model.named_modules())
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
@@ -103,6 +106,35 @@ def read_adapter(name: str, path: str, model: torch.nn.Module, *, max_rank: int)
             b.to(weight.device, weight.dtype),
         )
     return Adapter(name, str(path), rank, scale, weights)
+
+
+def _read_config(config_file: Path) -> tuple[int, float, bool]:
+    """``adapter_config.json``'s rank, alpha (default: the rank) and ``use_rslora``; blocking.
+    :func:`bad_adapter` for a file too large, not a JSON object, or values of the wrong kind."""
+    too_large = bad_adapter(
+        f"adapter_config.json is over the {MAX_ADAPTER_CONFIG_BYTES} bytes a load reads"
+    )
+    if config_file.stat().st_size > MAX_ADAPTER_CONFIG_BYTES:
+        raise too_large
+    with config_file.open("rb") as f:  # bounded even if the file grew since the stat
+        data = f.read(MAX_ADAPTER_CONFIG_BYTES + 1)
+    if len(data) > MAX_ADAPTER_CONFIG_BYTES:
+        raise too_large
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise bad_adapter(f"adapter_config.json is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise bad_adapter("adapter_config.json is not a JSON object")
+    if "r" not in config:
+        raise bad_adapter("Missing required configuration fields: ['r']")
+    rank = config["r"]
+    if type(rank) is not int or rank <= 0:
+        raise bad_adapter(f"LoRA rank `r` must be a positive integer, got {rank!r:.80}.")
+    alpha = config.get("lora_alpha", rank)
+    if type(alpha) not in (int, float) or not math.isfinite(alpha):
+        raise bad_adapter(f"lora_alpha must be a finite number, got {alpha!r:.80}")
+    return rank, float(alpha), config.get("use_rslora") is True
 
 
 class LoraLayers:

@@ -19,11 +19,26 @@ routes (404), as a ``vllm serve`` without ``--weight-transfer-config``.
 
 Every error is a vLLM ``ErrorResponse`` body. Bad input is a 4xx; a 5xx means a bug here
 (or an injected fault). Model compute runs in the engine's worker threads, never on the
-event loop. With an API key every route needs ``Authorization: Bearer KEY``.
+event loop.
+
+Who may call what:
+
+- with an API key (``serve --api-key``, or ``VLLM_API_KEY``), every route but the health probe
+  (:data:`PROBE_PATHS`: ``GET /health``) needs ``Authorization: Bearer KEY``; without it the
+  answer is a 401 before the body is read, whatever the path (unknown ones included), so a
+  caller without the key learns nothing of the routes. Unlike vLLM, whose key guards only
+  ``/v1``, ``/v2``, ``/inference`` and ``/cohere``, the control plane, the weight-transfer
+  and LoRA routes and ours (``/metrics``, ``/engine_stats``, ``/control_log``) are guarded too;
+- without a key, ``control_without_key=False`` (``serve``'s default, unless
+  ``--allow-keyless-control``) serves the probe and the data plane
+  (:data:`KEYLESS_PATHS`) and answers 403 to every other route, saying how to open it: on a
+  host other users share, a keyless control plane would let any of them change the weights.
+  An app made in-process (tests) serves everything without a key unless told otherwise.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections import deque
@@ -62,6 +77,10 @@ if TYPE_CHECKING:
 __all__ = [
     "CONTROL_LOG_SIZE",
     "CONTROL_PLANE_PATHS",
+    "KEYLESS_CLOSED",
+    "KEYLESS_PATHS",
+    "PROBE_PATHS",
+    "UNAUTHORIZED",
     "EngineStats",
     "Request",
     "Response",
@@ -82,6 +101,17 @@ SLEEP_PATHS = ("/sleep", "/wake_up")
 SLEEP_MODE_OFF = (
     "sleep mode is off: start the server with --enable-sleep-mode (vLLM's CPU build has no "
     "sleep mode: there, /sleep answers 200, sleeps nothing, and completions wait until /wake_up)"
+)
+
+
+#: The answer to a request without the server's API key (vLLM says ``Unauthorized``).
+UNAUTHORIZED = "Unauthorized: send Authorization: Bearer <api key>"
+#: The answer of a server without an API key to a route it keeps closed.
+KEYLESS_CLOSED = (
+    "this server has no API key, so its control, weight-transfer, LoRA and statistics "
+    "routes are closed: start it with --api-key (or VLLM_API_KEY) and send "
+    "Authorization: Bearer <key>, or with --allow-keyless-control where every user who can "
+    "reach its port may change its weights"
 )
 
 
@@ -106,6 +136,7 @@ class ServerApp(CompletionRoutes, LoraRoutes):
         *,
         served_model: str,
         api_key: str | None = None,
+        control_without_key: bool = True,
         weight_transfer_routes: bool = True,
         weight_receiver: WeightReceiver | None = None,
         sleep_mode: bool = False,
@@ -120,6 +151,12 @@ class ServerApp(CompletionRoutes, LoraRoutes):
         self.sleep_mode = sleep_mode
         self.served_model = served_model
         self.api_key = api_key
+        #: The sha256 of ``Bearer KEY``, compared in constant time; None: no key.
+        self._auth_digest = (
+            hashlib.sha256(f"Bearer {api_key}".encode()).digest() if api_key is not None else None
+        )
+        #: Without a key: serve the routes outside :data:`KEYLESS_PATHS` (else 403).
+        self.control_without_key = control_without_key
         #: False: the weight-transfer routes answer 404 (no ``--weight-transfer-config``).
         self.weight_transfer_routes = weight_transfer_routes
         self.max_model_len = engine.max_model_len
@@ -163,6 +200,9 @@ class ServerApp(CompletionRoutes, LoraRoutes):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _handle(self, scope: HTTPScope, receive: ASGIReceiveCallable) -> Response | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"] not in PROBE_PATHS and not self._authorized(headers):
+            return error_response(401, UNAUTHORIZED)  # before reading a stranger's body
         body = bytearray()
         while True:
             message = await receive()
@@ -173,7 +213,6 @@ class ServerApp(CompletionRoutes, LoraRoutes):
                 return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
             if not message.get("more_body", False):
                 break
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         request = Request(
             method=scope["method"],
             path=scope["path"],
@@ -181,8 +220,6 @@ class ServerApp(CompletionRoutes, LoraRoutes):
             headers=headers,
             body=bytes(body),
         )
-        if not self._authorized(request):
-            return error_response(401, "Unauthorized: send Authorization: Bearer <api key>")
         handler = self._route(request)
         if isinstance(handler, Response):
             return handler
@@ -203,11 +240,14 @@ class ServerApp(CompletionRoutes, LoraRoutes):
             log.exception("%s %s failed", request.method, request.path)
             return error_response(500, f"{type(exc).__name__}: {exc}")
 
-    def _authorized(self, request: Request) -> bool:
-        if self.api_key is None:
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        """Whether the request may pass: no key is set, or it sends ``Bearer KEY`` (the scheme
+        in any case, as vLLM reads it); compared as digests, in constant time."""
+        if self._auth_digest is None:
             return True
-        auth = request.headers.get("authorization", "")
-        return hmac.compare_digest(auth.encode(), f"Bearer {self.api_key}".encode())
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        sent = hashlib.sha256(f"Bearer {token}".encode("utf-8", "replace")).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(sent, self._auth_digest)
 
     def _record_control_call(self, request: Request) -> None:
         query = urlencode(request.query, doseq=True)
@@ -215,6 +255,17 @@ class ServerApp(CompletionRoutes, LoraRoutes):
         self.control_calls += 1
 
     def _route(self, request: Request) -> Handler | Response:
+        """The request's handler, or the refusal: 404, 405, 403 (a keyless server's closed
+        route), 400 (sleep routes without sleep mode)."""
+        handler = self._find(request)
+        if isinstance(handler, Response):
+            return handler
+        keyless = self.api_key is None and not self.control_without_key
+        if keyless and request.path not in KEYLESS_PATHS:
+            return error_response(403, KEYLESS_CLOSED)
+        return handler
+
+    def _find(self, request: Request) -> Handler | Response:
         if request.path in WEIGHT_TRANSFER_PATHS and self.weight_transfer_routes:
             return ServerApp.weight_transfer
         methods = ROUTES.get(request.path)
@@ -342,6 +393,15 @@ LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 #: Routes that generate: cancelled when their client disconnects.
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", GENERATE_PATH})
+
+#: Health probes: answered without the API key (launchers and load balancers poll them).
+#: vLLM leaves more open (``/ping``, ``/version``, ``/metrics``, its dev routes); the reference
+#: serves none of those but ``/metrics``, which needs the key here.
+PROBE_PATHS = frozenset({"/health"})
+
+#: What a server without an API key serves unless told otherwise: the probe and the data plane
+#: (what vLLM's key would guard, and what ``vllm serve`` without one serves to anyone).
+KEYLESS_PATHS = frozenset({*PROBE_PATHS, "/v1/models", *GENERATION_PATHS})
 
 #: Routes where ``TRAINER_FAULTS`` may fire: the control-plane operations of DESIGN 4.3.
 CONTROL_PLANE_PATHS = frozenset(

@@ -11,6 +11,7 @@ which the server turns into a 4xx with vLLM's error body::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import NoReturn, TypedDict, TypeGuard
 
@@ -107,7 +108,9 @@ def _reject_constant(name: str) -> NoReturn:
 
 
 def parse_json_object(body: bytes) -> dict[str, object]:
-    """Decode a request body that must be a JSON object (NaN/Infinity refused)."""
+    """Decode a request body that must be a JSON object (NaN/Infinity refused, and strings
+    holding a lone surrogate such as ``"\\ud800"``: JSON lets one be written, but it is no
+    Unicode text a tokenizer or a file name can take)."""
     try:
         value = json.loads(body.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -116,7 +119,33 @@ def parse_json_object(body: bytes) -> dict[str, object]:
         raise ProtocolError(
             400, f"the request body must be a JSON object, not {type(value).__name__}"
         )
+    if _holds_lone_surrogate(value):
+        raise ProtocolError(
+            400,
+            "the request body holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+            "without its pair): not Unicode text",
+        )
     return value
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    """Whether a string anywhere in the decoded JSON ``value`` (keys too) holds a surrogate
+    code point (json pairs the valid ones into one character)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def parse_bool(raw: str | None, name: str, default: bool) -> bool:

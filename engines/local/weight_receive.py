@@ -91,15 +91,20 @@ def _announced(info: Any, fields: dict[str, tuple[type, ...]], required: Sequenc
         torch_dtypes.append(found)
     try:
         shapes = [[int(d) for d in shape] for shape in shapes]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ProtocolError(400, "update_info.shapes must be lists of ints", "shapes") from None
     return info, list(names), torch_dtypes, shapes
 
 
 def check_names(engine: LocalEngine, names: list[Any], shapes: list[Any]) -> None:
-    """400 unless every name is a parameter of the engine's model with that shape."""
+    """400 unless every name is a parameter of the engine's model with that shape (a name
+    that is not a string, a shape that is not a list of ints: 400 too)."""
     params = dict(engine.model.named_parameters())
     for name, shape in zip(names, shapes):
+        if not isinstance(name, str):
+            raise ProtocolError(400, f"update_info.names holds {name!r:.80}, not a string", "names")
+        if not (isinstance(shape, list) and all(type(d) is int for d in shape)):
+            raise ProtocolError(400, "update_info.shapes must be lists of ints", "shapes")
         if name not in params:
             raise ProtocolError(400, f"unknown parameter {name!r}", "names")
         if list(params[name].shape) != list(shape):
@@ -142,6 +147,11 @@ async def receive_collective(
         update, names, dtypes, shapes = _announced(last, NCCL_UPDATE_FIELDS)
     device = group.device if group.device is not None else "cpu"
     sizes = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
+    if any(d < 0 for s in shapes for d in s) or sum(sizes) > _receive_bound(engine):
+        # no buffer of that size is allocated: the announcement cannot be of this model
+        raise ProtocolError(
+            400, "update_info announces more bytes than this model's weights hold", "shapes"
+        )
     out: dict[str, torch.Tensor] = {}
     if packed:
         buffers, pieces = [], []
@@ -159,6 +169,12 @@ async def receive_collective(
         await trio.to_thread.run_sync(_receive_all, group, list(out.values()))
     check_names(engine, names, shapes)
     return out, update
+
+
+def _receive_bound(engine: LocalEngine) -> int:
+    """The most bytes one update may announce: the model's parameters, in the widest dtype
+    a sender may use (8 bytes an element), once over."""
+    return 8 * sum(p.numel() for p in engine.model.parameters())
 
 
 #: A CUDA IPC handle's args: index of the device index (vLLM overwrites it with the receiver's).

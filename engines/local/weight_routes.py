@@ -31,7 +31,13 @@ The update follows real vLLM 0.32's session, which loads the layers as their wei
   a layer that received nothing; a half-received layer is undefined there);
 - the engine-side failures of these routes answer as vLLM's do: 500, ``Call to
   collective_rpc method failed: Worker failed with error '...'``; a body that is not the
-  route's shape is a 400.
+  route's shape is a 400 (vLLM's worker fails on some of these too, a 500 there: the reference
+  keeps its promise that bad input is never a 5xx), and so is an ``nccl`` or ``ipc`` init on
+  a machine without CUDA;
+- what a body may name is the run's (:mod:`engines.weight_access`): a ``disk`` update reads
+  only regular files under the server's ``--weight-dir`` (403 otherwise, the same words whether
+  or not the file exists; no folder: disk is refused at init), and a group's
+  ``master_address`` must be one of ``--weight-sync-hosts`` (400, before any connection).
 
 What the reference does in its own way (docs/engines.md, "Where the reference engine differs
 from vLLM"): it stages the tensors and loads them at ``finish``, between two decode steps (so
@@ -52,7 +58,6 @@ from typing import Any
 import attrs
 import torch
 import trio
-from safetensors.torch import load_file
 
 from engines.local.engine import LocalEngine
 from engines.local.http import Request, Response, json_response
@@ -60,6 +65,13 @@ from engines.local.protocol import ProtocolError, parse_json_object
 from engines.local.requests import EngineAsleepError
 from engines.local.weight_receive import StagingPools, check_names, receive_collective, receive_ipc
 from engines.process_group import GroupHandle, join_group, require_cuda
+from engines.weight_access import (
+    LOOPBACK_HOSTS,
+    WeightAccessError,
+    check_master_address,
+    load_weight_file,
+    require_weight_dir,
+)
 from engines.weight_transfer import (
     DEFAULT_PACKED_BUFFER_SIZE_BYTES,
     IPC_INIT_FIELDS,
@@ -71,6 +83,8 @@ from trainer.vocabulary import fire_fault
 __all__ = [
     "BACKENDS",
     "DEFAULT_STORE_TIMEOUT_S",
+    "SYNC_HOSTS_SETTING",
+    "WEIGHT_DIR_SETTING",
     "WEIGHT_TRANSFER_PATHS",
     "WeightReceiver",
     "finish_version",
@@ -90,6 +104,11 @@ BACKENDS = ("gloo", "nccl", "ipc", "disk")
 #: The server's own bound on its group's store and collectives (``serve
 #: --weight-transfer-timeout-s``); the trainer bounds the init and each sync on its side.
 DEFAULT_STORE_TIMEOUT_S = 1800.0
+#: How the reference server's refusals name the settings of :mod:`engines.weight_access`.
+WEIGHT_DIR_SETTING = "--weight-dir (or TRAINER_WEIGHT_DIR)"
+SYNC_HOSTS_SETTING = "--weight-sync-hosts (or TRAINER_WEIGHT_SYNC_HOSTS)"
+#: The largest port a ``master_port`` may name.
+_MAX_PORT = 65535
 
 
 @attrs.define(eq=False)
@@ -103,6 +122,11 @@ class WeightReceiver:
     configured: str | None = None
     #: Bound of the group's store and collectives, in seconds.
     store_timeout_s: float = DEFAULT_STORE_TIMEOUT_S
+    #: The only folder a ``disk`` update may read files from (``--weight-dir``); None: the
+    #: ``disk`` backend is refused.
+    weight_dir: str | None = None
+    #: The addresses an ``init_info.master_address`` may name (``--weight-sync-hosts``).
+    sync_hosts: frozenset[str] = LOOPBACK_HOSTS
     #: One of :data:`BACKENDS` once ``/init_weight_transfer_engine`` succeeded; None before.
     backend: str | None = None
     #: The weight-sync group (``gloo``/``nccl``), joined once.
@@ -141,22 +165,80 @@ def _choose_backend(engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any
 
 
 async def _init(engine: LocalEngine, rx: WeightReceiver, info: dict[str, Any]) -> None:
+    """Set the backend up; a body it cannot take (shape, address, no CUDA, no weight folder)
+    is a 400 or 403 :class:`ProtocolError`, a failure to join the group a ``RuntimeError``."""
     backend = _choose_backend(engine, rx, info)
-    try:
-        if backend in ("gloo", "nccl"):
-            parse_info(info, NCCL_INIT_FIELDS, "init_info", ("rank_offset", "world_size"))
-            rx.group = await _join_group(info, backend, rx.store_timeout_s)
-            rx.packed = bool(info.get("packed", False))
-            rx.packed_buffer_size_bytes = int(
-                info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
-            )
-        elif backend == "ipc":
-            parse_info(info, IPC_INIT_FIELDS, "init_info")
-            require_cuda("the ipc weight-transfer backend")
-            rx.packed = bool(info.get("packed", False))
-    except (ValueError, RuntimeError) as exc:
-        raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
+    if backend in ("gloo", "nccl"):
+        address, port, rank, world_size = _group_fields(info, backend, rx.sync_hosts)
+        if backend == "nccl":
+            _needs_cuda(backend, "the nccl weight-transfer backend")
+        rx.group = await _join_group(address, port, rank, world_size, backend, rx.store_timeout_s)
+        rx.packed = bool(info.get("packed", False))
+        rx.packed_buffer_size_bytes = int(
+            info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+        )
+    elif backend == "ipc":
+        _parse(info, IPC_INIT_FIELDS, backend)
+        _needs_cuda(backend, "the ipc weight-transfer backend")
+        rx.packed = bool(info.get("packed", False))
+    else:
+        try:
+            require_weight_dir(rx.weight_dir, setting=WEIGHT_DIR_SETTING)
+        except WeightAccessError as exc:
+            raise ProtocolError(400, exc.message, "init_info") from None
     rx.backend = backend
+
+
+def _parse(
+    info: dict[str, Any],
+    fields: dict[str, tuple[type, ...]],
+    backend: str,
+    required: tuple[str, ...] = (),
+) -> None:
+    try:
+        parse_info(info, fields, "init_info", required)
+    except ValueError as exc:
+        raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
+
+
+def _needs_cuda(backend: str, what: str) -> None:
+    try:
+        require_cuda(what)
+    except RuntimeError as exc:
+        raise ProtocolError(400, f"{backend}: {exc}", "init_info") from None
+
+
+def _group_fields(
+    info: dict[str, Any], backend: str, sync_hosts: frozenset[str]
+) -> tuple[str, int, int, int]:
+    """An ``nccl``-shaped ``init_info``'s address, port, rank and world size, each checked
+    (400) before anything connects: the address must be one of ``sync_hosts``."""
+    _parse(info, NCCL_INIT_FIELDS, backend, ("rank_offset", "world_size"))
+    address, port = info.get("master_address"), info.get("master_port")
+    if address is None or port is None:
+        raise ProtocolError(
+            400,
+            f"{backend}: init_info needs master_address and master_port (the reference server "
+            "does not take nccl_unique_id_b64)",
+            "init_info",
+        )
+    try:
+        check_master_address(address, sync_hosts, setting=SYNC_HOSTS_SETTING)
+    except WeightAccessError as exc:
+        raise ProtocolError(400, f"{backend}: {exc.message}", "master_address") from None
+    rank, world_size = int(info["rank_offset"]), int(info["world_size"])
+    if not 0 < rank < world_size:
+        raise ProtocolError(
+            400, f"{backend}: rank_offset {rank} is not in [1, {world_size})", "rank_offset"
+        )
+    if not 0 < int(port) <= _MAX_PORT:
+        raise ProtocolError(400, f"{backend}: master_port {port} is not a port", "master_port")
+    size = info.get("packed_buffer_size_bytes", DEFAULT_PACKED_BUFFER_SIZE_BYTES)
+    if int(size) <= 0:
+        raise ProtocolError(
+            400, f"{backend}: packed_buffer_size_bytes must be positive", "init_info"
+        )
+    return str(address), int(port), rank, world_size
 
 
 #: vLLM's answers when a weight-update call comes out of turn (its worker's words).
@@ -200,6 +282,10 @@ async def handle_weight_transfer(
     except Exception as exc:
         if request.path == "/update_weights":
             rx.staged = None  # vLLM closes the update; its weights stay partial
+            engine.end_update(whole=False)
+        if isinstance(exc, ProtocolError) and exc.status < 500:
+            log.warning("%s refused: %s", request.path, exc.message)
+            raise  # the body, not the call: no 5xx for bad input
         message = exc.message if isinstance(exc, ProtocolError) else f"{exc}"
         log.warning("%s failed: %s", request.path, message)
         raise worker_failed(message) from None
@@ -224,7 +310,7 @@ async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[s
             raise ValueError(ALREADY_ACTIVE)
         rx.staged = {}
         rx.pools.start()
-        engine.weights_partial = f"update {rx.updates_finished + 1} was started and not finished"
+        engine.begin_update(f"update {rx.updates_finished + 1} was started and not finished")
     elif path == "/update_weights":
         if rx.staged is None:
             raise ValueError(NOT_STARTED)
@@ -243,7 +329,7 @@ async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[s
         except EngineAsleepError as exc:
             raise ValueError(f"{exc} before finishing a weight update") from None
         rx.staged = None
-        engine.weights_partial = None
+        engine.end_update(whole=True)
         rx.pools.adopted(adopted)
         rx.updates_finished += 1
 
@@ -289,26 +375,20 @@ async def _receive(
         return bucket
     if rx.backend == "ipc":
         return await receive_ipc(engine, rx.pools, info, packed=rx.packed, mapped=rx.ipc_mapped)
-    return await _read_bucket(engine, info)
+    return await _read_bucket(engine, info, rx.weight_dir)
 
 
-async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float) -> GroupHandle:
-    if info.get("master_address") is None or info.get("master_port") is None:
-        raise ValueError(
-            "init_info needs master_address and master_port (the reference server does not "
-            "take nccl_unique_id_b64)"
-        )
-    rank, world_size = int(info["rank_offset"]), int(info["world_size"])
-    if not 0 < rank < world_size:
-        raise ValueError(f"rank_offset {rank} is not in [1, {world_size})")
+async def _join_group(
+    address: str, port: int, rank: int, world_size: int, backend: str, store_timeout_s: float
+) -> GroupHandle:
     # The trainer bounds the init on its side (sync.group_init_timeout_s) and tears this
     # server down if it expires; the store's own timeout only ends an abandoned join.
     return await trio.to_thread.run_sync(
         functools.partial(
             join_group,
             "weight_sync",
-            master_address=str(info["master_address"]),
-            master_port=int(info["master_port"]),
+            master_address=address,
+            master_port=port,
             rank=rank,
             world_size=world_size,
             store_timeout_s=store_timeout_s,
@@ -318,11 +398,20 @@ async def _join_group(info: dict[str, Any], backend: str, store_timeout_s: float
     )
 
 
-async def _read_bucket(engine: LocalEngine, info: dict[str, object]) -> dict[str, torch.Tensor]:
+async def _read_bucket(
+    engine: LocalEngine, info: dict[str, object], weight_dir: str | None
+) -> dict[str, torch.Tensor]:
+    """A ``disk`` update's tensors. A body of the wrong shape is a 400 and a path the server
+    may not read a 403 (:mod:`engines.weight_access`); a file that is missing, unreadable or
+    not what the body announced fails the call (``ValueError``: vLLM's 500)."""
     names, dtypes, shapes = (info.get(k) for k in ("names", "dtype_names", "shapes"))
     if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
         raise ProtocolError(
             400, "update_info needs lists 'names', 'dtype_names' and 'shapes'", "update_info"
+        )
+    if not len(names) == len(dtypes) == len(shapes):
+        raise ProtocolError(
+            400, "update_info: names, dtype_names and shapes differ in length", "update_info"
         )
     path = info.get("path")
     if not isinstance(path, str):
@@ -334,17 +423,19 @@ async def _read_bucket(engine: LocalEngine, info: dict[str, object]) -> dict[str
         if not isinstance(getattr(torch, str(dtype), None), torch.dtype):
             raise ProtocolError(400, f"unknown dtype {dtype!r}", "dtype_names")
     try:
-        tensors = await trio.to_thread.run_sync(load_file, path)
-    except (OSError, ValueError, RuntimeError) as exc:  # missing file, corrupt header
-        raise ProtocolError(400, f"cannot read {path}: {exc}", "path") from None
+        tensors = await trio.to_thread.run_sync(
+            functools.partial(load_weight_file, path, weight_dir, setting=WEIGHT_DIR_SETTING)
+        )
+    except WeightAccessError as exc:
+        if exc.forbidden:
+            raise ProtocolError(403, exc.message, "path") from None
+        raise ValueError(exc.message) from None
     missing = [n for n in names if n not in tensors]
     if missing:
-        raise ProtocolError(400, f"{path} lacks {missing[0]!r} announced in names", "path")
+        raise ValueError(f"{path} lacks {missing[0]!r} announced in names")
     for name, shape in zip(names, shapes):
         if list(tensors[name].shape) != shape:
-            raise ProtocolError(
-                400,
-                f"{path}: {name} has shape {list(tensors[name].shape)}, announced {shape}",
-                "path",
+            raise ValueError(
+                f"{path}: {name} has shape {list(tensors[name].shape)}, announced {shape}"
             )
     return {n: tensors[n] for n in names}

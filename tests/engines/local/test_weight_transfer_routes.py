@@ -1,10 +1,11 @@
 """The reference server's weight-transfer backends: what it refuses, and why, on this machine.
 
 A real server in this process (``serve_reference``), real HTTP. ``nccl`` and ``ipc`` need
-CUDA: on a CPU machine their init is refused, saying so (on a GPU machine these refusals are
-skipped; the GPU check runs the backends themselves). A failed call answers as vLLM's does: 500,
-``Call to collective_rpc method failed: Worker failed with error '...'`` (real vLLM's own
-answers are compared in tests/engines/vllm/test_differential.py).
+CUDA: on a CPU machine their init is refused with a 400, saying so (on a GPU machine these
+refusals are skipped; the GPU check runs the backends themselves). A body of the wrong shape is a
+400; a failed call answers as vLLM's does: 500, ``Call to collective_rpc method failed: Worker
+failed with error '...'`` (real vLLM's own answers are compared in
+tests/engines/vllm/test_differential.py).
 """
 
 from __future__ import annotations
@@ -33,18 +34,17 @@ async def _init(url: str, init_info: dict) -> httpx.Response:
         return await http.post(f"{url}/init_weight_transfer_engine", json={"init_info": init_info})
 
 
-async def test_the_old_gloo_body_is_refused_as_vllm_refuses_it(model_dir: Path):
+async def test_a_body_vllm_would_not_take_is_a_400_naming_the_field(model_dir: Path):
+    """vLLM's worker fails on these (a 500 there); bad input is never a 5xx here."""
     old = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
     async with serve_reference(model_dir) as url:
         r = await _init(url, {**old, "backend": "gloo", "group_timeout_s": 5.0})
-        assert r.status_code == 500
-        assert "Call to collective_rpc method failed: Worker failed with error" in r.text
+        assert r.status_code == 400
         assert "init_info names no backend in vLLM's protocol" in r.text
         r = await _init(url, {**old, "group_timeout_s": 5.0})
-        assert r.status_code == 500
-        assert "unknown field(s) ['group_timeout_s']" in r.text
+        assert r.status_code == 400 and "unknown field(s) ['group_timeout_s']" in r.text
         r = await _init(url, {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2})
-        assert r.status_code == 500 and "missing field(s) ['rank_offset']" in r.text
+        assert r.status_code == 400 and "missing field(s) ['rank_offset']" in r.text
         r = await _init(url, [1])  # not the route's body: vLLM's request validation
         assert r.status_code == 400
 
@@ -53,7 +53,7 @@ async def test_the_old_gloo_body_is_refused_as_vllm_refuses_it(model_dir: Path):
 async def test_ipc_is_refused_without_cuda_saying_so(model_dir: Path):
     async with serve_reference(model_dir) as url:
         r = await _init(url, ipc_init_info(True))
-        assert r.status_code == 500
+        assert r.status_code == 400
         assert "ipc: the ipc weight-transfer backend needs CUDA" in r.text
 
 
@@ -63,13 +63,17 @@ async def test_a_server_started_for_nccl_refuses_it_without_cuda(model_dir: Path
     body = nccl_init_info(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2)
     async with serve_reference(model_dir, weight_receiver=receiver) as url:
         r = await _init(url, body)
-        assert r.status_code == 500
-        assert "backend nccl) needs CUDA" in r.text
+        assert r.status_code == 400
+        assert "the nccl weight-transfer backend needs CUDA" in r.text
     assert receiver.backend is None and receiver.group is None
 
 
-async def test_calls_out_of_turn_are_refused_in_vllms_words(model_dir: Path):
-    async with serve_reference(model_dir) as url, httpx.AsyncClient(timeout=60) as http:
+async def test_calls_out_of_turn_are_refused_in_vllms_words(model_dir: Path, tmp_path: Path):
+    receiver = WeightReceiver(weight_dir=str(tmp_path))
+    async with (
+        serve_reference(model_dir, weight_receiver=receiver) as url,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
 
         async def post(path: str, body: dict) -> httpx.Response:
             return await http.post(f"{url}{path}", json=body)
@@ -89,11 +93,15 @@ async def test_calls_out_of_turn_are_refused_in_vllms_words(model_dir: Path):
         assert (await http.get(f"{url}/health")).status_code == 200
 
 
-async def test_a_finish_names_the_weight_version_the_engine_serves(model_dir: Path):
+async def test_a_finish_names_the_weight_version_the_engine_serves(model_dir: Path, tmp_path: Path):
     """vLLM's ``weight_version`` label (a string) becomes the reference engine's version; a
     finish without one counts one more; a label that is not a whole number, or not a string
     (vLLM: 422), is refused before the update is touched, which stays open."""
-    async with serve_reference(model_dir) as url, httpx.AsyncClient(timeout=60) as http:
+    receiver = WeightReceiver(weight_dir=str(tmp_path))
+    async with (
+        serve_reference(model_dir, weight_receiver=receiver) as url,
+        httpx.AsyncClient(timeout=60) as http,
+    ):
 
         async def post(path: str, body: dict) -> httpx.Response:
             return await http.post(f"{url}{path}", json=body)
