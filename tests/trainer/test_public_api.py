@@ -224,6 +224,7 @@ PUBLIC = {
         "eval_line",
         "eval_summary",
         "jsonable_row",
+        "open_run_log",
         "open_trackers",
         "restore_metrics",
         "reward_summary",

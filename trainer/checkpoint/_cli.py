@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from trainer.checkpoint._export import export_policy
 from trainer.checkpoint._inspect import list_checkpoints
-from trainer.checkpoint._layout import TRAINER_STATE_FILE, read_trainer_state, verify
+from trainer.checkpoint._layout import TRAINER_STATE_FILE, read_trainer_state, step_dirs, verify
 from trainer.checkpoint._manager import CheckpointManager
 from trainer.errors import CheckpointError
 
@@ -103,6 +104,11 @@ def ckpt_main(argv: list[str]) -> int:
     if args.keep is None or args.keep < 1:
         print("ckpt prune: --keep N (N >= 1) is required", file=sys.stderr)
         return 2
-    for removed in CheckpointManager(_root(args.dir), None).prune(args.keep):
-        print(f"removed {removed}")
+    root = _root(args.dir)
+    links = {path: os.readlink(path) for _, path in step_dirs(root) if path.is_symlink()}
+    for removed in CheckpointManager(root, None).prune(args.keep):
+        if removed in links:  # the link alone: what it points at is not the run's to delete
+            print(f"removed the link {removed} (its target {links[removed]} is left as it is)")
+        else:
+            print(f"removed {removed}")
     return 0

@@ -31,6 +31,7 @@ __all__ = [
     "fsync_dir",
     "load_model",
     "load_state",
+    "make_private",
     "remove_path",
     "rng_state",
     "save_model",
@@ -54,8 +55,30 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+#: The modes of what a checkpoint holds: the user's alone (``ckpt export`` writes a copy with
+#: the umask's modes, to be served by another user).
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
+def make_private(tree: Path) -> None:
+    """Every folder under ``tree`` (itself included) mode 0700, every file 0600; a link is
+    never followed (its own mode is left as it is). Blocking."""
+    for dirpath, _dirs, files in os.walk(tree):
+        os.chmod(dirpath, PRIVATE_DIR_MODE)
+        for name in files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, PRIVATE_FILE_MODE)
+
+
+def _private_opener(path: str, flags: int) -> int:
+    return os.open(path, flags, PRIVATE_FILE_MODE)
+
+
 def write_text_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
+    """``text`` in ``path`` (made with mode 0600), flushed to disk."""
+    with open(path, "w", encoding="utf-8", opener=_private_opener) as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

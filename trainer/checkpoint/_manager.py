@@ -48,9 +48,11 @@ from typing import Literal
 import attrs
 
 from trainer.checkpoint._io import (
+    PRIVATE_DIR_MODE,
     fsync_dir,
     load_model,
     load_state,
+    make_private,
     remove_path,
     rng_state,
     save_model,
@@ -172,7 +174,8 @@ class CheckpointManager:
         optimizer, scheduler, RNG state into the temp directory); write ``trainer_state.json``
         (``{"step": step, **trainer_state}``) and ``manifest.json``; fsync every file and
         directory; rename to ``global_step_N``; fsync ``root``; replace ``latest``; prune to
-        ``max_to_keep``. Returns the checkpoint directory.
+        ``max_to_keep``. Returns the checkpoint directory. Its folders are mode 0700 and its
+        files 0600 (``latest`` too): a checkpoint is the user's alone.
 
         An existing ``global_step_N`` (a re-save of the same step) is moved aside, replaced
         and deleted; a crash in that short window leaves no ``global_step_N``, and ``latest()``
@@ -203,7 +206,7 @@ class CheckpointManager:
             ) from None
 
         started = time.monotonic()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
         self._remove_stale_tmp()
         final = self.step_dir(step)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{final.name}-", dir=self.root))
@@ -219,6 +222,7 @@ class CheckpointManager:
                     )
             write_text_synced(tmp / TRAINER_STATE_FILE, state_json + "\n")
             total = write_manifest(tmp, step)
+            make_private(tmp)  # whoever wrote the files, and with whatever umask
             for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
                 fsync_dir(Path(dirpath))
             self._install(tmp, final)
@@ -244,7 +248,7 @@ class CheckpointManager:
         os.rename(tmp, final)
         fsync_dir(self.root)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            remove_path(old)  # a link is removed as a link, never followed
 
     def _write_latest(self, name: str) -> None:
         tmp = self.root / f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}"
@@ -369,8 +373,10 @@ class CheckpointManager:
         ``latest()`` resolves to (it is kept in addition, should it not be among them).
 
         Each victim is first renamed to a ``.tmp-*`` name, so a crash mid-delete never leaves
-        a half-deleted ``global_step_N`` that looks like a checkpoint. Returns the deleted
-        paths. Raises ``ValueError`` if ``keep < 1``.
+        a half-deleted ``global_step_N`` that looks like a checkpoint. A step folder that is a
+        symbolic link is never followed: the link alone is removed (what it points at is not
+        the run's to delete), and nothing is left behind. Returns the deleted paths. Raises
+        ``ValueError`` if ``keep < 1``.
         """
         if isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep!r}")
@@ -383,11 +389,16 @@ class CheckpointManager:
         for _, path in steps:
             if path in protected:
                 continue
-            trash = self.root / f"{TMP_PREFIX}deleting-{path.name}-{secrets.token_hex(4)}"
-            os.rename(path, trash)
-            shutil.rmtree(trash, ignore_errors=True)
+            if path.is_symlink():
+                target = os.readlink(path)
+                path.unlink()
+                logger.info("pruned checkpoint %s, a link (%s is left as it is)", path, target)
+            else:
+                trash = self.root / f"{TMP_PREFIX}deleting-{path.name}-{secrets.token_hex(4)}"
+                os.rename(path, trash)
+                shutil.rmtree(trash, ignore_errors=True)
+                logger.info("pruned checkpoint %s", path)
             removed.append(path)
-            logger.info("pruned checkpoint %s", path)
         if removed:
             fsync_dir(self.root)
         return removed

@@ -8,6 +8,7 @@ from trainer.metrics._logger import StepProgress as StepProgress
 from trainer.metrics._logger import eval_line as eval_line
 from trainer.metrics._logger import eval_summary as eval_summary
 from trainer.metrics._logger import jsonable_row as jsonable_row
+from trainer.metrics._logger import open_run_log as open_run_log
 from trainer.metrics._logger import restore_metrics as restore_metrics
 from trainer.metrics._logger import reward_summary as reward_summary
 from trainer.metrics._logger import setup_run_logging as setup_run_logging
@@ -23,6 +24,7 @@ __all__ = [
     "eval_line",
     "eval_summary",
     "jsonable_row",
+    "open_run_log",
     "open_trackers",
     "restore_metrics",
     "reward_summary",

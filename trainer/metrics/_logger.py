@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import math
 import os
 import statistics
@@ -38,6 +39,7 @@ __all__ = [
     "eval_line",
     "eval_summary",
     "jsonable_row",
+    "open_run_log",
     "restore_metrics",
     "reward_summary",
     "setup_run_logging",
@@ -48,14 +50,34 @@ log = logging.getLogger("trainer")
 LOGGERS = ("trainer", "engines", "sync", "py.warnings")
 
 
-def setup_run_logging(run_dir: Path) -> list[logging.Handler]:
-    """Send our loggers (and warnings) to ``RUN_DIR/train.log``; warnings also to stderr."""
-    file_handler = logging.FileHandler(run_dir / "train.log", encoding="utf-8")
-    file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+#: The mode of the files a run writes in its folder (``train.log``, ``metrics.jsonl``).
+PRIVATE_FILE_MODE = 0o600
+
+
+def _private_opener(path: str, flags: int) -> int:
+    """``open``'s opener for a run's own files: made with mode 0600 (an existing file keeps
+    its mode)."""
+    return os.open(path, flags, PRIVATE_FILE_MODE)
+
+
+def setup_run_logging(run_dir: Path | None = None) -> list[logging.Handler]:
+    """Send our loggers (and warnings) to ``RUN_DIR/train.log`` (mode 0600); warnings also to
+    stderr.
+
+    Without ``run_dir`` (a run not accepted yet, whose folder must not exist until it is) the
+    records are held in memory until :func:`open_run_log` writes them to ``train.log`` first;
+    a run refused before that leaves no file, and its records are dropped by
+    :func:`teardown_run_logging` (the refusal itself is the CLI's last line).
+    """
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    handlers: list[logging.Handler] = [file_handler, console]
+    first: logging.Handler = (
+        _file_handler(run_dir)
+        if run_dir is not None
+        else logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1)
+    )
+    handlers: list[logging.Handler] = [first, console]
     for name in LOGGERS:
         logger = logging.getLogger(name)
         for h in handlers:
@@ -65,11 +87,39 @@ def setup_run_logging(run_dir: Path) -> list[logging.Handler]:
     return handlers
 
 
+def _file_handler(run_dir: Path) -> logging.Handler:
+    path = run_dir / "train.log"
+    os.close(_private_opener(str(path), os.O_WRONLY | os.O_CREAT | os.O_APPEND))  # made 0600
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    return handler
+
+
+def open_run_log(handlers: list[logging.Handler], run_dir: Path) -> None:
+    """Once the run is accepted and ``run_dir`` made: ``train.log`` opened, the records held
+    since :func:`setup_run_logging` written to it first, and it takes their place in
+    ``handlers`` (so :func:`teardown_run_logging` closes it). A no-op where ``handlers``
+    already write a file. Blocking (it opens the file)."""
+    held = handlers[0]
+    if not isinstance(held, logging.handlers.MemoryHandler):
+        return
+    file_handler = _file_handler(run_dir)
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.addHandler(file_handler)
+        logger.removeHandler(held)
+    held.setTarget(file_handler)
+    held.close()  # flushes the held records into train.log, in order
+    handlers[0] = file_handler
+
+
 def teardown_run_logging(handlers: list[logging.Handler]) -> None:
     for name in LOGGERS:
         for h in handlers:
             logging.getLogger(name).removeHandler(h)
     for h in handlers:
+        if isinstance(h, logging.handlers.MemoryHandler) and h.target is None:
+            h.buffer.clear()  # a run refused before its folder existed: nothing to write
         h.close()
     logging.captureWarnings(False)
 
@@ -113,7 +163,8 @@ def restore_metrics(
         )
         kept.append(json.dumps({**checkpoint_row, "step": step}))
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with open(tmp, "w", encoding="utf-8", opener=_private_opener) as f:
+        f.write("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
 
 
@@ -122,7 +173,7 @@ class MetricsLogger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = path.open("a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8", opener=_private_opener)  # noqa: SIM115
 
     def log(self, metrics: Mapping[str, object]) -> None:
         self._file.write(json.dumps(jsonable_row(metrics)) + "\n")

@@ -3,7 +3,8 @@ class, the model and tokenizer, the data and its reward, the prompts fitted to t
 the strategy and the last step, the checkpoint to resume from; and ``config.yaml``.
 
 A generator that does not import, a model or data file that does not load, a prompt too long,
-or a resume that changes the data order fails here, before any server or worker starts.
+or a resume that changes the data order fails here, before any server or worker starts and
+before anything is written (the run directory is made once this has passed).
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ class Prepared:
 
 
 async def prepare(cfg: Config, run_dir: Path, progress: StepProgress) -> Prepared:
-    """Load and check what the run needs before it starts anything (see :class:`Prepared`);
-    a fresh run records its ``config.yaml`` here (a resume once its checkpoint has loaded)."""
+    """Load and check what the run needs before it starts anything (see :class:`Prepared`).
+
+    Writes nothing (``run_dir`` may not exist yet; a resume's checkpoints are only read): a
+    refusal here leaves no trace. The run records its ``config.yaml`` once it is accepted
+    (:func:`record_config`)."""
     t = cfg.trainer
     # a generator that does not import, or kwargs it cannot take, fail before any model loads
     # (importing it and reading its constructors' source touch the disk: in a thread)
@@ -112,8 +116,6 @@ async def prepare(cfg: Config, run_dir: Path, progress: StepProgress) -> Prepare
     ckpt = CheckpointManager(run_dir / "checkpoints", t.max_ckpts_to_keep, tokenizer_from=model_dir)
     # a resume that changes the data order is refused here, before anything starts
     resume_from, state = await _read_resume_state(cfg, ckpt, strategy.order)
-    if resume_from is None:
-        await trio.to_thread.run_sync(record_config, cfg, run_dir)
     return Prepared(
         generator_cls=generator_cls,
         model_dir=model_dir,

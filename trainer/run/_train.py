@@ -40,6 +40,7 @@ from trainer.metrics import (
     StepProgress,
     TrackerSink,
     eval_summary,
+    open_run_log,
     open_trackers,
     restore_metrics,
     reward_summary,
@@ -68,12 +69,29 @@ def with_run_dir(cfg: Config) -> Config:
     return attrs.evolve(cfg, trainer=attrs.evolve(cfg.trainer, run_dir=chosen))
 
 
-def _make_run_dir(cfg: Config) -> Path:
-    """Create the run directory (``trainer.run_dir``, else ``runs/<timestamp>``), after
-    :func:`_refuse_a_second_run` (blocking: it reads the directory)."""
+#: The mode of a run directory the trainer makes: its config, logs and checkpoints are the
+#: user's alone on a shared host (an existing directory keeps the mode it has).
+RUN_DIR_MODE = 0o700
+
+
+def _make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` with mode 0700 (its missing parents as the umask makes them); an
+    existing one is left as it is. Blocking."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(mode=RUN_DIR_MODE)
+    except FileExistsError:
+        if not run_dir.is_dir():
+            raise
+    else:
+        run_dir.chmod(RUN_DIR_MODE)  # whatever the umask
+
+
+def _check_run_dir(cfg: Config) -> Path:
+    """The run directory (``trainer.run_dir``, else ``runs/<timestamp>``), after
+    :func:`_refuse_a_second_run`; nothing is made (blocking: it reads the directory)."""
     run_dir = Path(with_run_dir(cfg).trainer.run_dir or "")
     _refuse_a_second_run(cfg.trainer.resume_mode, cfg.trainer.ckpt_interval, run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
 
@@ -128,14 +146,21 @@ class _TeardownClock:
 
 
 async def train(cfg: Config) -> dict[str, Any]:
-    """Run training as configured; returns the summary (also written to ``summary.json``)."""
+    """Run training as configured; returns the summary (also written to ``summary.json``).
+
+    Nothing is written before the run is accepted: every refusal of :func:`prepare` (a
+    generator class that is not one, a batch larger than the data, a resume that changes
+    the data order, ...) and of :func:`_refuse_a_second_run` comes before the run directory,
+    ``train.log`` or ``config.yaml`` exist. The log records of that phase are held and
+    written to ``train.log`` first once it does (:func:`open_run_log`). A directory the run
+    makes has mode 0700.
+    """
     if cfg.plan.engine_backend.runs_vllm:  # before any work: one line
         require_vllm(f"engine.backend={cfg.engine.backend}")
     # the run's own files are made, read and written in threads (DESIGN 3 rule 1): a slow
     # or network disk stalls a worker thread, never the loop
-    run_dir = await trio.to_thread.run_sync(_make_run_dir, cfg)
-    handlers = await trio.to_thread.run_sync(setup_run_logging, run_dir)
-    install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
+    run_dir = await trio.to_thread.run_sync(_check_run_dir, cfg)
+    handlers = setup_run_logging()  # held in memory until the run is accepted
     _limit_torch_threads(cfg)
     dumper = Dumper(run_dir)
     w = cfg.trainer.watchdog
@@ -151,12 +176,16 @@ async def train(cfg: Config) -> dict[str, Any]:
         async with stop_on_interrupt(
             lambda: where_line(dumper.local()), grace_s=cfg.trainer.interrupt_grace_s
         ):
-            async with open_debug_services(dumper) as services:
-                await services.start(watchdog.run)
-                with StepProgress(
-                    enabled=cfg.trainer.progress, one_update_per_batch=cfg.plan.one_update_per_batch
-                ) as progress:
-                    summary = await _train(cfg, run_dir, dumper, watchdog, progress)
+            with StepProgress(
+                enabled=cfg.trainer.progress, one_update_per_batch=cfg.plan.one_update_per_batch
+            ) as progress:
+                prepared = await prepare(cfg, run_dir, progress)  # every refusal, nothing written
+                await trio.to_thread.run_sync(_make_run_dir, run_dir)
+                await trio.to_thread.run_sync(open_run_log, handlers, run_dir)
+                install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
+                async with open_debug_services(dumper) as services:
+                    await services.start(watchdog.run)
+                    summary = await _train(cfg, run_dir, prepared, dumper, watchdog, progress)
         return summary
     except BaseException as exc:
         # the CLI prints the one-line message; the log keeps the exact fields (elapsed to the
@@ -180,13 +209,20 @@ def _limit_torch_threads(cfg: Config) -> None:
 
 
 async def _train(
-    cfg: Config, run_dir: Path, dumper: Dumper, watchdog: Watchdog, progress: StepProgress
+    cfg: Config,
+    run_dir: Path,
+    prepared: Prepared,
+    dumper: Dumper,
+    watchdog: Watchdog,
+    progress: StepProgress,
 ) -> dict[str, Any]:
-    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary.
+    """Start-up (each phase shown by ``progress``), resume, the steps, then the summary; a
+    fresh run records its ``config.yaml`` first (a resume once its checkpoint has loaded).
 
     Whatever starts is entered on one exit stack, so it stops in the reverse order.
     """
-    prepared = await prepare(cfg, run_dir, progress)
+    if prepared.resume_from is None:
+        await trio.to_thread.run_sync(record_config, cfg, run_dir)
     if prepared.resume_from is not None and int(prepared.state["step"]) >= prepared.last_step:
         return await trio.to_thread.run_sync(_nothing_to_train, run_dir, prepared)
     async with open_owner_nursery() as preloading, AsyncExitStack() as stack:

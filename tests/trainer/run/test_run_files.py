@@ -11,6 +11,7 @@ under the run directory.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 
 import trainer.run
 from tests.trainer.run.test_resume import SMALL
+from trainer.__main__ import main as trainer_main
 from trainer.config import load_config
 
 _EVENTS = {"open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.truncate"}
@@ -68,3 +70,45 @@ async def test_the_hook_sees_a_file_written_on_the_trio_thread(tmp_path, trio_th
     """The check above can fail: the same hook catches a write made where the run's were."""
     (tmp_path / "x").write_text("")
     assert trio_thread_file_io == [("open", "x")]
+
+
+def _cli_refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``python -m trainer ARGV`` in this process: its exit status and last stderr line."""
+    status = trainer_main(argv)
+    return status, capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("override", "error"),
+    [
+        ("generator.cls=os:system", "ConfigError: config: generator.cls='os:system' is not a"),
+        ("trainer.train_batch_size=64", "ConfigError: "),  # data.num_examples=8 prompts
+        ("data.train=/nonexistent/train.jsonl", ""),
+    ],
+)
+def test_a_run_refused_at_start_writes_nothing(tmp_path, monkeypatch, capsys, override, error):
+    monkeypatch.chdir(tmp_path)
+    run_dir = tmp_path / "run"
+    argv = [*SMALL, "data.num_examples=8", f"trainer.run_dir={run_dir}", override]
+    status, last = _cli_refusal(argv, capsys)
+    assert status == 2 and last.startswith(error) and last.split(":")[0].endswith("Error")
+    assert not run_dir.exists()
+    assert list(tmp_path.iterdir()) == []  # no runs/, no train.log, no config.yaml anywhere
+
+
+async def test_a_run_dir_and_what_a_run_writes_in_it_are_the_users_alone(tmp_path):
+    run_dir = tmp_path / "runs" / "private"
+    await trainer.run.train(
+        load_config(None, [*SMALL, f"trainer.run_dir={run_dir}", "trainer.max_steps=1"])
+    )
+    modes = {
+        str(p.relative_to(run_dir)): stat.S_IMODE(p.lstat().st_mode) for p in run_dir.rglob("*")
+    }
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+    for name in ("train.log", "metrics.jsonl"):
+        assert modes[name] == 0o600, name
+    checkpoint = {k: m for k, m in modes.items() if k.startswith("checkpoints/")}
+    assert "checkpoints/global_step_1/trainer_state.json" in checkpoint
+    for name, mode in checkpoint.items():
+        expected = 0o700 if (run_dir / name).is_dir() else 0o600
+        assert mode == expected, f"{name}: {mode:04o}"
