@@ -198,8 +198,35 @@ def join_group(
         return _join_nccl(name, master_address, master_port, rank, world_size, timeout)
     store = _tcp_store(master_address, master_port, world_size, rank, timeout)
     prefixed = dist.PrefixStore(f"{name}/", store)
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    group = dist.ProcessGroupGloo(
+        prefixed, rank, world_size, _gloo_options(master_address, timeout)
+    )
     return GroupHandle(name, rank, world_size, store, group)
+
+
+def _local_address_toward(peer: str) -> str:
+    """This machine's address on the route to ``peer`` (loopback for a loopback ``peer``; no
+    packet is sent: a UDP socket's ``connect`` only picks the route)."""
+    family, address = _address_of(peer, 9)
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(address)
+        return s.getsockname()[0]
+
+
+def _gloo_options(master_address: str, timeout: datetime.timedelta) -> Any:
+    """Gloo's options with its device on the address that reaches ``master_address`` (rank 0:
+    that address), so the group's own connections listen there too, not on whatever this
+    machine's hostname resolves to; ``GLOO_SOCKET_IFNAME``, where set, still chooses."""
+    # torch has no public way to name a gloo group's device: these are what its own
+    # init_process_group sets (torch/distributed/distributed_c10d.py, _new_process_group_helper)
+    options = dist.ProcessGroupGloo._Options()  # noqa: SLF001
+    options._timeout = timeout  # noqa: SLF001
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        device = dist.ProcessGroupGloo.create_default_device()
+    else:
+        device = dist.ProcessGroupGloo.create_device(hostname=_local_address_toward(master_address))
+    options._devices = [device]  # noqa: SLF001
+    return options
 
 
 def _join_nccl(

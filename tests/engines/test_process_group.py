@@ -33,6 +33,25 @@ def listeners(port: int) -> list[str]:
     return found
 
 
+def own_listeners() -> list[str]:
+    """The local addresses (hex) of every socket this process listens on."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = fd.readlink().name
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
+            fields = line.split()
+            if fields[9] in inodes and fields[3] == _LISTEN:
+                found.append(fields[1].rpartition(":")[0])
+    return found
+
+
 def _has_ipv6_loopback() -> bool:
     try:
         with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
@@ -57,7 +76,7 @@ _ANY = {"00000000", "00000000000000000000000000000000"}
         ),
     ],
 )
-def test_rank0_store_listens_on_the_master_address_alone_while_the_group_forms(host: str):
+def test_rank0_store_and_the_group_listen_on_the_master_address_alone(host: str):
     port = free_port(host)
     handles: dict[int, GroupHandle] = {}
     errors: list[BaseException] = []
@@ -89,6 +108,8 @@ def test_rank0_store_listens_on_the_master_address_alone_while_the_group_forms(h
     rank0.join(120)
     rank1.join(120)
     assert not errors, errors
+    # formed: the store and gloo's own connections (both ranks here) listen on loopback alone
+    assert set(own_listeners()) == {_HEX[host]}
     tensor = torch.arange(4.0)
     received = torch.zeros(4)
     sent = threading.Thread(target=handles[0].broadcast, args=(tensor,))
