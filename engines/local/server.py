@@ -263,6 +263,8 @@ class ServerApp(CompletionRoutes, LoraRoutes):
         keyless = self.api_key is None and not self.control_without_key
         if keyless and request.path not in KEYLESS_PATHS:
             return error_response(403, KEYLESS_CLOSED)
+        if request.path in SLEEP_PATHS and not self.sleep_mode:
+            return error_response(400, SLEEP_MODE_OFF)
         return handler
 
     def _find(self, request: Request) -> Handler | Response:
@@ -277,8 +279,6 @@ class ServerApp(CompletionRoutes, LoraRoutes):
             return error_response(
                 405, f"{request.method} {request.path}: method not allowed ({allowed})"
             )
-        if request.path in SLEEP_PATHS and not self.sleep_mode:
-            return error_response(400, SLEEP_MODE_OFF)
         return handler
 
     async def _until_disconnect(
