@@ -31,8 +31,14 @@ How it differs from a fresh ``python``: modules already imported here are not im
 child's ``sys.path`` is the fork server's plus the child's ``PYTHONPATH``. Only this Python
 (``python``: the real path of the client's ``sys.prefix``, its installation or virtual
 environment, whatever the path it was started by) is forked; anything else is refused. It ends when its stdin reaches
-end-of-file (its owner died or closed it) or on SIGTERM, once its children have exited; the
-children are in sessions of their own and end as their own owners decide.
+end-of-file (its owner died or closed it) or on SIGTERM, once its children have exited.
+
+Its children are in sessions of their own and end as their clients decide, but never outlive
+them: a child whose client's connection closes before the child exited (the client died,
+SIGKILLed or crashed, or dropped it) is SIGKILLed with its process group at once, and every
+child gets SIGKILL from the kernel when the fork server itself dies (``PR_SET_PDEATHSIG``,
+:mod:`engines.launch.parent_death`, set first thing after the fork). A client that must let
+a child run on keeps its connection (the client objects do, until they read its exit).
 
 Nothing here is trio: the server is a separate, single-purpose process (a selector loop); the
 trio client does its one blocking ``sendmsg`` in a thread.
@@ -57,6 +63,7 @@ from typing import Any
 import attrs
 
 from engines.launch._fork_client import FORK_SERVER_READY, MAX_MESSAGE, python_prefix
+from engines.launch.parent_death import arm
 
 __all__ = ["main"]
 
@@ -179,6 +186,7 @@ class _Server:
         return None
 
     def _become_child(self, conn: socket.socket, message: dict[str, Any], fds: list[int]) -> _Child:
+        arm(self.pid)  # dies with the server (its only thread forked it); gone already: exit
         os.setsid()
         for sig in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
@@ -200,9 +208,16 @@ class _Server:
         return _Child(list(message["argv"]), dict(message["env"]), str(message["cwd"]))
 
     def _forget(self, conn: socket.socket) -> None:
+        """The client of ``conn`` left while its child runs: SIGKILL the child's process group
+        (the child is not reaped yet, so its pid, which is the group's id, is still its own)."""
         for pidfd, (pid, other, env) in self.children.items():
             if other is conn:
                 self.children[pidfd] = (pid, None, env)
+                for kill in (os.killpg, os.kill):  # the child itself, if not yet in its group
+                    try:
+                        kill(pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass  # gone already (or not yet the leader of its group)
 
     def _reap(self, pidfd: int) -> None:
         pid, conn, _ = self.children.pop(pidfd)

@@ -18,6 +18,13 @@ runs under this guard, which is its process group's leader:
 - it exits with the command's exit status (``128 + N`` for a signal ``N``), so the launcher
   sees the server's own failure during start-up.
 
+It dies with the launcher from its first instruction too: the launchers start it under
+:mod:`engines.launch.parent_death`, and the guard then asks for SIGTERM rather than SIGKILL
+(only when its starter asked for a death signal: a guard run from a shell is left alone), so
+that the launcher's death makes it take its whole group down as end-of-file does, vLLM's own
+worker processes included; the command it starts gets SIGKILL when the guard dies, however
+the guard dies.
+
 Nothing here is trio: this is a separate, single-purpose process, and a blocking read of
 stdin in a thread is exactly what it should do.
 """
@@ -33,15 +40,26 @@ import threading
 import time
 from collections.abc import Sequence
 
+from engines.launch import parent_death
+
 __all__ = ["main"]
 
 
 def _signal_group(sig: signal.Signals) -> None:
-    """Send ``sig`` to this process group (this guard ignores SIGTERM; SIGKILL ends it too)."""
+    """Send ``sig`` to this process group (this guard handles SIGTERM; SIGKILL ends it too)."""
     try:
         os.killpg(os.getpgid(0), sig)
     except ProcessLookupError:
         pass
+
+
+def _take_down(child: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM the group, give the command ``grace_s`` seconds, then SIGKILL the group."""
+    _signal_group(signal.SIGTERM)
+    end = time.monotonic() + grace_s
+    while child.poll() is None and time.monotonic() < end:
+        time.sleep(0.05)
+    _signal_group(signal.SIGKILL)
 
 
 def _watch_stdin(child: subprocess.Popen[bytes], grace_s: float) -> None:
@@ -51,11 +69,32 @@ def _watch_stdin(child: subprocess.Popen[bytes], grace_s: float) -> None:
             pass
     except OSError:
         pass
-    _signal_group(signal.SIGTERM)
-    end = time.monotonic() + grace_s
-    while child.poll() is None and time.monotonic() < end:
-        time.sleep(0.05)
-    _signal_group(signal.SIGKILL)
+    _take_down(child, grace_s)
+
+
+class _Terminator:
+    """SIGTERM's handler: from the launcher's stop the group got it too; from the launcher's
+    death (``PR_SET_PDEATHSIG``) only this guard did. Either way the group is taken down, once,
+    in a thread (a handler must not block); one that comes before the command has started
+    takes it down as soon as it has."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.child: subprocess.Popen[bytes] | None = None
+        self.asked = self.started = False
+
+    def __call__(self, *_: object) -> None:
+        self.asked = True
+        if self.child is not None and not self.started:
+            self.started = True
+            threading.Thread(
+                target=_take_down, args=(self.child, self.grace_s), daemon=True
+            ).start()
+
+    def started_command(self, child: subprocess.Popen[bytes]) -> None:
+        self.child = child
+        if self.asked:
+            self()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,9 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no command given (write it after --)")
     if os.getpgid(0) != os.getpid():
         os.setpgid(0, 0)  # be the leader of the group the watcher signals
-    child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: None)  # the child got it too: wait for it below
+    terminate = _Terminator(args.grace_s)
+    # set before the command starts, so that no SIGTERM finds the default action
+    signal.signal(signal.SIGINT, lambda *_: None)  # the child got it too: wait for it below
+    signal.signal(signal.SIGTERM, terminate)
+    if parent_death.armed_signal():  # started to die with its launcher: take the group along
+        parent_death.arm(os.getppid(), signal.SIGTERM)
+    # the command dies with this guard (forked by its only thread), however the guard dies
+    child = subprocess.Popen(parent_death.command(command), stdin=subprocess.DEVNULL)
+    terminate.started_command(child)
     threading.Thread(target=_watch_stdin, args=(child, args.grace_s), daemon=True).start()
     code = child.wait()
     return 128 - code if code < 0 else code

@@ -1,11 +1,16 @@
 """A pool of reward worker processes the run owns (``data.reward_workers``).
 
-Each worker is ``python -m trainer.data._reward_worker SPEC`` (:mod:`trainer.data._reward_worker`)
-in its own session, spoken to over pipes with trio's own process streams: nothing here blocks
-the event loop, and no thread waits on a process. :func:`open_reward_pool` starts the workers
-and returns once each has imported the reward function; leaving it kills every worker (and
-anything a worker started: each is killed with its process group) and reaps it, so nothing is
-left behind whether the run ends, fails or is cancelled.
+Each worker is ``python -m trainer.data._reward_worker SPEC MAX_MEMORY_MB``
+(:mod:`trainer.data._reward_worker`) in its own session, spoken to over pipes with trio
+streams: nothing here blocks the event loop, and no thread waits on a process.
+:func:`open_reward_pool` starts the workers and returns once each has imported the reward
+function; leaving it kills every worker (and anything a worker started:
+:func:`~trainer.data._reward_reaper.kill_worker_tree`, its group, its session and its token)
+and reaps it, so nothing is left behind whether the run ends, fails or is cancelled.
+
+A worker never outlives the trainer: it is started by :func:`engines.launch.open_child`, so
+the kernel SIGKILLs it when the trainer dies (SIGKILL and crashes included), and its reaper
+then kills what it started. Its data segment is limited to ``data.reward_max_memory_mb``.
 
 :meth:`RewardPool.call` takes an idle worker (waiting for one while all are busy) and bounds
 the call by its timeout: a call past it, a call cancelled from outside (the step's deadline)
@@ -18,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import signal
+import secrets
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,6 +33,8 @@ from typing import Any
 import attrs
 import trio
 
+from engines.launch import ChildProcess, open_child
+from trainer.data._reward_reaper import WORKER_TOKEN_ENV, kill_worker_tree
 from trainer.data._reward_wire import HEADER, frame
 from trainer.errors import ConfigError
 from trainer.vocabulary import open_owner_nursery
@@ -41,7 +48,9 @@ Outcome = tuple[str, Any]
 
 @attrs.define(eq=False)
 class _Worker:
-    process: trio.Process
+    process: ChildProcess
+    #: ``TRAINER_REWARD_WORKER`` of this worker and of what it starts.
+    token: str
     buffer: bytearray = attrs.field(factory=bytearray)
     killed: bool = False
 
@@ -65,14 +74,12 @@ class _Worker:
             self.buffer += chunk
 
     async def kill(self) -> None:
-        """SIGKILL its process group, reap it, close the pipes; shielded, idempotent."""
+        """SIGKILL it and all it started (its group, its session, its token), reap it, close
+        the pipes; shielded, idempotent."""
         with trio.CancelScope(shield=True):
             if not self.killed:
                 self.killed = True
-                try:
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                await trio.to_thread.run_sync(kill_worker_tree, self.process.pid, self.token)
             await self.process.wait()
             for stream in (self.process.stdin, self.process.stdout):
                 if stream is not None:
@@ -86,6 +93,8 @@ class RewardPool:
     #: The reward function, as the worker imports it (``module:function`` or a built-in name).
     spec: str
     _nursery: trio.Nursery
+    #: ``data.reward_max_memory_mb`` of each worker (0: no limit of its own).
+    max_memory_mb: int = 0
     _workers: set[_Worker] = attrs.field(factory=set)
     _idle: list[_Worker] = attrs.field(factory=list)
     _ready: trio.Condition = attrs.field(factory=trio.Condition)
@@ -93,15 +102,21 @@ class RewardPool:
 
     async def start_worker(self) -> None:
         """Start one worker; it joins the idle ones once it has loaded the reward function."""
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "trainer.data._reward_worker", self.spec],
+        token = secrets.token_hex(8)
+        argv = [sys.executable, "-m", "trainer.data._reward_worker", self.spec]
+        process = await open_child(
+            [*argv, str(self.max_memory_mb)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            start_new_session=True,  # its own process group: killed with what it starts
-            # the modules this process imports, wherever they came from (a checkout, tests)
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)},
+            start_new_session=True,  # its own session and group: killed with what it starts
+            env={
+                **os.environ,
+                # the modules this process imports, wherever they came from (a checkout, tests)
+                "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path),
+                WORKER_TOKEN_ENV: token,
+            },
         )
-        worker = _Worker(process)
+        worker = _Worker(process, token)
         self._workers.add(worker)
         try:
             hello = await worker.receive()
@@ -163,13 +178,16 @@ class RewardPool:
 
 
 @asynccontextmanager
-async def open_reward_pool(spec: str, size: int) -> AsyncIterator[RewardPool]:
-    """``size`` workers for ``spec``, each ready; on exit every one is killed and reaped.
+async def open_reward_pool(
+    spec: str, size: int, max_memory_mb: int | None = None
+) -> AsyncIterator[RewardPool]:
+    """``size`` workers for ``spec``, each ready and limited to ``max_memory_mb`` MiB of data
+    (None: no limit of its own); on exit every one is killed and reaped.
 
     ConfigError when a worker cannot import the reward function.
     """
     async with open_owner_nursery() as nursery:
-        pool = RewardPool(spec, nursery)
+        pool = RewardPool(spec, nursery, max_memory_mb or 0)
         try:
             async with open_owner_nursery() as starting:
                 for _ in range(size):

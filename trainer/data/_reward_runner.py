@@ -150,6 +150,6 @@ async def open_rewards(data: DataConfig, fn: RewardFunction) -> AsyncIterator[Re
             f"each worker, and {spec} cannot be imported there: define it at the top level of "
             "a module and name it with data.reward_fn=module:function"
         )
-    async with open_reward_pool(spec, data.reward_workers) as pool:
+    async with open_reward_pool(spec, data.reward_workers, data.reward_max_memory_mb) as pool:
         runner.pool = pool
         yield attrs.evolve(fn, runner=runner)
