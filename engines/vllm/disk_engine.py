@@ -9,6 +9,11 @@ exactly as to the reference server (``engines/local/weight_routes.py``, backend 
 - Each ``update_info`` is vLLM's ``nccl`` one (``names``, ``dtype_names``, ``shapes``) plus
   ``path``, a safetensors file on a filesystem this server sees; the file must hold exactly
   those tensors with those dtypes and shapes, or the update fails naming the first mismatch.
+- Only regular files under ``TRAINER_WEIGHT_DIR`` (the run's ``weight_sync/``, which the
+  trainer sets for the servers it starts) are read, opened without following links
+  (:mod:`engines.weight_access`); unset, the init is refused saying so. A path outside gets the
+  same sentence whether or not it exists (vLLM answers it as any failed call: a 500 in its
+  frame, which a plugin cannot change).
 - Start and finish are the ``nccl`` engine's: vLLM's layerwise reload, so the weights are
   loaded with the model's own ``load_weights`` (fused projections, repacking, as at start-up),
   and after the finish a tied LM head prepared again (:mod:`engines.vllm.tied_head`).
@@ -30,6 +35,12 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 
 from engines.vllm.cpu_sampling import mend_cpu_seeded_rewind
 from engines.vllm.tied_head import refresh_tied_heads
+from engines.weight_access import (
+    WEIGHT_DIR_ENV,
+    load_weight_file,
+    require_weight_dir,
+    weight_dir_from_env,
+)
 
 __all__ = ["DiskInitInfo", "DiskUpdateInfo", "DiskWeightTransferEngine"]
 
@@ -68,7 +79,9 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
         mend_cpu_seeded_rewind()  # vLLM constructs this in its worker: engines.vllm.cpu_sampling
 
     def init_transfer_engine(self, init_info: object) -> None:
-        """Nothing to join: the trainer writes files this server reads."""
+        """Nothing to join: the trainer writes files this server reads. Refused (ValueError)
+        without ``TRAINER_WEIGHT_DIR``, the only folder updates may read."""
+        require_weight_dir(weight_dir_from_env(), setting=WEIGHT_DIR_ENV)
 
     def finish_weight_update(self) -> None:
         """vLLM's finish (the layerwise reload finalised), then a tied LM head prepared again
@@ -83,9 +96,7 @@ class DiskWeightTransferEngine(NCCLWeightTransferEngine):
 
     def receive_weights(self, update_info: DiskUpdateInfo) -> None:  # type: ignore[override]
         """Read the bucket's file, check it is what ``update_info`` announces, load it."""
-        from safetensors.torch import load_file
-
-        tensors = load_file(update_info.path)
+        tensors = load_weight_file(update_info.path, weight_dir_from_env(), setting=WEIGHT_DIR_ENV)
         announced = zip(update_info.names, update_info.dtype_names, update_info.shapes)
         for name, dtype, shape in announced:
             tensor = tensors.get(name)

@@ -18,6 +18,8 @@ engine exactly as to the reference server (``engines/local/weight_receive.py``).
   layers half-loaded (vLLM's behaviour, not this engine's).
 - No CUDA call: ``update_weights`` is overridden because the base ends it with
   ``torch.accelerator.synchronize()`` ("Cannot access accelerator device" on the CPU).
+- ``master_address`` must be one of ``TRAINER_WEIGHT_SYNC_HOSTS`` (comma-separated; unset:
+  loopback only), checked before anything connects (:mod:`engines.weight_access`).
 - Bounded: the store and every collective time out after
   ``TRAINER_WEIGHT_TRANSFER_TIMEOUT_S`` (default 1800 s, the reference server's bound); the
   trainer bounds the init and each sync on its side and ends the server when they expire.
@@ -39,6 +41,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 from engines.process_group import GroupHandle, join_group
 from engines.vllm.cpu_sampling import mend_cpu_seeded_rewind
 from engines.vllm.tied_head import refresh_tied_heads
+from engines.weight_access import SYNC_HOSTS_ENV, check_master_address, sync_hosts_from_env
 from engines.weight_transfer import packed_chunks
 
 __all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "GlooWeightTransferEngine"]
@@ -76,6 +79,9 @@ class GlooWeightTransferEngine(NCCLWeightTransferEngine):
                 "the gloo weight-transfer engine needs master_address and master_port "
                 "(nccl_unique_id_b64 is NCCL's)"
             )
+        check_master_address(
+            init_info.master_address, sync_hosts_from_env(), setting=SYNC_HOSTS_ENV
+        )
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
         if not 0 < rank < init_info.world_size:
