@@ -233,6 +233,12 @@ def load_config(config_file: str | Path | None = None, overrides: Sequence[str] 
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"config: override {item!r} is not key=value")
+        key, _, value = item.partition("=")
+        if not value:  # omegaconf reads `key=` as null: a default chosen in silence
+            raise ConfigError(
+                f"config: override {item!r} has no value (an unset shell variable?): give "
+                f"one, or write {key}=null for the key's default"
+            )
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except Exception as exc:  # omegaconf raises many types for bad syntax

@@ -60,6 +60,19 @@ RENAMED_VALUES: dict[tuple[str, str], str] = {
 }
 
 
+def _run_dir(v: Any) -> str | None:
+    if v is None:
+        return None
+    if not v.strip():
+        return (
+            "must name a folder (an empty value, an unset shell variable?); leave the key out "
+            "for runs/<timestamp>"
+        )
+    if "\0" in v:
+        return "must not hold a NUL character"
+    return None
+
+
 def _loggers(v: Any) -> str | None:
     if "jsonl" not in v:
         return "must include 'jsonl' (metrics.jsonl is the run's record: resume and plot read it)"
@@ -147,7 +160,11 @@ class TrainerConfig:
         "generator.num_parallel_workers rollouts running while the policy trains, within "
         "trainer.fully_async.max_staleness_steps (see docs/async.md).",
     )
-    run_dir: str | None = _field(None, "Run directory (None: runs/<timestamp>).")
+    run_dir: str | None = _field(
+        None,
+        "Run directory, made with mode 0700 where the run makes it (None: runs/<timestamp>).",
+        check=_run_dir,
+    )
     step_timeout_s: float | None = _field(
         None,
         "Budget of one step, generation through weight sync; past it the step fails with "
@@ -222,6 +239,14 @@ class TrainerConfig:
         "After Ctrl-C the run stops cleanly (engines and workers stopped, checkpoints left "
         "consistent); if it has not within this many seconds it is killed, as by a second Ctrl-C.",
         check=positive,
+    )
+    max_processes_per_core: int = _field(
+        8,
+        "The most processes of one kind the run starts on this machine per CPU it may use "
+        "(engine servers and their tensor-parallel ranks, data.reward_workers, the policy "
+        "actors of a Ray cluster the run starts); more is refused at load. Raise it to "
+        "oversubscribe the CPUs on purpose.",
+        check=at_least(1),
     )
     watchdog: WatchdogConfig = _section(
         WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
