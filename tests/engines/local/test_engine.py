@@ -139,14 +139,17 @@ async def test_a_cancelled_caller_leaves_the_batch(model_dir: Path) -> None:
         assert engine.num_requests == 0
 
 
-async def test_every_route_needs_the_api_key_when_one_is_set(model_dir: Path) -> None:
+async def test_every_route_but_the_health_probe_needs_the_api_key_when_one_is_set(
+    model_dir: Path,
+) -> None:
     async with open_local_engine(model_dir) as engine, serving(engine, api_key="s3cret") as url:
         async with httpx.AsyncClient() as http:
-            for path in ("/health", "/v1/models", "/is_paused", "/engine_stats"):
+            for path in ("/v1/models", "/is_paused", "/engine_stats"):
                 response = await http.get(url + path)
                 assert response.status_code == 401
                 assert response.json()["error"]["code"] == 401
-            authed = await http.get(url + "/health", headers={"Authorization": "Bearer s3cret"})
+            assert (await http.get(url + "/health")).status_code == 200  # a probe: open
+            authed = await http.get(url + "/is_paused", headers={"Authorization": "Bearer s3cret"})
             assert authed.status_code == 200
         async with InferenceClient([url], api_key="s3cret") as client:
             assert (await client.generate([1, 2], SamplingParams(max_tokens=2))).token_ids
