@@ -159,6 +159,48 @@ def test_it_exits_on_end_of_file_once_its_children_have(bare_server, probe_modul
     assert not os.path.exists(path)
 
 
+#: A client that forks ``sleeper`` (which ignores its stdin and SIGTERM), prints its pid, waits.
+CLIENT = """
+import os, sys
+from engines.launch import fork_popen
+child = fork_popen(sys.argv[1], [sys.executable, "-m", "sleeper"], env=dict(os.environ),
+                   cwd=sys.argv[2], stdin=0, stdout=2, stderr=2)
+print(child.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_child_whose_client_dies_is_killed_at_once(bare_server, probe_module, sig) -> None:
+    """Its stdin stays open (the fork server holds nothing of it; here the test's own pipe):
+    only the client's death can end it, and does."""
+    _, path = bare_server
+    _, cwd = probe_module
+    (cwd / "sleeper.py").write_text(
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(600)\n"
+    )
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, path, str(cwd)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    try:
+        assert client.stdout is not None
+        child = int(client.stdout.readline())
+        assert pid_alive(child)
+        client.send_signal(sig)
+        client.wait(30)
+        assert alive_after([child], 10.0) == []
+    finally:
+        client.kill()
+        client.wait()
+        for pipe in (client.stdin, client.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
 async def test_a_trio_child_gets_a_stdin_pipe_that_ends_it(bare_server, probe_module):
     _, path = bare_server
     _, cwd = probe_module
@@ -191,13 +233,13 @@ async def test_reference_servers_forked_from_it_serve_restart_and_leave_nothing(
         first = engines[0]
         assert isinstance(first.process, ForkedProcess)
         assert first.pid in [pid for pid, _ in list_children(path, "PYTHONPATH")]
-        async with InferenceClient([first.url]) as client:
+        async with InferenceClient([first.url], api_key=engines.api_key) as client:
             done = await client.generate([5, 6], SamplingParams(max_tokens=2, seed=0))
         assert len(done.token_ids) == 2
         second = await engines.restart(0)  # killed, forked again, healthy
         assert isinstance(second.process, ForkedProcess) and second.pid != first.pid
         assert not pid_alive(first.pid)
-        async with InferenceClient([second.url]) as client:
+        async with InferenceClient([second.url], api_key=engines.api_key) as client:
             again = await client.generate([5, 6], SamplingParams(max_tokens=2, seed=0))
         assert again.token_ids == done.token_ids  # the same seed, the same engine
     assert await trio.to_thread.run_sync(alive_after, [second.pid]) == []
