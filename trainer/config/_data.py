@@ -47,6 +47,13 @@ class DataConfig:
         "in the trainer's event loop, unbounded, and an exception ends the run.",
         check=at_least(0),
     )
+    reward_max_memory_mb: int | None = _field(
+        4096,
+        "MiB of data (heap and private memory, RLIMIT_DATA) each reward worker process may "
+        "hold, what it starts included (data.reward_workers > 0); an allocation past it raises "
+        "MemoryError in the reward, counted in reward/errors (None: no limit of its own).",
+        check=at_least(64),
+    )
     reward_timeout_s: float | None = _field(
         None,
         "Seconds one reward call may take in a worker process (data.reward_workers > 0) or as "
