@@ -89,7 +89,9 @@ async def served(
     with tempfile.TemporaryDirectory() as logs:
         async with launch_local_engines(1, model_dir, logs) as urls:
             for concurrency in CONCURRENCY:
-                async with InferenceClient(urls, max_concurrency=concurrency) as client:
+                async with InferenceClient(
+                    urls, api_key=urls.api_key, max_concurrency=concurrency
+                ) as client:
                     await client.generate(batch[0], SamplingParams(max_tokens=4))  # warm up
                     counts: list[int] = []
 
@@ -115,7 +117,7 @@ async def short_requests(
     medians: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as logs:
         async with launch_local_engines(1, model_dir, logs) as urls:
-            async with InferenceClient(urls) as client:
+            async with InferenceClient(urls, api_key=urls.api_key) as client:
 
                 async def single(prompt: list[int]) -> None:
                     async with trio.open_nursery() as nursery:

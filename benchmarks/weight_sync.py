@@ -143,7 +143,7 @@ async def measure(
     try:
         await trio.to_thread.run_sync(raw.broadcast_seconds)
         async with launch_local_engines(1, model_dir, logs, startup_timeout_s=300) as urls:
-            async with InferenceClient(urls) as client:
+            async with InferenceClient(urls, api_key=urls.api_key) as client:
                 transport = BroadcastTransport(
                     bucket_mb * 2**20, group_init_timeout_s=300, packed=packed
                 )
@@ -167,7 +167,7 @@ async def measure(
 
                 def blocking() -> None:
                     async def main() -> None:
-                        async with InferenceClient(urls) as c:
+                        async with InferenceClient(urls, api_key=urls.api_key) as c:
                             await transport.transfer(c, _ThreadWorkers(workers))
 
                     trio.run(main)

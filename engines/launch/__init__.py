@@ -19,6 +19,10 @@ wherever it runs.
   or the port it was told, then ``GET /health`` from the trainer, bounded by
   ``startup_timeout_s``; a server that exits first, or is not healthy in time, raises
   :class:`~trainer.errors.EngineStartError` with the tail of its log;
+- who may drive it, for both: the holder of its secret (``VLLM_API_KEY`` in its environment,
+  never on its command line: the caller's ``api_key``, or a fresh one per launch, exposed
+  as ``api_key`` on what the launcher yields); its weight folder (``TRAINER_WEIGHT_DIR``)
+  and the weight-sync hosts it may join (``TRAINER_WEIGHT_SYNC_HOSTS``), when given;
 - how it stops, for both: stdin closed, SIGTERM to its process group, SIGKILL after
   ``shutdown_timeout_s``; shielded and bounded on every way out of the block;
 - why it never outlives the trainer: a pipe on its stdin, which closes when the trainer dies
@@ -46,6 +50,7 @@ from engines.launch._fork_client import (
 from engines.launch._processes import (
     EngineProcess,
     EngineProcesses,
+    EngineUrls,
     launch_local_engines,
     open_engine_processes,
 )
@@ -53,19 +58,24 @@ from engines.launch._ray import RayEngine, open_ray_engines
 from engines.launch._ray_actor import EngineServerActor
 from engines.launch._ready import READY_PREFIX, READY_RE, ready_line
 from engines.launch._spec import (
+    API_KEY_ENV,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STARTUP_TIMEOUT_S,
     LOG_TAIL_CHARS,
+    WEIGHT_DIR_ENV,
+    WEIGHT_SYNC_HOSTS_ENV,
     ReferenceServers,
     ServerSpec,
     ServersSpec,
     base_url,
+    new_api_key,
     server_device,
     server_env,
 )
 from engines.launch._stop import KILL_WAIT_S
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_STARTUP_TIMEOUT_S",
     "FORK_SERVER_READY",
@@ -73,9 +83,12 @@ __all__ = [
     "LOG_TAIL_CHARS",
     "READY_PREFIX",
     "READY_RE",
+    "WEIGHT_DIR_ENV",
+    "WEIGHT_SYNC_HOSTS_ENV",
     "EngineProcess",
     "EngineProcesses",
     "EngineServerActor",
+    "EngineUrls",
     "ForkedPopen",
     "ForkedProcess",
     "RayEngine",
@@ -88,6 +101,7 @@ __all__ = [
     "forkable",
     "launch_local_engines",
     "list_children",
+    "new_api_key",
     "open_engine_processes",
     "open_ray_engines",
     "ready_line",

@@ -45,12 +45,19 @@ from engines.launch._spec import (
     ServerSpec,
     ServersSpec,
     base_url,
+    new_api_key,
     popen_kwargs,
     server_env,
 )
 from engines.launch._stop import signal_group, stop_group
 
-__all__ = ["EngineProcess", "EngineProcesses", "launch_local_engines", "open_engine_processes"]
+__all__ = [
+    "EngineProcess",
+    "EngineProcesses",
+    "EngineUrls",
+    "launch_local_engines",
+    "open_engine_processes",
+]
 
 _POLL_S = 0.05
 
@@ -165,7 +172,7 @@ class EngineProcesses(list[EngineProcess]):
         log_dir: Path,
         host: str,
         env: dict[str, str],
-        api_key: str | None,
+        api_key: str,
         startup_timeout_s: float,
         shutdown_timeout_s: float,
         fork_server: str | None = None,
@@ -175,6 +182,7 @@ class EngineProcesses(list[EngineProcess]):
         self.log_dir = log_dir
         self.host = host
         self.env = env
+        #: The servers' secret (``Authorization: Bearer``): the caller's, or a fresh one.
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -222,15 +230,20 @@ async def open_engine_processes(
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
     fork_server: str | None = None,
+    weight_dir: str | Path | None = None,
+    weight_sync_hosts: Sequence[str] = (),
 ) -> AsyncIterator[EngineProcesses]:
     """Start ``num_engines`` servers, wait until all are healthy, yield them; always stop them.
 
     Server ``I`` is ``servers(I, host)`` (a :class:`ServerSpec`), logs to
     ``log_dir/engine-I.log`` (appended), and gets ``env`` (default: this process's), the
-    project on ``PYTHONPATH``, ``VLLM_API_KEY`` when ``api_key`` is set, and its spec's own
-    variables. Raises ``EngineStartError`` (with the log tail) when a server exits during
-    start-up or is not healthy within ``startup_timeout_s``; several failures raise the
-    first, the others as notes. ``ValueError`` for ``num_engines < 1``. With ``fork_server``
+    project on ``PYTHONPATH``, ``VLLM_API_KEY`` (``api_key``, or a fresh secret when it is
+    None: ``engines.api_key`` says which, for the servers' clients), ``TRAINER_WEIGHT_DIR``
+    (``weight_dir``, when given), ``TRAINER_WEIGHT_SYNC_HOSTS`` (``weight_sync_hosts``, when
+    given; see :func:`~engines.launch.server_env`) and its spec's own variables. Raises
+    ``EngineStartError`` (with the log tail) when a server exits during start-up or is not
+    healthy within ``startup_timeout_s``; several failures raise the first, the others as
+    notes. ``ValueError`` for ``num_engines < 1``. With ``fork_server``
     (the socket of :mod:`engines.launch.fork_server`), a server that is this Python running a
     module is forked from it instead of started afresh (no import cost; the same contract). Stopping is shielded
     and bounded by about ``shutdown_timeout_s + 5`` seconds whatever the cancellation state.
@@ -239,7 +252,8 @@ async def open_engine_processes(
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
     log_dir = Path(log_dir)
     await trio.Path(log_dir).mkdir(parents=True, exist_ok=True)
-    child_env = server_env(env, api_key)
+    api_key = new_api_key() if api_key is None else api_key
+    child_env = server_env(env, api_key, weight_dir=weight_dir, weight_sync_hosts=weight_sync_hosts)
     engines = EngineProcesses(
         servers,
         log_dir,
@@ -262,6 +276,15 @@ async def open_engine_processes(
                     nursery.start_soon(_stop, engine, shutdown_timeout_s)
 
 
+class EngineUrls(list[str]):
+    """The servers' base URLs (``http://HOST:PORT``), by index, and the secret they ask for."""
+
+    def __init__(self, urls: Sequence[str], api_key: str) -> None:
+        super().__init__(urls)
+        #: ``Authorization: Bearer`` of every route but the health probes.
+        self.api_key = api_key
+
+
 @asynccontextmanager
 async def launch_local_engines(
     num_engines: int,
@@ -276,9 +299,13 @@ async def launch_local_engines(
     extra_args: Sequence[str] = (),
     devices: Sequence[str] = (),
     fork_server: str | None = None,
-) -> AsyncIterator[list[str]]:
+    weight_dir: str | Path | None = None,
+    weight_sync_hosts: Sequence[str] = (),
+) -> AsyncIterator[EngineUrls]:
     """:func:`open_engine_processes` of :class:`ReferenceServers`, yielding the servers' base
-    URLs (``http://HOST:PORT``), forked from ``fork_server`` where one is given. A server on
+    URLs (``http://HOST:PORT``) and their secret (``api_key``, or a fresh one: give it to the
+    client, ``InferenceClient(urls, api_key=urls.api_key)``), forked from ``fork_server``
+    where one is given. A server on
     ``cuda:N`` sees that GPU alone
     (``CUDA_VISIBLE_DEVICES``, as vLLM's servers are started), so everything it puts on CUDA,
     weight-transfer groups and buffers included, lands on that GPU."""
@@ -295,5 +322,7 @@ async def launch_local_engines(
         startup_timeout_s=startup_timeout_s,
         shutdown_timeout_s=shutdown_timeout_s,
         fork_server=fork_server,
+        weight_dir=weight_dir,
+        weight_sync_hosts=weight_sync_hosts,
     ) as engines:
-        yield [e.url for e in engines]
+        yield EngineUrls([e.url for e in engines], engines.api_key)

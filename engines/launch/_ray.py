@@ -39,7 +39,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,12 @@ import trio
 
 from engines.launch._ray_actor import EngineServerActor
 from engines.launch._ready import wait_all_ready
-from engines.launch._spec import DEFAULT_SHUTDOWN_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S, ServersSpec
+from engines.launch._spec import (
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    ServersSpec,
+    new_api_key,
+)
 from engines.launch._stop import KILL_WAIT_S
 from trainer.errors import EngineStartError
 from trainer.vocabulary import get_refs_as_completed
@@ -91,6 +96,8 @@ class RayEngine:
     log_path: str | None = None
     #: True once it answered the trainer's ``/health``.
     ready: bool = False
+    #: The server's secret (``Authorization: Bearer``), the same for every engine of a launch.
+    api_key: str | None = None
 
     @property
     def host(self) -> str:
@@ -134,8 +141,9 @@ def _spawn(
     """Create the actors (GCS round-trips: called off the trio thread)."""
     import ray  # heavy: imported only where Ray places engines
 
-    log_dir, servers, api_key = args
+    log_dir, servers, api_key, (weight_dir, hosts) = args
     log_dir = os.path.abspath(log_dir)  # the same path on every node
+    weight_dir = None if weight_dir is None else os.path.abspath(weight_dir)
     num_cpus, num_gpus = resources
     cls = ray.remote(EngineServerActor).options(
         num_cpus=num_cpus,
@@ -145,8 +153,8 @@ def _spawn(
         runtime_env={"env_vars": env},
     )
     for i in range(num_engines):
-        actor = cls.remote(i, log_dir, servers, api_key)
-        engines.append(RayEngine(i, actor, url=f"engine-{i} (ray actor)"))
+        actor = cls.remote(i, log_dir, servers, api_key, weight_dir, hosts)
+        engines.append(RayEngine(i, actor, url=f"engine-{i} (ray actor)", api_key=api_key))
 
 
 def _timeout_error(engines: list[RayEngine], refs: list[Any], timeout_s: float) -> EngineStartError:
@@ -245,6 +253,8 @@ async def open_ray_engines(
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
     env: Mapping[str, str] | None = None,
+    weight_dir: str | Path | None = None,
+    weight_sync_hosts: Sequence[str] = (),
 ) -> AsyncIterator[list[RayEngine]]:
     """Start ``num_engines`` servers in Ray actors, yield them healthy; always stop them.
 
@@ -253,14 +263,20 @@ async def open_ray_engines(
     cannot be created on it); ``log_dir`` is made absolute here so every node reads it the
     same way. Raises ``EngineStartError`` as described in the module docstring;
     ``env`` is added to each actor's environment (``runtime_env``), and so to its server's:
-    the trainer passes its fault spec and import path this way. ``ValueError`` for
-    ``num_engines < 1`` or a non-positive ``startup_timeout_s``.
+    the trainer passes its fault spec and import path this way. Each server gets
+    ``VLLM_API_KEY`` (``api_key``, or a fresh secret when it is None; every
+    :class:`RayEngine` carries it as ``api_key``), ``TRAINER_WEIGHT_DIR`` and
+    ``TRAINER_WEIGHT_SYNC_HOSTS`` as :func:`~engines.launch.open_engine_processes` gives them,
+    set by its actor (the secret is an argument of the actor, never a server's argv).
+    ``ValueError`` for ``num_engines < 1`` or a non-positive ``startup_timeout_s``.
     """
     if num_engines < 1:
         raise ValueError(f"num_engines must be at least 1, got {num_engines}")
     if not math.isfinite(startup_timeout_s) or startup_timeout_s <= 0:
         raise ValueError(f"startup_timeout_s must be a positive number, got {startup_timeout_s}")
-    args = (str(log_dir), servers, api_key)
+    api_key = new_api_key() if api_key is None else api_key
+    trust = (None if weight_dir is None else str(weight_dir), tuple(weight_sync_hosts))
+    args = (str(log_dir), servers, api_key, trust)
     resources = (num_cpus, num_gpus)
     engines: list[RayEngine] = []
     try:

@@ -33,12 +33,17 @@ class EngineServerActor:
         log_dir: str,
         servers: ServersSpec,
         api_key: str | None,
+        weight_dir: str | None = None,
+        weight_sync_hosts: tuple[str, ...] = (),
     ) -> None:
         self.name = f"engine-{index}"
         self._index = index
         self._log_path = self._choose_log_path(Path(log_dir) / f"{self.name}.log")
         self._servers = servers
         self._api_key = api_key
+        #: ``TRAINER_WEIGHT_DIR`` and ``TRAINER_WEIGHT_SYNC_HOSTS`` of its server (server_env).
+        self._weight_dir = weight_dir
+        self._weight_sync_hosts = weight_sync_hosts
         self._proc: subprocess.Popen[bytes] | None = None
         self._told_port: int | None = None
         self._log_offset = 0
@@ -75,7 +80,12 @@ class EngineServerActor:
             if self._stopping:
                 raise EngineStartError(f"{self.name} on {host}", "stopped during start-up")
             self._log_offset = log_file.seek(0, 2)
-            env = server_env(None, self._api_key)
+            env = server_env(
+                None,
+                self._api_key,
+                weight_dir=self._weight_dir,
+                weight_sync_hosts=self._weight_sync_hosts,
+            )
             # no text mode among the kwargs: a bytes process (typeshed cannot see that in **)
             proc = cast(
                 "subprocess.Popen[bytes]",

@@ -9,22 +9,27 @@ with a pipe on its stdin and its output appended to its log.
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_SHUTDOWN_TIMEOUT_S",
     "DEFAULT_STARTUP_TIMEOUT_S",
     "LOG_TAIL_CHARS",
+    "WEIGHT_DIR_ENV",
+    "WEIGHT_SYNC_HOSTS_ENV",
     "ReferenceServers",
     "ServerSpec",
     "ServersSpec",
     "base_url",
+    "new_api_key",
     "popen_kwargs",
     "server_device",
     "server_env",
@@ -38,6 +43,21 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 LOG_TAIL_CHARS = 4000
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+#: The run's secret, which every route but the health probes asks for (``Authorization:
+#: Bearer``): the reference server's ``--api-key`` default, vLLM's own (``/v1`` and the like)
+#: and :mod:`engines.vllm.auth`'s (every other route of ``vllm serve``).
+API_KEY_ENV = "VLLM_API_KEY"
+#: The only folder whose files a ``disk`` weight update may read (the run's ``weight_sync/``).
+WEIGHT_DIR_ENV = "TRAINER_WEIGHT_DIR"
+#: Comma-separated addresses a weight-transfer ``init_info``'s ``master_address`` may name
+#: (unset: loopback only).
+WEIGHT_SYNC_HOSTS_ENV = "TRAINER_WEIGHT_SYNC_HOSTS"
+
+
+def new_api_key() -> str:
+    """A fresh secret for the servers of one launch (256 random bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
 
 
 @attrs.frozen
@@ -105,15 +125,31 @@ def server_device(device: str | None, env: Mapping[str, str]) -> tuple[list[str]
     return ["--device", "cuda"], {"CUDA_VISIBLE_DEVICES": physical}
 
 
-def server_env(env: Mapping[str, str] | None, api_key: str | None) -> dict[str, str]:
-    """``env`` (default: this process's) with the project on ``PYTHONPATH`` and
-    ``VLLM_API_KEY`` set when ``api_key`` is."""
+def server_env(
+    env: Mapping[str, str] | None,
+    api_key: str | None,
+    *,
+    weight_dir: str | Path | None = None,
+    weight_sync_hosts: Sequence[str] = (),
+) -> dict[str, str]:
+    """``env`` (default: this process's) with the project on ``PYTHONPATH`` and what ties a
+    server to its run: :data:`API_KEY_ENV` when ``api_key`` is set, :data:`WEIGHT_DIR_ENV`
+    when ``weight_dir`` is, :data:`WEIGHT_SYNC_HOSTS_ENV` when ``weight_sync_hosts`` is not
+    empty (each left as ``env`` has it otherwise).
+
+    The secret travels in the environment, never on the command line: ``/proc/PID/environ``
+    is readable by the server's owner alone, ``/proc/PID/cmdline`` by every user.
+    """
     child = dict(os.environ if env is None else env)
     # The server imports ``engines`` and ``trainer`` from this checkout even when not installed.
     paths = [str(_PROJECT_ROOT), *filter(None, child.get("PYTHONPATH", "").split(os.pathsep))]
     child["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if api_key is not None:
-        child["VLLM_API_KEY"] = api_key
+        child[API_KEY_ENV] = api_key
+    if weight_dir is not None:
+        child[WEIGHT_DIR_ENV] = os.path.abspath(weight_dir)
+    if weight_sync_hosts:
+        child[WEIGHT_SYNC_HOSTS_ENV] = ",".join(weight_sync_hosts)
     return child
 
 

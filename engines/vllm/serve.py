@@ -20,7 +20,11 @@ launcher (:mod:`engines.launch`: child processes, or Ray actors with ``engine.pl
   policy's, so vLLM does not downcast a float32 model), ``--enforce-eager`` on the CPU, then
   ``engine.extra_args`` as given), then ``--enable-scale-out`` (vLLM's token-in route
   ``POST /inference/v1/generate``, which verifiers' training client calls: always, as it only
-  adds routes; unless ``extra_args`` gives it or ``--tokens-only``), then ``--host`` and a
+  adds routes; unless ``extra_args`` gives it or ``--tokens-only``), then ``--middleware
+  engines.vllm.auth.BearerAuthMiddleware`` (the run's secret, ``VLLM_API_KEY`` from the
+  launcher, on every route but ``/health`` and ``/ping``: vLLM's own key leaves its
+  development routes open, :mod:`engines.vllm.auth`), then ``--host`` (the launcher's:
+  loopback for child processes, the node's address under Ray) and a
   free ``--port``; every flag is one
   the pinned ``vllm serve`` accepts (checked against
   ``tests/engines/vllm_recorded/vllm_serve_flags.json``, dumped from vLLM's own parser);
@@ -62,6 +66,7 @@ from engines.client import ControlPlane
 from engines.launch import ServerSpec
 from engines.process_group import free_port
 from engines.vllm import BUSY_LOOP_ENV
+from engines.vllm.auth import MIDDLEWARE
 from engines.vllm.flags import (
     RUNTIME_LORA_ENV,
     VLLM_SERVE_MODULE,
@@ -177,6 +182,10 @@ class VllmServers:
             VLLM_SERVE_MODULE,
             *flags,
             *_token_in_flag(self.settings.extra_args),
+            # the run's secret on every route but /health and /ping: vLLM's own --api-key
+            # (VLLM_API_KEY, set by the launcher) leaves its development routes open
+            "--middleware",
+            MIDDLEWARE,
             "--host",
             host,
             "--port",

@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -89,14 +89,21 @@ def _stop_fork_server(proc: subprocess.Popen[str]) -> None:
 
 
 def run_trainer(
-    *args: str, marker: str | None = None, timeout: float = 300, module: str = "trainer"
+    *args: str,
+    marker: str | None = None,
+    timeout: float = 300,
+    module: str = "trainer",
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """``python -m trainer trainer.progress=false ARGS`` to its end: a fork of the fork server,
     its reference servers too; stdout and stderr captured. ``module``: another entry point
     that runs the trainer's ``main`` (a test fixture's, such as
-    ``tests.e2e.transfer_on_event_loop``)."""
+    ``tests.e2e.transfer_on_event_loop``). ``env``: variables set on top of this process's
+    environment for the run."""
     argv = [sys.executable, "-m", module, "trainer.progress=false", *args]
+    extra = env or {}
     env = trainer_env(marker or new_marker())
+    env.update(extra)
     env["TRAINER_FORK_SERVER"] = socket_path = fork_server()
     with (
         tempfile.TemporaryFile() as out,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.launch import EngineUrls
 from engines.models import build_tiny_model
 from tests.engines.helpers import BackgroundEngines
 
@@ -22,8 +23,9 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine_urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
-    """One reference server for the whole module (its log under a temp dir), sleep mode on."""
+def engine_urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineUrls]:
+    """One reference server for the whole module (its log under a temp dir), sleep mode on;
+    its secret is ``engine_urls.api_key`` (``tests.engines.helpers.auth`` makes the header)."""
     engines = BackgroundEngines(
         1, model_dir, tmp_path_factory.mktemp("engine-logs"), extra_args=("--enable-sleep-mode",)
     ).start()

@@ -21,7 +21,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.client import DATA_PLANE_ROUTES, PAUSE_ROUTES, SLEEP_ROUTES
-from engines.launch import launch_local_engines
+from engines.launch import EngineUrls, launch_local_engines
 from engines.local.engine import LocalEngine, open_local_engine
 from engines.local.http import answer_lifespan
 from engines.local.server import ServerApp
@@ -91,9 +91,20 @@ async def serve_reference_engine(
             yield url, engine
 
 
-async def stats(url: str) -> dict[str, Any]:
-    """The reference server's ``GET /engine_stats``."""
-    async with httpx.AsyncClient() as http:
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The ``Authorization`` header of ``api_key`` (None: no header)."""
+    return {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+
+
+def auth(urls: list[str]) -> dict[str, str]:
+    """The header a launcher's servers ask for: ``urls.api_key`` of an
+    :class:`~engines.launch.EngineUrls` (a plain list of URLs: none)."""
+    return bearer(getattr(urls, "api_key", None))
+
+
+async def stats(url: str, api_key: str | None = None) -> dict[str, Any]:
+    """The reference server's ``GET /engine_stats`` (with ``api_key``, where it asks for one)."""
+    async with httpx.AsyncClient(headers=bearer(api_key)) as http:
         return (await http.get(f"{url}/engine_stats")).json()
 
 
@@ -112,7 +123,7 @@ class BackgroundEngines:
     def __init__(
         self, num_engines: int, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = ()
     ) -> None:
-        self.urls: list[str] = []
+        self.urls: EngineUrls = EngineUrls([], "")
         self.log_dir = log_dir
         self.error: BaseException | None = None
         self._args = (num_engines, model_dir, log_dir)

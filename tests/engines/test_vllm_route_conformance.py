@@ -37,6 +37,7 @@ import jsonschema
 import torch
 
 from engines.client import LORA_ROUTES, ROUTE_FLAGS, InferenceClient
+from engines.launch import EngineUrls
 from engines.local.http import answer_lifespan
 from engines.types import SamplingParams
 from engines.weight_transfer import ipc_init_info, ipc_update_info, pickle_ipc_handles
@@ -44,7 +45,7 @@ from sync.bracket import Bracket
 from sync.transports import DiskTransport
 from sync.transports.broadcast import BroadcastTransport
 from sync.weights import sync_weights
-from tests.engines.helpers import serve_asgi
+from tests.engines.helpers import auth, serve_asgi
 from trainer.workers.local import LocalWorkerGroup
 
 VLLM = json.loads((Path(__file__).parent / "vllm_recorded" / "vllm_routes.json").read_text())
@@ -302,13 +303,13 @@ def sent(method: str, path: str, body: Any = None, **query: str) -> Exchange:
 # -- the trainer's requests -----------------------------------------------------------------------
 
 
-async def test_generate_and_generate_n_send_vllms_completion_request(engine_urls: list[str]):
-    async with httpx.AsyncClient() as http:
+async def test_generate_and_generate_n_send_vllms_completion_request(engine_urls: EngineUrls):
+    async with httpx.AsyncClient(headers=auth(engine_urls)) as http:
         model = (await http.get(f"{engine_urls[0]}/v1/models")).json()["data"][0]["id"]
     async with recording_proxy(engine_urls[0]) as (url, proxy):
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=engine_urls.api_key) as client:
             await client.generate([5, 6, 7], SamplingParams(max_tokens=3, seed=1))
-        async with InferenceClient([url], model=model) as client:
+        async with InferenceClient([url], api_key=engine_urls.api_key, model=model) as client:
             sampling = SamplingParams(
                 temperature=0.7, top_p=0.9, max_tokens=4, seed=2, stop_token_ids=(3,), stop=("x",)
             )
@@ -319,9 +320,9 @@ async def test_generate_and_generate_n_send_vllms_completion_request(engine_urls
     assert_conforms(proxy.exchanges)
 
 
-async def test_every_control_call_sends_what_vllms_routes_declare(engine_urls: list[str]):
+async def test_every_control_call_sends_what_vllms_routes_declare(engine_urls: EngineUrls):
     async with recording_proxy(engine_urls[0]) as (url, proxy):
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=engine_urls.api_key) as client:
             for mode in ("keep", "abort", "wait"):
                 await client.pause(mode)
                 assert await client.is_paused() == [True]
@@ -359,11 +360,11 @@ async def test_every_control_call_sends_what_vllms_routes_declare(engine_urls: l
 
 
 async def test_the_disk_and_gloo_syncs_send_what_vllms_routes_declare(
-    engine_urls: list[str], model_dir: Path, tmp_path: Path
+    engine_urls: EngineUrls, model_dir: Path, tmp_path: Path
 ):
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with recording_proxy(engine_urls[0]) as (url, proxy):
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=engine_urls.api_key) as client:
             disk = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await disk.init(client, workers)
             # the offloading bracket: pause, sleep, wake the weights, transfer, wake the KV cache

@@ -112,7 +112,7 @@ async def test_a_gloo_sync_sends_exactly_vllms_nccl_bodies(tmp_path, packed):
     model_dir = build_tiny_model()
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
-        async with InferenceClient(urls) as real:
+        async with InferenceClient(urls, api_key=urls.api_key) as real:
             client = RecordingClient(real)
             transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120, packed=packed)
             await transport.init(client, workers)

@@ -31,16 +31,21 @@ def policy_logprobs(model: torch.nn.Module, prompt: list[int], tokens: list[int]
 
 
 async def syncs_make_the_engine_score_as_the_policy(
-    url: str, model_dir: Path, transport: Any, tolerance: float = 1e-4
+    url: str,
+    model_dir: Path,
+    transport: Any,
+    tolerance: float = 1e-4,
+    api_key: str | None = None,
 ) -> None:
     """Twice: move the policy away from what the engine serves (checked: its logprobs differ
     by more than 1e-3), sync through ``transport`` (as weight versions :data:`VERSIONS`), and
     the engine's logprobs of what it samples are the policy's within ``tolerance`` (float32
-    rounding of another implementation of the same model: 1e-4 on the tiny model)."""
+    rounding of another implementation of the same model: 1e-4 on the tiny model). ``api_key``:
+    the server's secret, where it asks for one."""
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     model = workers.policy.model
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=0)
-    async with InferenceClient([url]) as client:
+    async with InferenceClient([url], api_key=api_key) as client:
         with trio.fail_after(300):
             await transport.init(client, workers)
         try:

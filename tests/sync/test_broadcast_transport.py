@@ -33,7 +33,7 @@ async def test_broadcast_sync_makes_every_engine_serve_exactly_the_policy_weight
     model_dir = build_tiny_model()
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with launch_local_engines(2, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
-        async with InferenceClient(urls) as client:
+        async with InferenceClient(urls, api_key=urls.api_key) as client:
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = BroadcastTransport(64 * 1024, group_init_timeout_s=120)
             await transport.init(client, workers)
@@ -71,7 +71,7 @@ async def test_a_join_that_hangs_gives_checkpoint_engine_init_error(tmp_path):
     install_faults("init_process_group:hang")
     workers = await LocalWorkerGroup.create(model_dir, policy_kwargs={"lr": 1e-3}, with_ref=False)
     async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
-        async with InferenceClient(urls) as client:
+        async with InferenceClient(urls, api_key=urls.api_key) as client:
             transport = BroadcastTransport(2**20, group_init_timeout_s=2)
             with pytest.raises(CheckpointEngineInitError) as info:
                 await transport.init(client, workers)

@@ -29,8 +29,10 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
         for p in workers.policy.model.parameters():
             p.add_(0.01 * torch.randn_like(p))
     policy_sum = state_checksum(dict(workers.policy.model.named_parameters()))
-    async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
-        async with InferenceClient(urls) as client:
+    async with launch_local_engines(
+        1, model_dir, tmp_path / "logs", startup_timeout_s=180, weight_dir=tmp_path / "sync"
+    ) as urls:
+        async with InferenceClient(urls, api_key=urls.api_key) as client:
             (before,) = [
                 r["checksum"]
                 for r in await client.control(
@@ -56,8 +58,10 @@ async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(
     """Each a 500 in vLLM's frame (tests/engines/local/test_weight_transfer_routes.py); a failed
     update closes the update, as vLLM's does, so each bad bucket gets its own start."""
     model_dir = build_tiny_model()
-    async with launch_local_engines(1, model_dir, tmp_path / "logs", startup_timeout_s=180) as urls:
-        async with InferenceClient(urls) as client:
+    async with launch_local_engines(
+        1, model_dir, tmp_path / "logs", startup_timeout_s=180, weight_dir=tmp_path / "sync"
+    ) as urls:
+        async with InferenceClient(urls, api_key=urls.api_key) as client:
 
             async def status_of(path: str, body: dict) -> int:
                 with pytest.raises(InferenceServerError) as info:

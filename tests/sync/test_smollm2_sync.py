@@ -26,5 +26,9 @@ pytestmark = [
 async def test_a_disk_sync_of_smollm2_makes_the_reference_engine_score_as_the_policy(tmp_path):
     model_dir = resolve_model_path("smollm2-135m-instruct")
     transport = DiskTransport(tmp_path / "weight_sync", 64 * 1024 * 1024)
-    async with launch_local_engines(1, model_dir, tmp_path / "logs") as (url,):
-        await syncs_make_the_engine_score_as_the_policy(url, model_dir, transport)
+    async with launch_local_engines(
+        1, model_dir, tmp_path / "logs", weight_dir=tmp_path / "weight_sync"
+    ) as urls:
+        await syncs_make_the_engine_score_as_the_policy(
+            urls[0], model_dir, transport, api_key=urls.api_key
+        )

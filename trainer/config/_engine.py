@@ -70,7 +70,21 @@ class EngineConfig:
         (), "Server base URLs for backend=remote, e.g. [http://host:8000]."
     )
     api_key: str | None = _field(
-        None, "Bearer token for the servers (also given to servers we start)."
+        None,
+        "Bearer token the servers ask for: backend=remote, the key of servers someone else "
+        "runs; for servers the trainer starts, given to them (in their environment) instead "
+        "of the fresh secret each run makes. Give it by the environment variable (a command "
+        "line is visible to every user in `ps`); never written to RUN_DIR/config.yaml, so a "
+        "resume needs the variable set again. docs/security.md.",
+        env="TRAINER_ENGINE_API_KEY",
+    )
+    trust_network: bool = _field(
+        False,
+        "Say that only trusted hosts reach the engines' network. Needed for sync.transport=ipc "
+        "where the engines answer beyond this host (engine.placement=ray, or a backend=remote "
+        "URL that is not loopback): vLLM then unpickles what its /update_weights is sent "
+        "(VLLM_ALLOW_INSECURE_SERIALIZATION=1), which runs code for anyone who reaches the "
+        "server with the key. docs/security.md.",
     )
     pause_mode: PauseMode = _field(
         "keep", "How generation pauses for a weight sync: keep (freeze), abort, wait (drain)."

@@ -29,6 +29,7 @@ from trainer.config._validate import validate_cfg
 from trainer.errors import ConfigError
 
 __all__ = [
+    "SECRET_KEYS",
     "help_text",
     "iter_fields",
     "load_config",
@@ -36,6 +37,9 @@ __all__ = [
     "type_name",
 ]
 
+#: Keys whose value is a secret: written nowhere (:func:`to_dict` leaves them None), taken from
+#: their environment variable as given (not parsed as YAML).
+SECRET_KEYS = frozenset({"engine.api_key"})
 
 # ---------------------------------------------------------------------------------------------
 
@@ -179,7 +183,8 @@ def _build(values: dict[str, object]) -> Config:
     for key, (a, _tp) in known.items():
         env = a.metadata.get("env")
         if env and os.environ.get(env) not in (None, ""):
-            leaves[key] = yaml.safe_load(os.environ[env]) if key != "faults" else os.environ[env]
+            raw = key == "faults" or key in SECRET_KEYS  # a secret is text, never parsed
+            leaves[key] = os.environ[env] if raw else yaml.safe_load(os.environ[env])
     for key, value in leaves.items():
         a, tp = known[key]
         value = _coerce(key, value, tp)
@@ -253,10 +258,20 @@ def load_config(config_file: str | Path | None = None, overrides: Sequence[str] 
 
 
 def to_dict(cfg: Any) -> dict[str, object]:
-    """The resolved config as plain data (what config.yaml holds)."""
-    return attrs.asdict(
+    """The resolved config as plain data (what config.yaml holds, and what trackers record),
+    each of :data:`SECRET_KEYS` None whatever its value (a resume gets it again from its
+    environment variable)."""
+    data = attrs.asdict(
         cfg, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v
     )
+    for key in SECRET_KEYS:
+        *sections, leaf = key.split(".")
+        section: Any = data
+        for name in sections:
+            section = section.get(name) if isinstance(section, dict) else None
+        if isinstance(section, dict) and leaf in section:
+            section[leaf] = None
+    return data
 
 
 def help_text() -> str:

@@ -5,10 +5,12 @@ what no single field's check can see, each a ``ConfigError`` naming the keys inv
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import os
 import stat
 import sys
 import warnings
+from urllib.parse import urlsplit
 
 from engines.vllm.flags import flag_clashes
 from sync.registry import TRANSPORTS
@@ -182,6 +184,43 @@ def _check_vllm(cfg: Config) -> None:
         )
 
 
+def _exposed_engine(cfg: Config) -> str | None:
+    """Where the run's engines answer beyond this host: ``engine.placement=ray`` (each server
+    binds its node's address), or a ``backend=remote`` URL that is not loopback; None: all on
+    this host's loopback."""
+    e = cfg.engine
+    if e.backend in ("local", "vllm") and e.placement == "ray":
+        return "engine.placement='ray' binds each server to its node's address"
+    if e.backend == "remote":
+        for url in e.urls:
+            host = (urlsplit(url).hostname or "").strip("[]")
+            try:
+                loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                return f"engine.urls has {url!r}, not this host's loopback"
+    return None
+
+
+def _check_pickle_exposure(cfg: Config) -> None:
+    """``sync.transport=ipc`` with vLLM needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``: its
+    ``/update_weights`` unpickles what it is sent. Refused where that route answers beyond
+    this host, unless ``engine.trust_network`` says the network is trusted."""
+    if cfg.sync.transport != "ipc" or cfg.engine.trust_network:
+        return
+    if cfg.engine.backend not in ("vllm", "remote"):
+        return
+    if (exposed := _exposed_engine(cfg)) is not None:
+        raise ConfigError(
+            f"config: sync.transport='ipc' makes vLLM unpickle what /update_weights is sent "
+            f"(VLLM_ALLOW_INSECURE_SERIALIZATION=1), and {exposed}: anyone who reaches it and "
+            "has the key runs code there. Keep the engines on this host (engine.placement="
+            "process), use sync.transport=nccl, or set engine.trust_network=true if only "
+            "trusted hosts reach this network (docs/security.md)"
+        )
+
+
 def _check_fork_server(cfg: Config) -> None:
     """``engine.fork_server`` names a listening socket where the run starts reference servers
     as child processes (elsewhere it is not used, so not checked)."""
@@ -287,6 +326,7 @@ def validate_cfg(cfg: Config) -> None:
             f"engine.backend={cfg.engine.backend!r} starts none; use engine.backend=local or vllm"
         )
     _check_vllm(cfg)
+    _check_pickle_exposure(cfg)
     _check_fork_server(cfg)
     _check_algorithm(cfg)
     if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":

@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import attrs
+import trio
 
 from engines.client import (
     DATA_PLANE_ROUTES,
@@ -24,6 +25,7 @@ from engines.launch import (
     RayEngine,
     ReferenceServers,
     ServersSpec,
+    new_api_key,
     open_engine_processes,
 )
 from engines.types import EngineClient
@@ -38,6 +40,7 @@ __all__ = [
     "open_engines",
     "vllm_servers",
     "vllm_settings",
+    "weight_sync_hosts",
 ]
 
 log = logging.getLogger("trainer.run")
@@ -51,6 +54,10 @@ class Engines:
     #: ``engine.backend=local`` or ``vllm`` with ``placement=process``: the server processes
     #: (restartable); None for every other backend and placement.
     processes: EngineProcesses | None = None
+    #: The secret the servers ask for (``Authorization: Bearer``): for servers the trainer
+    #: started, ``engine.api_key`` or else the fresh one of this run; for ``remote``,
+    #: ``engine.api_key``; None for in-process engines (no HTTP).
+    api_key: str | None = None
 
 
 @asynccontextmanager
@@ -64,7 +71,9 @@ async def open_engine(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncItera
 async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIterator[Engines]:
     """The engines of ``engine.backend`` and their client, as the run plan has them.
 
-    Servers the trainer starts are stopped when the block exits, whatever the error. Every
+    Servers the trainer starts are stopped when the block exits, whatever the error; they ask
+    for ``engine.api_key``, or else for a secret made fresh for this run (in their
+    environment, never on a command line or in a file), which the client sends. Every
     server is probed for the routes the run uses (naming the ``vllm serve`` flag behind a
     missing one); a vLLM server's config must have the run's weight-transfer backend.
     """
@@ -93,17 +102,17 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
             yield Engines(client)
         return
     async with AsyncExitStack() as stack:
-        processes = None
+        processes, api_key = None, e.api_key
         if plan.engine_backend is EngineBackend.REMOTE:
             urls = list(e.urls)
         else:
-            started = await _start_servers(stack, cfg, model_dir, run_dir / "engines")
+            started, api_key = await _start_servers(stack, cfg, model_dir, run_dir)
             urls = [engine.url for engine in started]
             processes = started if isinstance(started, EngineProcesses) else None
         client = await stack.enter_async_context(
             InferenceClient(
                 urls,
-                api_key=e.api_key,
+                api_key=api_key,
                 max_concurrency=e.max_concurrency,
                 control_plane_timeout_s=plan.timeouts.control_plane_s,
                 model=adapter.name if adapter is not None else None,
@@ -112,7 +121,7 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
         await client.probe(routes)
         if adapter is None:  # the weight-transfer backend the run's transport speaks
             await check_server_config(client, plan.transport.name, needs_sleep=sleeps)
-        yield Engines(client, processes)
+        yield Engines(client, processes, api_key)
 
 
 def vllm_settings(cfg: Config, model_dir: Path) -> VllmSettings:
@@ -133,12 +142,36 @@ def vllm_servers(cfg: Config, model_dir: Path) -> VllmServers:
     return VllmServers(vllm_settings(cfg, model_dir), gpu_groups=groups)
 
 
+async def weight_sync_hosts(cfg: Config) -> tuple[str, ...]:
+    """Where policy rank 0 may host the run's weight-sync group, as its servers are told
+    (``TRAINER_WEIGHT_SYNC_HOSTS``: an ``init_info`` naming another ``master_address`` is
+    refused): ``sync.master_address`` when set; else, where Ray runs in this process, every
+    live node of the cluster (rank 0 hosts at its node's address, which is known only once
+    the workers exist); else loopback (servers on this machine, reached at ``127.0.0.1``).
+    """
+    if cfg.sync.master_address is not None:
+        return (cfg.sync.master_address,)
+    if not cfg.plan.uses_ray:
+        return ("127.0.0.1",)
+    import ray  # importing Ray costs seconds: only where the run uses it
+
+    def node_addresses() -> tuple[str, ...]:
+        nodes = ray.nodes() if ray.is_initialized() else []  # a GCS round-trip: off the loop
+        return tuple(dict.fromkeys(str(n["NodeManagerAddress"]) for n in nodes if n["Alive"]))
+
+    return await trio.to_thread.run_sync(node_addresses) or ("127.0.0.1",)
+
+
 async def _start_servers(
-    stack: AsyncExitStack, cfg: Config, model_dir: Path, log_dir: Path
-) -> EngineProcesses | list[RayEngine]:
+    stack: AsyncExitStack, cfg: Config, model_dir: Path, run_dir: Path
+) -> tuple[EngineProcesses | list[RayEngine], str]:
     """Start the servers of ``engine.backend`` (stopped when ``stack`` closes): the processes
-    (placement=process) or the Ray-placed servers, each with its ``url``."""
+    (placement=process) or the Ray-placed servers, each with its ``url``, and the secret they
+    ask for (``engine.api_key``, or a fresh one). They log under ``RUN_DIR/engines``; a disk
+    update may read ``RUN_DIR/weight_sync`` alone (the transport's folder, see
+    ``make_transport``)."""
     e, plan = cfg.engine, cfg.plan
+    log_dir = run_dir / "engines"
     servers: ServersSpec
     if plan.engine_backend is EngineBackend.VLLM:
         servers = vllm_servers(cfg, model_dir)
@@ -151,16 +184,26 @@ async def _start_servers(
             num_threads=None if plan.threads is None else plan.threads.server,
             max_lora_rank=plan.served_adapter.max_rank if plan.served_adapter else None,
         )
-    started = {"api_key": e.api_key, "startup_timeout_s": plan.timeouts.engine_startup_s}
+    api_key = new_api_key() if e.api_key is None else e.api_key
+    weight_dir = run_dir / "weight_sync"  # make_transport's folder
+    hosts = await weight_sync_hosts(cfg)
+    startup_s = plan.timeouts.engine_startup_s
     # the fork server forks reference servers; `vllm serve` always starts afresh
     fork_server = e.fork_server if plan.engine_backend is EngineBackend.LOCAL else None
     if plan.engine_placement is EnginePlacement.PROCESS:
         engines = await stack.enter_async_context(
             open_engine_processes(
-                e.num_engines, servers, log_dir, fork_server=fork_server, **started
+                e.num_engines,
+                servers,
+                log_dir,
+                api_key=api_key,
+                startup_timeout_s=startup_s,
+                fork_server=fork_server,
+                weight_dir=weight_dir,
+                weight_sync_hosts=hosts,
             )
         )
-        return engines
+        return engines, api_key
     from engines.launch import open_ray_engines
     from trainer.workers.ray_cluster import actor_env
 
@@ -173,8 +216,11 @@ async def _start_servers(
             num_cpus=e.ray_num_cpus,
             num_gpus=gpus,
             env=actor_env(),
-            **started,
+            api_key=api_key,
+            startup_timeout_s=startup_s,
+            weight_dir=weight_dir,
+            weight_sync_hosts=hosts,
         )
     )
     log.info("ray engines up: %s", {p.url: (p.node_ip, p.pid) for p in placed})
-    return placed
+    return placed, api_key

@@ -278,7 +278,7 @@ async def _open_parts(
         max_tokens = cfg.generator.sampling.max_tokens
         check_context(await engines.client.max_model_len(), prepared.fitted, max_tokens)
     dumper.engine_urls = tuple(getattr(engines.client, "urls", ()))
-    dumper.engine_api_key = cfg.engine.api_key
+    dumper.engine_api_key = engines.api_key
     with progress.phase("workers"):
         workers = await stack.enter_async_context(open_workers(cfg, prepared.model_dir))
     with progress.phase("weight transport"):

@@ -36,7 +36,7 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
         victim = engines[0]
         caught: list[InferenceServerError] = []
         async with InferenceClient(
-            [victim.url], retry=RetryPolicy(max_retries=2, backoff_s=0.05)
+            [victim.url], api_key=engines.api_key, retry=RetryPolicy(max_retries=2, backoff_s=0.05)
         ) as client:
 
             async def generate() -> None:
@@ -50,7 +50,7 @@ async def test_a_server_killed_mid_request_gives_an_error_naming_it(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(generate)
                 with trio.fail_after(60):
-                    while (await stats(victim.url))["num_requests_waiting"] < 1:  # noqa: ASYNC110
+                    while (await stats(victim.url, engines.api_key))["num_requests_waiting"] < 1:  # noqa: ASYNC110
                         await trio.sleep(0.02)
                 os.killpg(victim.pid, signal.SIGKILL)
         assert caught[0].url == victim.url
@@ -140,7 +140,7 @@ async def test_a_second_launch_in_the_same_log_dir_ignores_the_first_servers_rea
         async with launch_local_engines(
             1, model_dir, tmp_path, startup_timeout_s=STARTUP_S
         ) as second:
-            async with InferenceClient(second) as client:
+            async with InferenceClient(second, api_key=second.api_key) as client:
                 completion = await client.generate([5, 6], SamplingParams(max_tokens=1, seed=0))
     assert completion.finish_reason == "length"
     assert (tmp_path / "engine-0.log").read_text().count("ENGINE_READY") == 2

@@ -66,7 +66,7 @@ async def test_servers_in_actors_serve_over_http_and_are_gone_after(
         assert len({e.url for e in engines}) == 2
         assert all(e.url.startswith(f"http://{e.node_ip}:") for e in engines)
         assert set(processes_with_marker(marker)) >= {e.pid for e in engines}
-        async with InferenceClient([e.url for e in engines]) as client:
+        async with InferenceClient([e.url for e in engines], api_key=engines[0].api_key) as client:
             completion = await client.generate([5, 6], SamplingParams(max_tokens=4, seed=0))
         assert len(completion.token_ids) >= 1
         # logs land where asked, one per server, with the server's ready line

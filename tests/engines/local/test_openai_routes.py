@@ -19,6 +19,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from engines.launch import EngineUrls
+from tests.engines.helpers import auth
+
 SCHEMAS = json.loads(
     (Path(__file__).parents[1] / "vllm_recorded" / "vllm_openai_schemas.json").read_text()
 )["schemas"]
@@ -31,8 +34,10 @@ def conforms(name: str, payload: Any) -> None:
 
 
 @pytest.fixture(scope="module")
-def client(engine_urls: list[str]) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{engine_urls[0]}/v1", api_key="unused", max_retries=0)
+def client(engine_urls: EngineUrls) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{engine_urls[0]}/v1", api_key=engine_urls.api_key, max_retries=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +45,11 @@ def model(client: openai.OpenAI) -> str:
     return client.models.list().data[0].id
 
 
-def events(url: str, path: str, body: dict[str, Any]) -> list[str]:
-    """The raw server-sent events of a streamed request (``data: ...`` payloads, in order);
-    asserts the framing: every event is ``data: <payload>\\n\\n``."""
-    with httpx.Client(timeout=120) as http:
-        response = http.post(url + path, json=body)
+def events(urls: EngineUrls, path: str, body: dict[str, Any]) -> list[str]:
+    """The raw server-sent events of a streamed request to ``urls[0]`` (``data: ...``
+    payloads, in order); asserts the framing: every event is ``data: <payload>\\n\\n``."""
+    with httpx.Client(timeout=120, headers=auth(urls)) as http:
+        response = http.post(urls[0] + path, json=body)
     assert response.status_code == 200, response.text
     assert response.headers["content-type"].startswith("text/event-stream")
     raw = response.text
@@ -106,7 +111,7 @@ def test_skip_special_tokens_false_keeps_every_sampled_token_in_the_text(
 
 
 def test_chat_stream_sends_vllms_events_and_adds_up_to_the_whole_answer(
-    client: openai.OpenAI, model: str, engine_urls: list[str]
+    client: openai.OpenAI, model: str, engine_urls: EngineUrls
 ) -> None:
     request = {"model": model, "messages": MESSAGES, "max_tokens": 8, "seed": 11}
     whole = client.chat.completions.create(
@@ -138,7 +143,7 @@ def test_chat_stream_sends_vllms_events_and_adds_up_to_the_whole_answer(
     assert chunks[-1].usage.completion_tokens == 8
 
     payloads = events(
-        engine_urls[0], "/v1/chat/completions", request | {"stream": True, "logprobs": True}
+        engine_urls, "/v1/chat/completions", request | {"stream": True, "logprobs": True}
     )
     assert payloads[-1] == "[DONE]"
     for payload in payloads[:-1]:
@@ -176,7 +181,7 @@ def test_stop_string_cuts_the_text_and_ends_the_completion(
 
 
 def test_chat_stop_string_and_completion_stream_validate(
-    client: openai.OpenAI, model: str, engine_urls: list[str]
+    client: openai.OpenAI, model: str, engine_urls: EngineUrls
 ) -> None:
     free = client.chat.completions.create(
         model=model,
@@ -199,7 +204,7 @@ def test_chat_stop_string_and_completion_stream_validate(
     assert stopped.choices[0].finish_reason == "stop"
 
     payloads = events(
-        engine_urls[0],
+        engine_urls,
         "/v1/completions",
         {
             "model": model,

@@ -21,27 +21,28 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engines.client import InferenceClient
+from engines.launch import EngineUrls
 from engines.models import load_tokenizer
 from engines.types import Completion, SamplingParams
-from tests.engines.helpers import client_routes, stats, steps
+from tests.engines.helpers import auth, client_routes, stats, steps
 from trainer.errors import FaultInjected
 from trainer.vocabulary import install_faults, step_deadline
 
 
 @pytest.fixture(autouse=True)
-async def _leave_the_server_serving(engine_urls: list[str]) -> AsyncIterator[None]:
+async def _leave_the_server_serving(engine_urls: EngineUrls) -> AsyncIterator[None]:
     """Whatever a test did (or failed to undo), the next one finds the server resumed and awake."""
     yield
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=auth(engine_urls)) as http:
         await http.post(f"{engine_urls[0]}/resume")
         await http.post(f"{engine_urls[0]}/wake_up")
 
 
-async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list[str]) -> None:
+async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: EngineUrls) -> None:
     url = engine_urls[0]
-    before = (await stats(url))["batch_size_counts"]
+    before = (await stats(url, engine_urls.api_key))["batch_size_counts"]
     results: list[Completion | None] = [None] * 32
-    async with InferenceClient(engine_urls) as client:
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
 
         async def one(i: int) -> None:
             params = SamplingParams(max_tokens=24, ignore_eos=True, seed=i)
@@ -55,12 +56,12 @@ async def test_32_concurrent_requests_complete_and_are_batched(engine_urls: list
         assert c.finish_reason == "length"
         assert len(c.token_ids) == len(c.logprobs) == 24
         assert all(lp <= 0 for lp in c.logprobs)
-    after = (await stats(url))["batch_size_counts"]
+    after = (await stats(url, engine_urls.api_key))["batch_size_counts"]
     new_steps = {int(k): v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
     assert max(new_steps) > 1, f"no batching: {new_steps}"
 
 
-async def test_completion_response_follows_vllm_shape(engine_urls: list[str], model_dir) -> None:
+async def test_completion_response_follows_vllm_shape(engine_urls: EngineUrls, model_dir) -> None:
     body = {
         "prompt": "1 + 2 =",
         "n": 2,
@@ -70,7 +71,7 @@ async def test_completion_response_follows_vllm_shape(engine_urls: list[str], mo
         "logprobs": 0,
         "return_token_ids": True,
     }
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=auth(engine_urls)) as http:
         data = (await http.post(f"{engine_urls[0]}/v1/completions", json=body)).json()
     assert data["object"] == "text_completion"
     prompt_ids = load_tokenizer(model_dir).encode("1 + 2 =")
@@ -88,8 +89,8 @@ async def test_completion_response_follows_vllm_shape(engine_urls: list[str], mo
     }
 
 
-async def test_same_seed_gives_the_same_tokens(engine_urls: list[str]) -> None:
-    async with InferenceClient(engine_urls) as client:
+async def test_same_seed_gives_the_same_tokens(engine_urls: EngineUrls) -> None:
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
         params = SamplingParams(max_tokens=12, ignore_eos=True, seed=1234)
         a = await client.generate([3, 4, 5], params)
         b = await client.generate([3, 4, 5], params)
@@ -98,13 +99,13 @@ async def test_same_seed_gives_the_same_tokens(engine_urls: list[str]) -> None:
 
 
 async def test_n_samples_in_one_request_equal_n_requests_seeded_one_apart(
-    engine_urls: list[str],
+    engine_urls: EngineUrls,
 ) -> None:
     params = SamplingParams(max_tokens=6, ignore_eos=True, seed=500)
-    async with InferenceClient(engine_urls) as client:
-        before = steps(await stats(engine_urls[0]))
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
+        before = steps(await stats(engine_urls[0], engine_urls.api_key))
         together = await client.generate_n([3, 4, 5], params, 4)
-        shared_steps = steps(await stats(engine_urls[0])) - before
+        shared_steps = steps(await stats(engine_urls[0], engine_urls.api_key)) - before
         apart = [
             await client.generate([3, 4, 5], attrs.evolve(params, seed=500 + i)) for i in range(4)
         ]
@@ -117,32 +118,33 @@ async def test_n_samples_in_one_request_equal_n_requests_seeded_one_apart(
 
 
 async def test_a_generate_fault_fires_in_the_client_before_the_request(
-    engine_urls: list[str],
+    engine_urls: EngineUrls,
 ) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True, seed=3)
-    async with InferenceClient(engine_urls) as client:
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
         assert len((await client.generate([3, 4, 5], params)).token_ids) == 4  # no fault: works
-        before = steps(await stats(engine_urls[0]))
+        before = steps(await stats(engine_urls[0], engine_urls.api_key))
         install_faults("generate:error=boom")
         try:
             with pytest.raises(FaultInjected) as info, step_deadline(5, None):
                 await client.generate([3, 4, 5], params)
         finally:
             install_faults("")
-        assert steps(await stats(engine_urls[0])) == before  # nothing reached the server
+        # nothing reached the server
+        assert steps(await stats(engine_urls[0], engine_urls.api_key)) == before
         assert len((await client.generate([3, 4, 5], params)).token_ids) == 4
     assert (info.value.operation, info.value.message, info.value.step) == ("generate", "boom", 5)
 
 
-async def test_info_routes(engine_urls: list[str]) -> None:
+async def test_info_routes(engine_urls: EngineUrls) -> None:
     url = engine_urls[0]
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=auth(engine_urls)) as http:
         assert (await http.get(f"{url}/health")).status_code == 200
         models = (await http.get(f"{url}/v1/models")).json()
         assert models["object"] == "list" and models["data"][0]["object"] == "model"
         metrics = (await http.get(f"{url}/metrics")).text
         assert "engine_decode_steps_total" in metrics
-    async with InferenceClient(engine_urls) as client:
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
         assert await client.get_world_size() == [1]
         await client.reset_prefix_cache()
         await client.probe([*client_routes()])
@@ -208,12 +210,12 @@ BAD_REQUESTS = [
 
 @pytest.mark.parametrize(("method", "path", "body"), BAD_REQUESTS)
 async def test_each_bad_input_class_gets_a_4xx_with_an_error_body(
-    engine_urls: list[str], method: str, path: str, body: Any
+    engine_urls: EngineUrls, method: str, path: str, body: Any
 ) -> None:
     content = (
         body if isinstance(body, bytes) else None if body is None else json.dumps(body).encode()
     )
-    async with httpx.AsyncClient() as http:
+    async with httpx.AsyncClient(headers=auth(engine_urls)) as http:
         response = await http.request(method, engine_urls[0] + path, content=content)
     assert 400 <= response.status_code < 500, response.text
     error = response.json()["error"]
@@ -252,9 +254,9 @@ REQUEST = st.fixed_dictionaries(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=st.one_of(REQUEST, st.binary(max_size=20)))
-async def test_no_request_body_yields_a_5xx(engine_urls: list[str], body: Any) -> None:
+async def test_no_request_body_yields_a_5xx(engine_urls: EngineUrls, body: Any) -> None:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=auth(engine_urls)) as http:
         response = await http.post(f"{engine_urls[0]}/v1/completions", content=content)
     assert response.status_code < 500, response.text
     if response.status_code >= 400:

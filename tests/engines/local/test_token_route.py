@@ -13,25 +13,33 @@ import httpx
 import jsonschema
 import pytest
 
+from engines.launch import EngineUrls
+from tests.engines.helpers import auth
+
 SCHEMAS = json.loads(
     (Path(__file__).parents[1] / "vllm_recorded" / "vllm_token_schemas.json").read_text()
 )["schemas"]
 PROMPT_IDS = [5, 17, 3, 22, 9]
 
 
+#: The shared server's ``Authorization`` header (set by the ``url`` fixture).
+HEADERS: dict[str, str] = {}
+
+
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
-    with httpx.Client(timeout=120) as http:
+    with httpx.Client(timeout=120, headers=HEADERS) as http:
         return http.post(url + path, json=body)
 
 
 @pytest.fixture(scope="module")
-def url(engine_urls: list[str]) -> str:
+def url(engine_urls: EngineUrls) -> str:
+    HEADERS.update(auth(engine_urls))
     return engine_urls[0]
 
 
 @pytest.fixture(scope="module")
 def model(url: str) -> str:
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=HEADERS) as http:
         return http.get(url + "/v1/models").json()["data"][0]["id"]
 
 
@@ -86,7 +94,7 @@ def test_token_in_seeds_n_and_stop_token_ids_as_vllm(url: str, model: str) -> No
     assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop)
     # max_tokens absent: what fits the context, as vLLM's get_max_tokens
     fits = generate(url, model, temperature=0, ignore_eos=True)["choices"][0]
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers=HEADERS) as http:
         max_len = http.get(url + "/v1/models").json()["data"][0]["max_model_len"]
     assert len(fits["token_ids"]) == max_len - len(PROMPT_IDS)
 

@@ -24,9 +24,9 @@ async def assert_syncs_make_the_engine_score_as_the_policy(
     then vLLM labels its weights with the last sync's version (``/finish_weight_update``'s
     ``weight_version``), as ``GET /weight_info`` says."""
     await syncs_make_the_engine_score_as_the_policy(
-        server.url, server.model_dir, transport, tolerance
+        server.url, server.model_dir, transport, tolerance, api_key=server.api_key
     )
-    async with httpx.AsyncClient(timeout=60) as http:
+    async with httpx.AsyncClient(timeout=60, headers=server.headers) as http:
         label = (await http.get(f"{server.url}/weight_info")).json()
     assert label == {"weight_version": str(VERSIONS[-1])}
 
@@ -58,9 +58,11 @@ def run_remote(
     server: RealServer, run_dir: Path, steps: int, *overrides: str
 ) -> subprocess.CompletedProcess[str]:
     """:func:`remote_command`'s run, to its end: forked from the test process's fork server
-    (:func:`tests.e2e.helpers.run_trainer`), not a new Python."""
+    (:func:`tests.e2e.helpers.run_trainer`), not a new Python; the server's key, where it
+    asks for one, in ``TRAINER_ENGINE_API_KEY`` (never on the command line)."""
     args = remote_command(server, run_dir, steps, *overrides)[3:]  # after `python -m trainer`
-    return run_trainer(*args, timeout=600)
+    env = {} if server.api_key is None else {"TRAINER_ENGINE_API_KEY": server.api_key}
+    return run_trainer(*args, timeout=600, env=env)
 
 
 def assert_remote_run_is_exact(server: RealServer, tmp_path: Path) -> None:

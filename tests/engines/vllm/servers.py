@@ -16,6 +16,7 @@ import attrs
 import httpx
 
 from engines.process_group import free_port
+from engines.vllm.auth import MIDDLEWARE
 from engines.vllm.serve import TOKEN_IN_FLAG, cpu_env
 
 __all__ = ["PROJECT", "START_TIMEOUT_S", "VLLM_PYTHON", "Launched", "RealServer", "launch"]
@@ -35,6 +36,15 @@ class RealServer:
     log: Path
     pid: int
     backend: str
+    #: The secret it asks for on every route but ``/health`` and ``/ping`` (``VLLM_API_KEY``
+    #: and the trainer's ``--middleware``, as the trainer starts its own); None: vLLM's default,
+    #: no key at all.
+    api_key: str | None = None
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The ``Authorization`` header it asks for (none without a key)."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
 
 @attrs.define(eq=False)
@@ -78,13 +88,20 @@ class Launched:
 
 
 def launch(
-    log_dir: Path, backend: str, model_dir: Path, *, lora_rank: int | None = None
+    log_dir: Path,
+    backend: str,
+    model_dir: Path,
+    *,
+    lora_rank: int | None = None,
+    api_key: str | None = None,
 ) -> Launched:
     """A real vLLM server with this weight-transfer backend (the project's plugin's ``gloo`` or
     ``disk``) serving ``model_dir``, started as docs/vllm.md tells a user to start one, under
     the project's stdin guard (a killed pytest takes it down); :meth:`Launched.stop` stops
     its whole process group. ``lora_rank``: serving LoRA adapters up to that rank, with their
-    load and unload routes (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``)."""
+    load and unload routes (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+    ``api_key``: asked for on every route but the health probes, as the trainer's own servers
+    (``VLLM_API_KEY`` in its environment, :mod:`engines.vllm.auth` as ``--middleware``)."""
     port = free_port()
     log = log_dir / "server.log"
     cmd = [str(VLLM_PYTHON), "-m", "engines.launch.stdin_guard", "--grace-s", "10", "--"]
@@ -100,6 +117,9 @@ def launch(
     if lora_rank is not None:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if api_key is not None:
+        cmd += ["--middleware", MIDDLEWARE]
+        env["VLLM_API_KEY"] = api_key
     env["PYTHONPATH"] = str(PROJECT)
     started = time.monotonic()
     with open(log, "wb") as out:
@@ -112,7 +132,7 @@ def launch(
             cwd=PROJECT,
             start_new_session=True,
         )
-    server = RealServer(f"http://127.0.0.1:{port}", model_dir, log, proc.pid, backend)
+    server = RealServer(f"http://127.0.0.1:{port}", model_dir, log, proc.pid, backend, api_key)
     return Launched(server, proc, started)
 
 

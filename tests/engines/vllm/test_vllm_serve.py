@@ -290,9 +290,10 @@ async def test_a_server_told_its_port_starts_serves_and_leaves_nothing(
 ) -> None:
     async with open_engine_processes(
         1, GuardedReference(str(model_dir)), tmp_path, startup_timeout_s=120
-    ) as (engine,):
+    ) as engines:
+        (engine,) = engines
         assert engine.url == f"http://127.0.0.1:{engine.told_port}"
-        async with InferenceClient([engine.url]) as client:
+        async with InferenceClient([engine.url], api_key=engines.api_key) as client:
             completion = await client.generate([5, 6], SamplingParams(max_tokens=2, seed=0))
             # a server without vLLM's /server_info (404) is not checked
             await check_server_config(client, "nccl", needs_sleep=True)

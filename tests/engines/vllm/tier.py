@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import httpx
 
+from engines.launch import new_api_key
 from engines.models import build_tiny_model, resolve_model_path
 from tests.e2e.helpers import new_marker, trainer_env
 from tests.engines.vllm.servers import PROJECT, VLLM_PYTHON, Launched, RealServer, launch
@@ -40,6 +41,9 @@ SHARED: dict[str, tuple[str, Callable[[Path], Path]]] = {
 }
 #: The servers that serve LoRA adapters, up to this rank.
 LORA_RANKS = {"tiny-lora": 8}
+#: The servers that ask for a secret (a fresh one) on every route but the health probes, as
+#: the trainer's own ``vllm serve`` do: their tests send it (``RealServer.api_key``).
+KEYED = frozenset({"tiny-disk"})
 
 
 @attrs.define(eq=False)
@@ -189,7 +193,13 @@ class Tier:
         backend, model = SHARED[key]
         log_dir = self.base / f"{key}-{len(self.every)}"
         log_dir.mkdir(parents=True)
-        self.launched[key] = launch(log_dir, backend, model(log_dir), lora_rank=LORA_RANKS.get(key))
+        self.launched[key] = launch(
+            log_dir,
+            backend,
+            model(log_dir),
+            lora_rank=LORA_RANKS.get(key),
+            api_key=new_api_key() if key in KEYED else None,
+        )
         self.every.append(self.launched[key])
 
     def _prestart(self) -> None:

@@ -174,9 +174,13 @@ async def test_a_bad_generator_stops_the_run_before_any_model_loads(tmp_path, sp
     assert not (tmp_path / "engines").exists()  # no server was started
 
 
-async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(tmp_path, capsys):
-    """engine.backend=remote (servers someone else runs), a reference model, the progress lines."""
+async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(
+    tmp_path, capsys, monkeypatch
+):
+    """engine.backend=remote (servers someone else runs, their key in the environment), a
+    reference model, the progress lines."""
     async with launch_local_engines(1, build_tiny_model(), tmp_path / "servers") as urls:
+        monkeypatch.setenv("TRAINER_ENGINE_API_KEY", urls.api_key)
         cfg = load_config(
             None,
             [
@@ -192,7 +196,7 @@ async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(
         )
         await trainer.run.train(cfg)
         # the trainer stopped nothing it did not start: the server still answers
-        async with InferenceClient(urls) as client:
+        async with InferenceClient(urls, api_key=urls.api_key) as client:
             await client.probe()
     rows = [json.loads(line) for line in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

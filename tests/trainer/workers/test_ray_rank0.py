@@ -61,8 +61,10 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=2
     )
     try:
-        async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
-            async with InferenceClient(urls) as client:
+        async with launch_local_engines(
+            1, model_dir, tmp_path, startup_timeout_s=180, weight_dir=tmp_path / "sync"
+        ) as urls:
+            async with InferenceClient(urls, api_key=urls.api_key) as client:
 
                 async def served() -> str:
                     (answer,) = await client.control(
@@ -101,7 +103,7 @@ async def test_a_hung_weight_sync_join_in_rank_0s_actor_is_checkpoint_engine_ini
     )
     try:
         async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
-            async with InferenceClient(urls) as client:
+            async with InferenceClient(urls, api_key=urls.api_key) as client:
                 transport = BroadcastTransport(2**20, group_init_timeout_s=3)
                 with pytest.raises(CheckpointEngineInitError) as info:
                     await transport.init(client, group)
