@@ -25,19 +25,24 @@ wherever it runs.
   and the weight-sync hosts it may join (``TRAINER_WEIGHT_SYNC_HOSTS``), when given;
 - how it stops, for both: stdin closed, SIGTERM to its process group, SIGKILL after
   ``shutdown_timeout_s``; shielded and bounded on every way out of the block;
-- why it never outlives the trainer: a pipe on its stdin, which closes when the trainer dies
-  (even SIGKILLed); the reference server exits on its end-of-file, ``vllm serve`` runs under
-  :mod:`engines.launch.stdin_guard`, which does it for it.
+- why it never outlives the trainer: the kernel kills it when the trainer dies, however it
+  dies and from the server's first instruction (:func:`open_child` runs it under
+  :mod:`engines.launch.parent_death`; a fork server kills a fork whose client is gone); and a
+  pipe on its stdin, which closes when the trainer dies: the reference server exits on its
+  end-of-file, ``vllm serve`` runs under :mod:`engines.launch.stdin_guard`, which does it for
+  it. A Ray-placed server is its actor's child, and the actor is Ray's: it ends with its
+  actor, which Ray ends with the job (``engines.launch._ray``).
 
 - what starts it: a new process, or a fork of a fork server that imported everything once
   (:mod:`engines.launch.fork_server`, ``fork_server=``; its clients :func:`fork_process` and
   :func:`fork_popen`).
 
-The private modules: ``_spec`` (the specs), ``_fork_client`` (a fork server's clients), ``_ready`` (the ready line, the one start-up
+The private modules: ``_children`` (children that die with this process), ``_spec`` (the specs), ``_fork_client`` (a fork server's clients), ``_ready`` (the ready line, the one start-up
 wait), ``_stop`` (the SIGTERM/SIGKILL escalation), ``_processes`` (child processes),
 ``_ray`` and ``_ray_actor`` (Ray placement: the trainer's side, the actor's side).
 """
 
+from engines.launch._children import ChildProcess, open_child
 from engines.launch._fork_client import (
     FORK_SERVER_READY,
     ForkedPopen,
@@ -85,6 +90,7 @@ __all__ = [
     "READY_RE",
     "WEIGHT_DIR_ENV",
     "WEIGHT_SYNC_HOSTS_ENV",
+    "ChildProcess",
     "EngineProcess",
     "EngineProcesses",
     "EngineServerActor",
@@ -102,6 +108,7 @@ __all__ = [
     "launch_local_engines",
     "list_children",
     "new_api_key",
+    "open_child",
     "open_engine_processes",
     "open_ray_engines",
     "ready_line",

@@ -30,7 +30,7 @@ import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import trio
 
@@ -126,7 +126,9 @@ def _start(
     argv: list[str], sig: int, kwargs: dict[str, Any]
 ) -> tuple[subprocess.Popen[bytes], int | None]:
     """In the spawner thread: fork ``argv`` under :mod:`parent_death`, and its pidfd."""
-    popen = subprocess.Popen(parent_death.command(argv, sig=sig), **kwargs)
+    popen = cast(
+        "subprocess.Popen[bytes]", subprocess.Popen(parent_death.command(argv, sig=sig), **kwargs)
+    )
     return popen, _pidfd(popen.pid)
 
 

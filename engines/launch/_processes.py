@@ -18,9 +18,14 @@ Servers never outlive the trainer:
 - on leaving the block (normally, on error or on cancellation) each server's stdin is
   closed and its process group gets SIGTERM, then SIGKILL after ``shutdown_timeout_s``;
   this cleanup is shielded from the cancellation and bounded;
-- if the trainer dies without cleaning up (even SIGKILL), the write end of each server's
-  stdin pipe closes with it, and the server shuts itself down on end-of-file (a server
-  without that option runs under :mod:`engines.launch.stdin_guard`, which does it for it).
+- if the trainer dies without cleaning up (SIGKILL, a crash), each server started here gets
+  SIGKILL from the kernel at that moment, whatever it is doing (its imports included): it runs
+  under :mod:`engines.launch.parent_death`, started by :func:`~engines.launch.open_child`;
+  a server forked by a fork server is killed by the fork server when the trainer's connection
+  closes (:mod:`engines.launch.fork_server`);
+- and the write end of each server's stdin pipe closes with the trainer: the server shuts
+  itself down on end-of-file (a server without that option runs under
+  :mod:`engines.launch.stdin_guard`, which does it for it).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from engines.launch._children import ChildProcess, open_child
 from engines.launch._fork_client import ForkedProcess, fork_process, forkable
 from engines.launch._ready import READY_SEARCH_CHARS, exit_text, ready_port, wait_all_ready
 from engines.launch._spec import (
@@ -70,7 +76,7 @@ class EngineProcess:
     index: int
     #: The process (its own process group: ``pgid == pid``): a child of this one, or of the
     #: fork server that started it.
-    process: trio.Process | ForkedProcess
+    process: ChildProcess | ForkedProcess
     #: Where its stdout and stderr go.
     log_path: Path
     #: The address it listens on.
@@ -119,7 +125,7 @@ async def _spawn(
 ) -> EngineProcess:
     log_file = await trio.to_thread.run_sync(lambda: open(log_path, "ab"))  # noqa: SIM115
     offset = log_file.seek(0, 2)
-    process: trio.Process | ForkedProcess
+    process: ChildProcess | ForkedProcess
     try:
         if fork_server is not None and forkable(spec.argv):
             process = await fork_process(
@@ -131,9 +137,7 @@ async def _spawn(
                 stderr=log_file.fileno(),
             )
         else:
-            process = await trio.lowlevel.open_process(
-                list(spec.argv), **popen_kwargs(spec, log_file, env)
-            )
+            process = await open_child(spec.argv, **popen_kwargs(spec, log_file, env))
     finally:
         log_file.close()  # the child holds its own descriptor
     url = f"engine-{index} (pid {process.pid})" if spec.port is None else base_url(host, spec.port)

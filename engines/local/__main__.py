@@ -20,7 +20,11 @@ shut it down gracefully (in-flight requests get a couple of seconds), and so doe
 of its engine (a decode step over partial weights, as real vLLM's worker crashes), which
 exits 1. With
 ``--exit-on-stdin-eof`` it also shuts down when its stdin reaches end-of-file: a launcher
-that holds the write end of a pipe makes the server die with it, even on SIGKILL.
+that holds the write end of a pipe makes the server die with it, even on SIGKILL. It watches
+from the first line of :func:`main`, before the model loads (a launcher that dies while the
+server loads ends it then, not once it serves); before that, while this module's imports run,
+the launchers' ``PR_SET_PDEATHSIG`` (:mod:`engines.launch.parent_death`) is what ties it to
+them.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -61,6 +67,8 @@ log = logging.getLogger("engines.local")
 
 #: Seconds in-flight requests get to finish on shutdown.
 GRACEFUL_TIMEOUT_S = 2.0
+#: Seconds a server whose stdin closed may take to shut down before it kills itself.
+STDIN_EOF_KILL_S = 10.0
 #: Seconds an idle client connection stays open (hypercorn's default is 5 s): long enough
 #: that a trainer's pool stays warm across the training stages between two generate stages.
 KEEP_ALIVE_TIMEOUT_S = 300.0
@@ -227,13 +235,21 @@ async def _watch_signals(on_signal: Callable[[], None]) -> None:
             on_signal()
 
 
-async def _watch_stdin(on_eof: Callable[[], None]) -> None:
-    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-    async with stream:
-        while await stream.receive_some(4096):
+def _exit_on_stdin_eof() -> None:
+    """Block on stdin until end-of-file (a daemon thread, started first thing in :func:`main`,
+    before the model loads), then SIGTERM this process: before it serves, the default action
+    ends it at once; once it serves, a graceful shutdown. SIGKILL if it still runs
+    :data:`STDIN_EOF_KILL_S` later (a load that does not end, a shutdown that hangs)."""
+    try:
+        while os.read(sys.stdin.fileno(), 4096):
             pass
+    except OSError:
+        pass
     log.info("stdin closed (the launcher is gone): shutting down")
-    on_eof()
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(STDIN_EOF_KILL_S)
+    log.error("still running %gs after stdin closed: killing this process", STDIN_EOF_KILL_S)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 async def _watch_death(engine: LocalEngine, on_death: Callable[[], None]) -> None:
@@ -253,8 +269,6 @@ async def serve(args: argparse.Namespace) -> bool:
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, shutdown.set)
-        if args.exit_on_stdin_eof:
-            nursery.start_soon(_watch_stdin, shutdown.set)
         async with open_local_engine(
             model_dir,
             seed=args.seed,
@@ -321,6 +335,8 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.exit_on_stdin_eof:  # from now on, the model's load included
+        threading.Thread(target=_exit_on_stdin_eof, name="stdin-eof", daemon=True).start()
     _check_args(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

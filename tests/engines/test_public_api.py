@@ -81,7 +81,10 @@ PUBLIC_API: dict[str, list[str]] = {
         "forkable",
         "list_children",
         "new_api_key",
+        "ChildProcess",
+        "open_child",
     ],
+    "engines.launch.parent_death": ["EXIT_ORPHANED", "arm", "armed_signal", "command", "main"],
     "engines.launch.stdin_guard": ["main"],
     "engines.vllm.serve": [
         "DEFAULT_CPU_BUSY_LOOP_S",

@@ -93,7 +93,8 @@ async def test_a_child_outlives_the_trio_thread_that_asked_for_it() -> None:
     finally:
         child.send_signal(signal.SIGKILL)
         assert await child.wait() == -signal.SIGKILL
-        await child.stdout.aclose()
+        if child.stdout is not None:
+            await child.stdout.aclose()
 
 
 def test_an_orphan_never_starts_its_command(tmp_path: Path) -> None:

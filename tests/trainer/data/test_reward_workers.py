@@ -227,4 +227,5 @@ def test_when_the_pools_owner_is_killed_its_workers_and_what_they_started_die():
     finally:
         owner.kill()
         owner.wait()
-        owner.stdout.close()
+        if owner.stdout is not None:
+            owner.stdout.close()
