@@ -94,6 +94,7 @@ def launch(
     *,
     lora_rank: int | None = None,
     api_key: str | None = None,
+    weight_dir: Path | None = None,
 ) -> Launched:
     """A real vLLM server with this weight-transfer backend (the project's plugin's ``gloo`` or
     ``disk``) serving ``model_dir``, started as docs/vllm.md tells a user to start one, under
@@ -101,7 +102,9 @@ def launch(
     its whole process group. ``lora_rank``: serving LoRA adapters up to that rank, with their
     load and unload routes (``--enable-lora``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
     ``api_key``: asked for on every route but the health probes, as the trainer's own servers
-    (``VLLM_API_KEY`` in its environment, :mod:`engines.vllm.auth` as ``--middleware``)."""
+    (``VLLM_API_KEY`` in its environment, :mod:`engines.vllm.auth` as ``--middleware``).
+    ``weight_dir``: the folder its ``disk`` updates may read (``TRAINER_WEIGHT_DIR``; none:
+    the plugin refuses every disk update)."""
     port = free_port()
     log = log_dir / "server.log"
     cmd = [str(VLLM_PYTHON), "-m", "engines.launch.stdin_guard", "--grace-s", "10", "--"]
@@ -117,6 +120,8 @@ def launch(
     if lora_rank is not None:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank), "--max-loras", "1"]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    if weight_dir is not None:
+        env["TRAINER_WEIGHT_DIR"] = str(weight_dir)
     if api_key is not None:
         cmd += ["--middleware", MIDDLEWARE]
         env["VLLM_API_KEY"] = api_key

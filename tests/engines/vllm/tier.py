@@ -199,6 +199,8 @@ class Tier:
             model(log_dir),
             lora_rank=LORA_RANKS.get(key),
             api_key=new_api_key() if key in KEYED else None,
+            # the session's temporary folder: each test writes its buckets in its own tmp_path
+            weight_dir=self.base.parent if backend == "disk" else None,
         )
         self.every.append(self.launched[key])
 
