@@ -24,10 +24,16 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def engine_urls(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineUrls]:
-    """One reference server for the whole module (its log under a temp dir), sleep mode on;
+    """One reference server for the whole module (its log under a temp dir), sleep mode on,
+    disk updates from under the session's temporary folder;
     its secret is ``engine_urls.api_key`` (``tests.engines.helpers.auth`` makes the header)."""
     engines = BackgroundEngines(
-        1, model_dir, tmp_path_factory.mktemp("engine-logs"), extra_args=("--enable-sleep-mode",)
+        1,
+        model_dir,
+        tmp_path_factory.mktemp("engine-logs"),
+        extra_args=("--enable-sleep-mode",),
+        # the session's temporary folder: a test writes its weight buckets in its own tmp_path
+        weight_dir=tmp_path_factory.getbasetemp(),
     ).start()
     try:
         yield engines.urls

@@ -121,13 +121,20 @@ class BackgroundEngines:
     """
 
     def __init__(
-        self, num_engines: int, model_dir: Path, log_dir: Path, extra_args: tuple[str, ...] = ()
+        self,
+        num_engines: int,
+        model_dir: Path,
+        log_dir: Path,
+        extra_args: tuple[str, ...] = (),
+        weight_dir: Path | None = None,
     ) -> None:
         self.urls: EngineUrls = EngineUrls([], "")
         self.log_dir = log_dir
         self.error: BaseException | None = None
         self._args = (num_engines, model_dir, log_dir)
         self._extra_args = extra_args
+        #: The folder the servers' disk updates may read (None: they refuse every one).
+        self._weight_dir = weight_dir
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
@@ -141,6 +148,7 @@ class BackgroundEngines:
                 *self._args,
                 startup_timeout_s=STARTUP_TIMEOUT_S,
                 extra_args=self._extra_args,
+                weight_dir=self._weight_dir,
                 # the suite's fork server (tests/conftest.py), where there is one
                 fork_server=os.environ.get("TRAINER_FORK_SERVER"),
             ) as urls:
