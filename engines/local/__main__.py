@@ -335,12 +335,13 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.exit_on_stdin_eof:  # from now on, the model's load included
-        threading.Thread(target=_exit_on_stdin_eof, name="stdin-eof", daemon=True).start()
     _check_args(parser, args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.exit_on_stdin_eof:  # from now on, the model's load included (after logging is set
+        # up, so that its line reaches the log)
+        threading.Thread(target=_exit_on_stdin_eof, name="stdin-eof", daemon=True).start()
     try:
         if trio.run(serve, args):
             return 1
