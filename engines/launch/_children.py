@@ -172,8 +172,12 @@ async def open_child(
         "start_new_session": start_new_session,
     }
     try:
+        await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller forks nothing
         future = _spawner_thread().submit(_start, list(argv), death_signal, kwargs)
-        popen, pidfd = await trio.to_thread.run_sync(future.result)
+        # shielded: to_thread checks for a cancel before it waits, and a fork already asked
+        # for must come back to its owner (dropped, its child would run untracked)
+        with trio.CancelScope(shield=True):
+            popen, pidfd = await trio.to_thread.run_sync(future.result)
     except BaseException:
         for stream in ours:
             stream.close()

@@ -33,8 +33,8 @@ def listeners(port: int) -> list[str]:
     return found
 
 
-def own_listeners() -> list[str]:
-    """The local addresses (hex) of every socket this process listens on."""
+def own_listeners() -> set[tuple[str, str]]:
+    """(local address, port), in hex, of every socket this process listens on."""
     inodes = set()
     for fd in Path("/proc/self/fd").iterdir():
         try:
@@ -43,12 +43,13 @@ def own_listeners() -> list[str]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[len("socket:[") : -1])
-    found = []
+    found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
             fields = line.split()
             if fields[9] in inodes and fields[3] == _LISTEN:
-                found.append(fields[1].rpartition(":")[0])
+                address, _, port = fields[1].rpartition(":")
+                found.add((address, port))
     return found
 
 
@@ -78,6 +79,7 @@ _ANY = {"00000000", "00000000000000000000000000000000"}
 )
 def test_rank0_store_and_the_group_listen_on_the_master_address_alone(host: str):
     port = free_port(host)
+    before = own_listeners()  # what earlier tests of this worker process left listening
     handles: dict[int, GroupHandle] = {}
     errors: list[BaseException] = []
 
@@ -109,7 +111,7 @@ def test_rank0_store_and_the_group_listen_on_the_master_address_alone(host: str)
     rank1.join(120)
     assert not errors, errors
     # formed: the store and gloo's own connections (both ranks here) listen on loopback alone
-    assert set(own_listeners()) == {_HEX[host]}
+    assert {address for address, _ in own_listeners() - before} == {_HEX[host]}
     tensor = torch.arange(4.0)
     received = torch.zeros(4)
     sent = threading.Thread(target=handles[0].broadcast, args=(tensor,))

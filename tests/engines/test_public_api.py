@@ -113,6 +113,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "GroupHandle",
         "free_port",
         "join_group",
+        "listening_socket",
         "require_cuda",
     ],
     "engines.types": [

@@ -21,6 +21,7 @@ import trio
 
 import trainer.run
 from engines.client import InferenceClient
+from engines.launch import EngineUrls
 from engines.models import build_tiny_model
 from sync.bracket import Bracket
 from sync.transports import DiskTransport
@@ -70,7 +71,7 @@ async def recorded_calls(client: InferenceClient) -> AsyncIterator[list[str]]:
     calls the server received during the block, in order."""
     (url,) = client.urls
     calls: list[str] = []
-    async with httpx.AsyncClient(timeout=30) as http:
+    async with httpx.AsyncClient(timeout=30, headers=client.headers) as http:
         before = (await http.get(f"{url}/control_log")).json()["total"]
         try:
             yield calls
@@ -224,8 +225,9 @@ ASYNC_AFTER = ["/wake_up?tags=kv_cache", "/resume"]
 
 
 async def test_a_fully_async_run_whose_transfer_fails_restores_the_engine_in_order(
-    client: InferenceClient, tmp_path: Path
+    client: InferenceClient, tmp_path: Path, server_urls: EngineUrls, monkeypatch
 ) -> None:
+    monkeypatch.setenv("TRAINER_ENGINE_API_KEY", server_urls.api_key)
     cfg = _offloading_async_run(
         client.urls[0], tmp_path, "broadcast_to_inference_engines:error=boom@2"
     )
@@ -240,8 +242,9 @@ async def test_a_fully_async_run_whose_transfer_fails_restores_the_engine_in_ord
 
 
 async def test_a_fully_async_run_cancelled_mid_transfer_finishes_it_then_restores_the_engine(
-    client: InferenceClient, tmp_path: Path
+    client: InferenceClient, tmp_path: Path, server_urls: EngineUrls, monkeypatch
 ) -> None:
+    monkeypatch.setenv("TRAINER_ENGINE_API_KEY", server_urls.api_key)
     cfg = _offloading_async_run(
         client.urls[0], tmp_path, "broadcast_to_inference_engines:sleep=2@2"
     )

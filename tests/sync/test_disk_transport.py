@@ -55,11 +55,17 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
 
 
 async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(tmp_path):
-    """Each a 500 in vLLM's frame (tests/engines/local/test_weight_transfer_routes.py); a failed
-    update closes the update, as vLLM's does, so each bad bucket gets its own start."""
+    """The engine-side failures (a call out of order, a bucket file missing) are 500s in
+    vLLM's frame (tests/engines/local/test_weight_transfer_routes.py); a body naming what the
+    model lacks, or an init this machine cannot serve (``nccl`` without CUDA), a 400; a bucket
+    outside the server's weight folder a 403. A failed update closes the update, as vLLM's
+    does, so each bad bucket gets its own start."""
     model_dir = build_tiny_model()
+    weight_dir = tmp_path / "sync"
+    weight_dir.mkdir()
+    nope = str(weight_dir / "nope")  # under the weight folder, no such file
     async with launch_local_engines(
-        1, model_dir, tmp_path / "logs", startup_timeout_s=180, weight_dir=tmp_path / "sync"
+        1, model_dir, tmp_path / "logs", startup_timeout_s=180, weight_dir=weight_dir
     ) as urls:
         async with InferenceClient(urls, api_key=urls.api_key) as client:
 
@@ -70,10 +76,9 @@ async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(
                 return info.value.status
 
             assert await status_of("/start_weight_update", {}) == 500  # before init
-            assert (
-                await status_of("/init_weight_transfer_engine", {"init_info": {"backend": "nccl"}})
-                == 500
-            )
+            nccl = {"init_info": {"backend": "nccl"}}
+            if not torch.cuda.is_available():
+                assert await status_of("/init_weight_transfer_engine", nccl) == 400
             await client.control(
                 "POST", "/init_weight_transfer_engine", json={"init_info": {"backend": "disk"}}
             )
@@ -85,16 +90,17 @@ async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(
                 "names": ["no.such"],
                 "dtype_names": ["float32"],
                 "shapes": [[1]],
-                "path": "/nope",
+                "path": nope,
             }
             await client.control("POST", "/start_weight_update", json={})
-            assert await status_of("/update_weights", {"update_info": unknown}) == 500
+            # a name the model lacks: the body is wrong, a 400 (vLLM's worker fails: a 500)
+            assert await status_of("/update_weights", {"update_info": unknown}) == 400
             name = "model.norm.weight"
             missing_file = {
                 "names": [name],
                 "dtype_names": ["float32"],
                 "shapes": [[64]],
-                "path": "/nope",
+                "path": nope,
             }
             await client.control("POST", "/start_weight_update", json={})
             assert await status_of("/update_weights", {"update_info": missing_file}) == 500
@@ -102,11 +108,14 @@ async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(
                 "names": [name],
                 "dtype_names": ["float32"],
                 "shapes": [[3]],
-                "path": "/nope",
+                "path": nope,
             }
             await client.control("POST", "/start_weight_update", json={})
-            assert await status_of("/update_weights", {"update_info": wrong_shape}) == 500
+            assert await status_of("/update_weights", {"update_info": wrong_shape}) == 400
             assert await status_of("/finish_weight_update", {}) == 500  # the update was closed
+            outside = {**missing_file, "path": str(tmp_path / "logs" / "engine-0.log")}
+            await client.control("POST", "/start_weight_update", json={})
+            assert await status_of("/update_weights", {"update_info": outside}) == 403
             await client.control("POST", "/start_weight_update", json={})
             await client.control(
                 "POST", "/finish_weight_update", json={}

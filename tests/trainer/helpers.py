@@ -78,8 +78,10 @@ class EngineVersions(OneCallGenerator):
 
     async def generate(self, batch: GeneratorInput) -> GeneratorOutput:
         (url,) = self.engine.urls
-        async with httpx.AsyncClient(timeout=60) as http:
-            served = (await http.get(f"{url}/engine_stats")).json()["weight_version"]
+        async with httpx.AsyncClient(timeout=60, headers=self.engine.headers) as http:
+            response = await http.get(f"{url}/engine_stats")
+            response.raise_for_status()
+            served = response.json()["weight_version"]
         self.seen.append((batch.weight_version, served))
         return await super().generate(batch)
 

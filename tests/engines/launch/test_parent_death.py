@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from engines.launch import open_child, parent_death
+from engines.launch import _children, open_child, parent_death
 from tests.e2e.helpers import (
     MARKER_ENV,
     REPO,
@@ -98,6 +98,34 @@ async def test_a_child_outlives_the_trio_thread_that_asked_for_it() -> None:
         assert await child.wait() == -signal.SIGKILL
         if child.stdout is not None:
             await child.stdout.aclose()
+
+
+async def test_a_cancelled_caller_forks_nothing_and_a_cancel_mid_fork_hands_the_child_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A start asked for in a cancelled scope forks no child; one cancelled while its fork
+    waits in the spawner thread still returns the child, for its owner to stop (before, trio's
+    thread call raised Cancelled and the child ran on, untracked: seen as a reward pool's
+    replacement worker started as the pool closed)."""
+    marker = new_marker()
+    monkeypatch.setenv(MARKER_ENV, marker)
+    spawner = _children._spawner_thread()
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await open_child([sys.executable, "-c", STUBBORN])
+    await trio.to_thread.run_sync(spawner.submit(lambda: None).result)  # its queue is empty
+    assert processes_with_marker(marker) == []
+    blocker = spawner.submit(time.sleep, 2)  # the next fork waits behind this
+    started = []
+    with trio.move_on_after(0.1):
+        started.append(await open_child([sys.executable, "-c", STUBBORN]))
+        await trio.sleep(0)  # the cancel lands here, once the child is ours
+    assert blocker.done() and len(started) == 1
+    child = started[0]
+    assert processes_with_marker(marker) == [child.pid]
+    child.send_signal(signal.SIGKILL)
+    assert await child.wait() == -signal.SIGKILL
+    assert wait_until_gone(marker) == []
 
 
 def test_an_orphan_never_starts_its_command(tmp_path: Path) -> None:

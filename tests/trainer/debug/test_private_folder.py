@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import stat
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,13 +33,17 @@ NOBODY = 65534
 
 
 @pytest.fixture
-def tmpdir_of_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A stand-in for ``/tmp``: ``$TMPDIR`` as the trainer reads it."""
-    shared = tmp_path / "shared-tmp"
-    shared.mkdir()
+def tmpdir_of_all(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A stand-in for ``/tmp``: ``$TMPDIR`` as the trainer reads it. Short, and not under
+    pytest's ``tmp_path`` (whose test-named folders take a socket's path past the 108 bytes
+    a unix socket's address may hold)."""
+    shared = Path(tempfile.mkdtemp(prefix="dbg-", dir="/tmp" if Path("/tmp").is_dir() else None))
     shared.chmod(0o1777)
     monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    return shared
+    try:
+        yield shared
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def _victim(tmp_path: Path) -> tuple[Path, tuple[bytes, int]]:
@@ -170,7 +176,7 @@ def test_debug_dump_never_connects_to_a_socket_in_a_folder_others_may_write(tmpd
 def test_debug_dump_by_run_dir_never_connects_to_a_socket_its_debug_json_points_elsewhere(
     tmp_path, tmpdir_of_all, capsys
 ):
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = tmpdir_of_all / "elsewhere"
     elsewhere.mkdir()
     elsewhere.chmod(0o777)
     run_dir = tmp_path / "run"

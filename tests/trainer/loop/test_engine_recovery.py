@@ -7,9 +7,11 @@ may be left running afterwards.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -181,15 +183,17 @@ def test_engine_signal_faults_are_checked_at_load():
         load_config(None, ["faults=generate:kill_engine"])
 
 
-def _serve(port: int, log: Path) -> ForkedPopen:
+def _serve(port: int, log: Path, api_key: str, weight_dir: Path) -> ForkedPopen:
     """``python -m engines.local serve`` in a session of its own, forked from the suite's fork
-    server (its imports done once, as for every run's servers)."""
+    server (its imports done once, as for every run's servers), as its owner would start it:
+    its key in the environment, disk updates from the run's ``weight_sync/`` alone."""
     cmd = [sys.executable, "-m", "engines.local", "serve", "--port", str(port)]
+    cmd += ["--weight-dir", str(weight_dir)]
     with log.open("ab") as out, open(os.devnull, "rb") as null:
         return fork_popen(
             fork_server(),
             cmd,
-            env=dict(os.environ),
+            env={**os.environ, "VLLM_API_KEY": api_key},
             cwd=REPO,
             stdin=null.fileno(),
             stdout=out.fileno(),
@@ -210,12 +214,17 @@ def _wait_healthy(url: str, proc: ForkedPopen, timeout: float = 120) -> None:
     raise AssertionError(f"{url} not healthy in {timeout}s")
 
 
-def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path):
+def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path, monkeypatch):
     """engine.backend=remote: the trainer cannot restart someone else's server; it waits for
     it to answer /health again (here: killed at step 3, started again 2 s later, same port)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = _serve(port, tmp_path / "server.log")
+    key = secrets.token_urlsafe(16)
+    monkeypatch.setenv("TRAINER_ENGINE_API_KEY", key)  # the trainer's copy of the servers' key
+    serve = functools.partial(
+        _serve, port, tmp_path / "server.log", key, tmp_path / "run" / "weight_sync"
+    )
+    server = serve()
     marker = new_marker()
     try:
         _wait_healthy(url, server)
@@ -242,7 +251,7 @@ def test_a_remote_engine_that_went_away_is_waited_for_and_synced_again(tmp_path)
             assert run.poll() is None, "the run ended before it noticed the engine gone"
             assert time.monotonic() < deadline, "the trainer did not notice within 120 s"
             time.sleep(0.05)
-        server = _serve(port, tmp_path / "server.log")
+        server = serve()
         out, _ = run.communicate(timeout=240)
         assert run.returncode == 0, out[-3000:]
     finally:

@@ -179,7 +179,9 @@ async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(
 ):
     """engine.backend=remote (servers someone else runs, their key in the environment), a
     reference model, the progress lines."""
-    async with launch_local_engines(1, build_tiny_model(), tmp_path / "servers") as urls:
+    async with launch_local_engines(
+        1, build_tiny_model(), tmp_path / "servers", weight_dir=tmp_path / "run" / "weight_sync"
+    ) as urls:
         monkeypatch.setenv("TRAINER_ENGINE_API_KEY", urls.api_key)
         cfg = load_config(
             None,

@@ -5,7 +5,9 @@ that hangs)."""
 from __future__ import annotations
 
 import pytest
+import ray
 import torch
+import trio
 
 from engines.client import InferenceClient
 from engines.launch import launch_local_engines
@@ -19,6 +21,12 @@ from trainer.checkpoint import CheckpointManager
 from trainer.errors import CheckpointEngineInitError
 from trainer.vocabulary import install_faults
 from trainer.workers.ray_group import RayWorkerGroup
+
+
+async def node_address() -> tuple[str]:
+    """Where rank 0's actor hosts the weight-sync group (its node's Ray address): the one
+    ``master_address`` the server is told to accept, as the trainer tells its own servers."""
+    return (str(await trio.to_thread.run_sync(ray.util.get_node_ip_address)),)
 
 
 async def test_rank_0_writes_the_checkpoint_through_the_managers_save(
@@ -62,7 +70,12 @@ async def test_disk_and_broadcast_syncs_from_ray_ranks_make_the_engine_serve_ran
     )
     try:
         async with launch_local_engines(
-            1, model_dir, tmp_path, startup_timeout_s=180, weight_dir=tmp_path / "sync"
+            1,
+            model_dir,
+            tmp_path,
+            startup_timeout_s=180,
+            weight_dir=tmp_path / "sync",
+            weight_sync_hosts=await node_address(),
         ) as urls:
             async with InferenceClient(urls, api_key=urls.api_key) as client:
 
@@ -102,7 +115,9 @@ async def test_a_hung_weight_sync_join_in_rank_0s_actor_is_checkpoint_engine_ini
         model_dir, policy_kwargs=POLICY_KWARGS, with_ref=False, num_workers=1
     )
     try:
-        async with launch_local_engines(1, model_dir, tmp_path, startup_timeout_s=180) as urls:
+        async with launch_local_engines(
+            1, model_dir, tmp_path, startup_timeout_s=180, weight_sync_hosts=await node_address()
+        ) as urls:
             async with InferenceClient(urls, api_key=urls.api_key) as client:
                 transport = BroadcastTransport(2**20, group_init_timeout_s=3)
                 with pytest.raises(CheckpointEngineInitError) as info:
