@@ -109,7 +109,7 @@ async def test_a_cancelled_caller_forks_nothing_and_a_cancel_mid_fork_hands_the_
     replacement worker started as the pool closed)."""
     marker = new_marker()
     monkeypatch.setenv(MARKER_ENV, marker)
-    spawner = _children._spawner_thread()
+    spawner = _children._spawner_thread()  # noqa: SLF001 (the one thread that forks)
     with trio.CancelScope() as scope:
         scope.cancel()
         await open_child([sys.executable, "-c", STUBBORN])
@@ -119,7 +119,7 @@ async def test_a_cancelled_caller_forks_nothing_and_a_cancel_mid_fork_hands_the_
     started = []
     with trio.move_on_after(0.1):
         started.append(await open_child([sys.executable, "-c", STUBBORN]))
-        await trio.sleep(0)  # the cancel lands here, once the child is ours
+        await trio.lowlevel.checkpoint()  # the cancel lands here, once the child is ours
     assert blocker.done() and len(started) == 1
     child = started[0]
     assert processes_with_marker(marker) == [child.pid]
