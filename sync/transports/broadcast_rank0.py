@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -68,19 +69,29 @@ def group_endpoint(
 ) -> tuple[str, int]:
     """Rank 0: where it hosts the group's store, and a free port there.
 
-    ``host`` None: this node's Ray address when Ray runs in rank 0's process (a Ray worker,
-    or a trainer whose engines Ray placed); else the local address that routes to the first
-    engine host that is not this machine's loopback; else loopback.
+    ``host`` None: this node's Ray address when rank 0 is a Ray actor (the engines may be on
+    any node); else (rank 0 in the trainer's own process, with or without a Ray driver in it)
+    the local address that routes to the first engine host that is not this machine's
+    loopback (Ray-placed engines: this node's address); else loopback.
     """
     if host is None:
-        import ray  # importing Ray costs seconds: only when no address was given
+        if _in_ray_actor():
+            import ray
 
-        if ray.is_initialized():
             host = str(ray.util.get_node_ip_address())
         else:
             remote = [h for h in engine_hosts if not is_loopback(h)]
             host = route_address(remote[0]) if remote else "127.0.0.1"
     return host, free_port(host)
+
+
+def _in_ray_actor() -> bool:
+    """Whether this process is a Ray actor (Ray is imported only where it already is: an actor
+    has it loaded, and importing it costs seconds)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    return ray.get_runtime_context().get_actor_id() is not None
 
 
 def is_loopback(host: str) -> bool:
