@@ -332,6 +332,7 @@ PUBLIC = {
         "init_kwargs",
         "open_cluster",
         "prepare_env",
+        "require_token",
         "start_cluster",
         "stop_cluster",
     ],

@@ -14,6 +14,14 @@ at once. What we do about it, in order of effect:
   while the agent starts (ours are started on demand, as actors);
 - ``RAY_USAGE_STATS_ENABLED=0``: no usage-stats prompt or report on start-up.
 
+A cluster the trainer starts asks every caller for a token (Ray's token authentication,
+``RAY_AUTH_MODE=token``, Ray 2.52 and later): Ray's GCS, raylet and workers listen on every
+interface whatever the node address, and without it anyone who reaches one of their ports
+can submit work that runs as the trainer's user. The token is made once per process
+(:func:`require_token`) and reaches Ray's processes by the environment alone (never a file,
+a command line or the run folder); an operator's own ``RAY_AUTH_MODE`` wins, ``disabled``
+included. A cluster the trainer joins (``workers.ray_address``) is as its owner started it.
+
 What is left (a machine so busy the agent still misses its window) is retried: only the
 cluster start, ``retries`` more times, each failure logged with its reason; a cluster that
 cannot start after that raises :class:`RayClusterStartError` with every attempt's reason.
@@ -24,6 +32,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import secrets
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -39,6 +49,7 @@ __all__ = [
     "init_kwargs",
     "open_cluster",
     "prepare_env",
+    "require_token",
     "start_cluster",
     "stop_cluster",
 ]
@@ -73,6 +84,27 @@ def prepare_env() -> None:
         os.environ.setdefault(key, value)
 
 
+def require_token() -> None:
+    """Turn on Ray's token authentication for the clusters this process starts (module doc):
+    ``RAY_AUTH_MODE=token`` and a fresh ``RAY_AUTH_TOKEN``, each only where unset. One token
+    per process: Ray caches the token it loaded, so a second cluster started here must use the
+    same one."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return  # the operator's choice
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_urlsafe(32)
+    ray = sys.modules.get("ray")
+    if ray is not None and not ray.is_initialized():
+        # Ray read its auth settings when it was imported: have it read them again (as Ray's
+        # own tests do). Were these names gone, the cluster's GCS would still ask for the
+        # token and ray.init fail loudly: never a cluster without it.
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
+
+
 def init_kwargs(address: str | None, *, num_cpus: int | None = None) -> dict[str, Any]:
     """The ``ray.init`` arguments the trainer uses (see the module docstring for why)."""
     kwargs: dict[str, Any] = {
@@ -100,6 +132,8 @@ def start_cluster(address: str | None, *, retries: int, num_cpus: int | None = N
     if ray.is_initialized():
         return False
     prepare_env()
+    if address is None:
+        require_token()  # before the cluster's first process starts: they all inherit it
     attempts = 1 + (retries if address is None else 0)
     reasons: list[str] = []
     for attempt in range(attempts):

@@ -3,13 +3,17 @@ rows each rank gets, the GPUs and bundles its actors are placed with."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 
 from tests.e2e.helpers import run_in_own_ray_cluster
 from trainer.config import load_config
 from trainer.errors import ConfigError, RayClusterStartError
+from trainer.workers.ray_cluster import require_token
 from trainer.workers.ray_placement import bundles, gpus_for, shards
 
 
@@ -79,3 +83,29 @@ def test_policy_ranks_and_the_reference_are_placed_on_their_gpus_together(model_
     assert result["names"] == ["policy:0", "policy:1", "ref:0"]
     assert result["rank0"] is not None and len(result["rank0"].split(",")) == 1
     assert result["free_gpus"] == 0
+
+
+def _join(address: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A second driver joining ``address`` with ``env``: prints ``joined`` if it got in."""
+    code = f"import ray; ray.init(address={address!r}); print('joined', flush=True)"
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_the_cluster_the_trainer_starts_turns_away_a_driver_without_its_token(ray_cluster):
+    """Ray's ports listen on every interface: the cluster start_cluster makes asks for the
+    process's token (RAY_AUTH_MODE=token); a driver without it is refused, one with it joins."""
+    assert os.environ["RAY_AUTH_MODE"] == "token" and os.environ["RAY_AUTH_TOKEN"]
+    stranger = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    refused = _join(ray_cluster, stranger)
+    assert refused.returncode != 0 and "joined" not in refused.stdout
+    assert "token" in refused.stderr.lower(), refused.stderr[-2000:]
+    assert _join(ray_cluster, dict(os.environ)).stdout.split() == ["joined"]
+
+
+def test_an_operators_own_ray_auth_mode_wins(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    require_token()
+    assert os.environ["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN" not in os.environ
