@@ -40,6 +40,7 @@ __all__ = [
     "join_group",
     "listening_socket",
     "require_cuda",
+    "tcp_store",
 ]
 
 #: The collective backends of a weight-sync group.
@@ -149,11 +150,13 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _tcp_store(
+def tcp_store(
     address: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta
 ) -> Any:
-    """The group's ``TCPStore``: rank 0 hosts it on ``address`` alone (the descriptor of
-    :func:`listening_socket`, which the store then owns and closes), the others connect."""
+    """A group's ``TCPStore``: rank 0 hosts it on ``address`` alone (the descriptor of
+    :func:`listening_socket`, which the store then owns and closes), the others connect.
+    Also the store of the Ray workers' data-parallel group (``init_process_group(store=)``),
+    whose ``tcp://`` rendezvous would listen on every interface."""
     if rank != 0:
         return dist.TCPStore(
             address, port, world_size, is_master=False, timeout=timeout, wait_for_workers=False
@@ -196,7 +199,7 @@ def join_group(
     timeout = datetime.timedelta(seconds=store_timeout_s)
     if backend == "nccl":
         return _join_nccl(name, master_address, master_port, rank, world_size, timeout)
-    store = _tcp_store(master_address, master_port, world_size, rank, timeout)
+    store = tcp_store(master_address, master_port, world_size, rank, timeout)
     prefixed = dist.PrefixStore(f"{name}/", store)
     group = dist.ProcessGroupGloo(
         prefixed, rank, world_size, _gloo_options(master_address, timeout)
@@ -243,7 +246,7 @@ def _join_nccl(
     if stateless_init_process_group is not None:
         comm = stateless_init_process_group(address, port, rank, world_size, device.index)
         return GroupHandle(name, rank, world_size, None, comm, "nccl", device)
-    store = _tcp_store(address, port, world_size, rank, timeout)
+    store = tcp_store(address, port, world_size, rank, timeout)
     # each broadcast passes its own timeout (broadcast_async), as with gloo
     options = dist.ProcessGroupNCCL.Options()
     group = dist.ProcessGroupNCCL(dist.PrefixStore(f"{name}/", store), rank, world_size, options)

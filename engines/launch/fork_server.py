@@ -40,6 +40,10 @@ child gets SIGKILL from the kernel when the fork server itself dies (``PR_SET_PD
 :mod:`engines.launch.parent_death`, set first thing after the fork). A client that must let
 a child run on keeps its connection (the client objects do, until they read its exit).
 
+Only its owner may have it fork: the socket is made 0600, and a connection from a process
+of another user (``SO_PEERCRED``) is closed before it is read, since what it forks runs as
+the server's user.
+
 Nothing here is trio: the server is a separate, single-purpose process (a selector loop); the
 trio client does its one blocking ``sendmsg`` in a thread.
 """
@@ -54,6 +58,7 @@ import runpy
 import selectors
 import signal
 import socket
+import struct
 import sys
 import traceback
 from collections.abc import Mapping, Sequence
@@ -125,6 +130,9 @@ class _Server:
     def _handle(self, key: selectors.SelectorKey) -> _Child | None:
         if key.data == "accept":
             conn, _ = self.listener.accept()
+            if _peer_uid(conn) not in (os.getuid(), None):
+                conn.close()  # another user's process: it would run code as this one
+                return None
             self.selector.register(conn, selectors.EVENT_READ, "request")
         elif key.data == "stdin":
             if not os.read(sys.stdin.fileno(), 4096):
@@ -288,13 +296,27 @@ def _run_child(child: _Child) -> int:
     return 0
 
 
+def _peer_uid(conn: socket.socket) -> int | None:
+    """The user id of the process at the other end of ``conn`` (``SO_PEERCRED``; None where
+    the platform has no such option)."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, option, 12))
+    return uid
+
+
 def _serve(socket_path: str, preload: Sequence[str]) -> _Child | None:
     for name in preload:
         __import__(name)
     path = Path(socket_path)
     path.unlink(missing_ok=True)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(str(path))
+    umask = os.umask(0o177)  # the socket is made 0600: connecting takes write permission
+    try:
+        listener.bind(str(path))
+    finally:
+        os.umask(umask)
     listener.listen(64)
     server = _Server(listener)
 

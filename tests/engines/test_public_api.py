@@ -115,6 +115,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "join_group",
         "listening_socket",
         "require_cuda",
+        "tcp_store",
     ],
     "engines.types": [
         "JSON",

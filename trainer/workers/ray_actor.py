@@ -33,7 +33,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from engines.process_group import free_port
+from engines.process_group import free_port, tcp_store
 from trainer.algorithms import BatchCounts
 from trainer.checkpoint.format import SaveCheckpoint
 from trainer.errors import WorkerError
@@ -121,12 +121,15 @@ class PolicyActor(_Actor):
         device = self.worker.device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             collective_backend(device),
-            init_method=f"tcp://{host}:{port}",
+            # rank 0's store on this node's address alone (a tcp:// rendezvous listens on
+            # every interface)
+            store=tcp_store(host, port, self.world_size, self.rank, timeout),
             rank=self.rank,
             world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
         if self.to_shard:
             self.worker.shard()

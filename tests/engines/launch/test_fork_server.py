@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -306,3 +307,32 @@ def test_a_fork_server_that_never_answers_is_an_error_not_a_hang(tmp_path, monke
             list_children(path, "PYTHONPATH")
         with pytest.raises(ForkServerError, match="did not answer"):
             _fork(path, [sys.executable, "-m", "x"], tmp_path, {}, tmp_path / "o", tmp_path / "e")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="connecting as another user needs root")
+def test_only_its_owner_may_have_it_fork(bare_server):
+    """Its socket is made 0600; and a process of another user that connects all the same (a
+    mode loosened, a folder anyone may enter) is turned away before it can ask for a fork: it
+    would run code as the server's user."""
+    _, path = bare_server
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.chmod(path, 0o666)
+    os.chmod(os.path.dirname(path), 0o755)
+    stranger = (
+        "import os, sys\n"
+        "from engines.launch import fork_popen\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        f"fork_popen({path!r}, [sys.executable, '-m', 'json.tool', '-h'], env={{}}, cwd='/',"
+        " stdin=0, stdout=1, stderr=2)\n"
+        "print('forked')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", stranger],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "forked" not in result.stdout
+    assert "ForkServerError" in result.stderr, result.stderr[-2000:]
