@@ -11,6 +11,7 @@ that signal or stream a run).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -252,3 +253,53 @@ def run_in_own_ray_cluster(script: str, *args: str, timeout_s: float) -> dict[st
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+#: The kernel's hex of the addresses that are every interface (IPv4, IPv6).
+ANY_ADDRESS = {"00000000", "00000000000000000000000000000000"}
+
+
+def listeners_of(pids: list[int]) -> set[tuple[str, int]]:
+    """(local address in the kernel's hex, port) of every TCP socket ``pids`` listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue  # gone meanwhile
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        path = Path(table)
+        for line in path.read_text().splitlines()[1:] if path.exists() else []:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: listening
+                address, _, port = fields[1].rpartition(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
+@contextlib.contextmanager
+def watch_listeners(marker: str) -> Iterator[set[tuple[str, int]]]:
+    """Yields a set that collects, until the block ends, every listening socket of the
+    processes carrying ``marker`` (looked at every 50 ms from a thread)."""
+    seen: set[tuple[str, int]] = set()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            seen.update(listeners_of(processes_with_marker(marker)))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        watcher.join(30)

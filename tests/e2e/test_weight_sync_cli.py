@@ -7,8 +7,12 @@ import re
 
 import pytest
 
+#: 127.0.0.1 as the kernel's table writes it.
+LOOPBACK = "0100007F"
+
 from tests.e2e.helpers import (
     last_stderr_line,
+    watch_listeners,
     new_marker,
     read_metrics,
     run_trainer,
@@ -18,15 +22,22 @@ from tests.e2e.helpers import (
 
 @pytest.mark.parametrize("transport", ["disk", "gloo"])
 def test_a_slow_transfer_does_not_stall_the_event_loop(tmp_path, transport):
+    """... and every socket the run listens on (the engine's HTTP port; with gloo the
+    weight-sync store and both ends' group connections) is on loopback, none on every
+    interface (issue 60: the store listened on ``*:PORT``)."""
     marker = new_marker()
-    proc = run_trainer(
-        "trainer.max_steps=3",
-        f"sync.transport={transport}",
-        "faults=broadcast_to_inference_engines:sleep=3@2",
-        f"trainer.run_dir={tmp_path}",
-        marker=marker,
-    )
+    with watch_listeners(marker) as listeners:
+        proc = run_trainer(
+            "trainer.max_steps=3",
+            f"sync.transport={transport}",
+            "faults=broadcast_to_inference_engines:sleep=3@2",
+            f"trainer.run_dir={tmp_path}",
+            marker=marker,
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # seen while it ran: the engine's port, and the group's three sockets where it has one
+    assert len({port for _, port in listeners}) >= (4 if transport == "gloo" else 1), listeners
+    assert {address for address, _ in listeners} == {LOOPBACK}, listeners
     steps = {m["step"]: m for m in read_metrics(tmp_path)}
     assert sorted(steps) == [1, 2, 3]
     assert steps[2]["sync/last_weight_sync_seconds"] >= 3
