@@ -7,17 +7,17 @@ import re
 
 import pytest
 
-#: 127.0.0.1 as the kernel's table writes it.
-LOOPBACK = "0100007F"
-
 from tests.e2e.helpers import (
     last_stderr_line,
-    watch_listeners,
     new_marker,
     read_metrics,
     run_trainer,
     wait_until_gone,
+    watch_listeners,
 )
+
+#: 127.0.0.1 as the kernel's table writes it.
+LOOPBACK = "0100007F"
 
 
 @pytest.mark.parametrize("transport", ["disk", "gloo"])
