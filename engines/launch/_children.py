@@ -29,7 +29,7 @@ import signal
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import IO, Any, cast
 
 import trio
@@ -132,6 +132,19 @@ def _start(
     return popen, _pidfd(popen.pid)
 
 
+async def _shielded_result(
+    future: Future[tuple[subprocess.Popen[bytes], int | None]],
+) -> tuple[subprocess.Popen[bytes], int | None]:
+    """The spawner's answer, shielded: ``to_thread`` checks for a cancel before it waits, and a
+    fork already asked for must come back to its owner (dropped, its child would run on
+    untracked)."""
+    result = None
+    with trio.CancelScope(shield=True):  # never cancelled: it only shields
+        result = await trio.to_thread.run_sync(future.result)
+    assert result is not None
+    return result
+
+
 async def open_child(
     argv: Sequence[str],
     *,
@@ -174,10 +187,7 @@ async def open_child(
     try:
         await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller forks nothing
         future = _spawner_thread().submit(_start, list(argv), death_signal, kwargs)
-        # shielded: to_thread checks for a cancel before it waits, and a fork already asked
-        # for must come back to its owner (dropped, its child would run untracked)
-        with trio.CancelScope(shield=True):
-            popen, pidfd = await trio.to_thread.run_sync(future.result)
+        started = await _shielded_result(future)
     except BaseException:
         for stream in ours:
             stream.close()
@@ -185,4 +195,5 @@ async def open_child(
     finally:
         for fd in opened:
             os.close(fd)
+    popen, pidfd = started
     return ChildProcess(popen, pidfd, trio_stdin, trio_stdout)

@@ -99,7 +99,10 @@ def require_token() -> None:
         # Ray read its auth settings when it was imported: have it read them again (as Ray's
         # own tests do). Were these names gone, the cluster's GCS would still ask for the
         # token and ray.init fail loudly: never a cluster without it.
-        from ray._raylet import AuthenticationTokenLoader, Config
+        from ray._raylet import (  # pyright: ignore[reportAttributeAccessIssue]
+            AuthenticationTokenLoader,
+            Config,
+        )
 
         Config.initialize("")
         AuthenticationTokenLoader.instance().reset_cache()
