@@ -47,7 +47,7 @@ import importlib.util
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 
 import trio
@@ -323,8 +323,13 @@ async def open_vllm_inprocess_client(
     startup_timeout_s: float = DEFAULT_VLLM_STARTUP_TIMEOUT_S,
     shutdown_timeout_s: float = DEFAULT_VLLM_SHUTDOWN_TIMEOUT_S,
     model: str | None = None,
+    run_env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[VLLMInProcessEngine]:
     """Open a bridge, build ``AsyncLLM`` in a thread, yield the engine, shut it all down.
+
+    ``run_env``: variables that tie vLLM's workers to the run (``TRAINER_WEIGHT_DIR``, the
+    only folder a ``disk`` update may read; ``TRAINER_WEIGHT_SYNC_HOSTS``), set in this
+    process's environment before vLLM's child processes start, as ``vllm serve`` gets them.
 
     ``model``: what every completion names (:class:`VLLMInProcessEngine`); the base model's
     name is ``settings.model``, as ``vllm serve`` names it.
@@ -354,6 +359,8 @@ async def open_vllm_inprocess_client(
     if settings.weight_transfer_backend == "ipc" and _INSECURE_SERIALIZATION_ENV not in os.environ:
         os.environ[_INSECURE_SERIALIZATION_ENV] = "1"
         log.info("set %s=1 for vLLM's ipc weight transfer", _INSECURE_SERIALIZATION_ENV)
+    for key, value in (run_env or {}).items():
+        os.environ[key] = value  # the run's: its weight folder, its weight-sync hosts
     for key, value in (cpu_env() if settings.cpu else {}).items():
         os.environ[key] = value  # before the build thread starts vLLM's child processes
         log.info("set %s=%s for vLLM on the CPU", key, value)

@@ -21,6 +21,8 @@ from engines.client import (
     InferenceClient,
 )
 from engines.launch import (
+    WEIGHT_DIR_ENV,
+    WEIGHT_SYNC_HOSTS_ENV,
     EngineProcesses,
     RayEngine,
     ReferenceServers,
@@ -89,6 +91,10 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
             control_plane_timeout_s=plan.timeouts.control_plane_s,
             startup_timeout_s=plan.timeouts.engine_startup_s,
             model=adapter.name if adapter is not None else None,
+            run_env={
+                WEIGHT_DIR_ENV: str(run_dir / "weight_sync"),  # make_transport's folder
+                WEIGHT_SYNC_HOSTS_ENV: ",".join(await weight_sync_hosts(cfg)),
+            },
         ) as client:
             await client.probe(routes)
             yield Engines(client)

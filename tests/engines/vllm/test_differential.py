@@ -33,10 +33,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from engines.client import InferenceClient
+from engines.launch import EngineUrls
 from engines.local.requests import ENGINE_DEAD_MESSAGE
 from engines.models import build_tiny_model
 from engines.types import SamplingParams
-from tests.engines.helpers import BackgroundEngines
+from tests.engines.helpers import BackgroundEngines, bearer
 from tests.engines.vllm.servers import PROJECT, RealServer
 from tests.sync.exactness import PROMPT, policy_logprobs
 
@@ -58,15 +59,18 @@ def vllm_disk(fresh_vllm_disk_server: RealServer) -> RealServer:
 
 
 @pytest.fixture(scope="module")
-def reference_disk(tmp_path_factory) -> Iterator[str]:
+def reference_disk(tmp_path_factory) -> Iterator[EngineUrls]:
+    """The reference server as the launcher starts it: its own key, disk updates from under
+    the session's temporary folder (where the script writes its buckets)."""
     engines = BackgroundEngines(
         1,
         build_tiny_model(),
         tmp_path_factory.mktemp("reference-logs"),
         extra_args=("--weight-transfer-config", '{"backend": "disk"}'),
+        weight_dir=tmp_path_factory.getbasetemp(),
     ).start()
     try:
-        yield engines.urls[0]
+        yield engines.urls
     finally:
         engines.stop()
 
@@ -135,15 +139,17 @@ def worded(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k != "message"}
 
 
-def script(fx: Fixtures) -> list[Step]:
+def script(fx: Fixtures, keys: dict[str, str | None]) -> list[Step]:
+    """The steps, each run against both servers; ``keys``: each server's key by URL (the
+    secret changes who may call, never what a route answers)."""
     model = fx.model_dir
 
     async def post(url: str, path: str, body: Any = None, read_s: float = 120) -> httpx.Response:
-        async with httpx.AsyncClient(timeout=read_s) as http:
+        async with httpx.AsyncClient(timeout=read_s, headers=bearer(keys[url])) as http:
             return await http.post(url + path, json=body)
 
     async def get(url: str, path: str) -> httpx.Response:
-        async with httpx.AsyncClient(timeout=60) as http:
+        async with httpx.AsyncClient(timeout=60, headers=bearer(keys[url])) as http:
             return await http.get(url + path)
 
     def control(path: str, body: Any = None, *, exact: bool = True) -> Callable[[str], Any]:
@@ -164,7 +170,7 @@ def script(fx: Fixtures) -> list[Step]:
         return [(m["id"], m["max_model_len"], m["object"]) for m in body["data"]]
 
     async def greedy(url: str) -> Any:
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=keys[url]) as client:
             c = await client.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))
         return {"tokens": c.token_ids, "logprobs": c.logprobs, "finish": c.finish_reason}
 
@@ -188,7 +194,7 @@ def script(fx: Fixtures) -> list[Step]:
         """Seeds and ``n`` as the trainer reads them: ``n`` samples, each scored by the
         engine as the policy scores it, the same again for the same seed."""
         sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=keys[url]) as client:
             first = await client.generate_n(PROMPT, sampling, 3)
             again = await client.generate_n(PROMPT, sampling, 3)
         served = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -213,12 +219,12 @@ def script(fx: Fixtures) -> list[Step]:
 
     async def sampled_tokens(url: str) -> Any:
         sampling = SamplingParams(max_tokens=6, temperature=1.0, seed=3)
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=keys[url]) as client:
             return (await client.generate(PROMPT, sampling)).token_ids
 
     async def stop_token(url: str) -> Any:
         """A stop token id ends the completion, included; ``stop_reason`` names it."""
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=keys[url]) as client:
             greedy = await client.generate(PROMPT, SamplingParams(max_tokens=6, temperature=0))
             stop = greedy.token_ids[2]
             c = await client.generate(
@@ -275,7 +281,10 @@ def script(fx: Fixtures) -> list[Step]:
     async def waits_while_paused(url: str) -> Any:
         """A completion sent while paused waits (no answer in 3 s), and completes on resume."""
         out: dict[str, Any] = {}
-        async with InferenceClient([url]) as client, trio.open_nursery() as nursery:
+        async with (
+            InferenceClient([url], api_key=keys[url]) as client,
+            trio.open_nursery() as nursery,
+        ):
 
             async def send() -> None:
                 c = await client.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0))
@@ -302,7 +311,7 @@ def script(fx: Fixtures) -> list[Step]:
 
     async def serves_the_update(url: str) -> Any:
         """After the complete update, the engine scores what it samples as the moved policy."""
-        async with InferenceClient([url]) as client:
+        async with InferenceClient([url], api_key=keys[url]) as client:
             c = await client.generate(PROMPT, SamplingParams(max_tokens=6, temperature=1.0, seed=1))
         want = policy_logprobs(fx.policy, PROMPT, c.token_ids)
         return max(abs(a - b) for a, b in zip(want, c.logprobs)) < TOLERANCE
@@ -404,16 +413,17 @@ def same(a: Any, b: Any) -> bool:
 
 
 async def test_vllm_and_the_reference_differ_only_where_docs_engines_md_says(
-    vllm_disk: RealServer, reference_disk: str, tmp_path: Path
+    vllm_disk: RealServer, reference_disk: EngineUrls, tmp_path: Path
 ):
     fx = await trio.to_thread.run_sync(fixtures, tmp_path)
-    steps = script(fx)
+    (reference,) = reference_disk
+    steps = script(fx, {vllm_disk.url: vllm_disk.api_key, reference: reference_disk.api_key})
     assert len({name for name, _ in steps}) == len(steps)
     records: dict[str, dict[str, Any]] = {}
     for name, run in steps:
         records[name] = {
             "vllm": await run(vllm_disk.url),
-            "reference": await run(reference_disk),
+            "reference": await run(reference),
         }
     differ = {n for n, r in records.items() if not same(r["vllm"], r["reference"])}
     listed = documented_differences()
