@@ -3,6 +3,7 @@ thread while the test reads the kernel's table of listening sockets."""
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from engines.process_group import GroupHandle, free_port, join_group, listening_socket
+from tests.e2e.helpers import listeners_of
 
 #: ``st`` of a listening socket in ``/proc/net/tcp`` and ``tcp6``.
 _LISTEN = "0A"
@@ -30,26 +32,6 @@ def listeners(port: int) -> list[str]:
             address, _, hex_port = fields[1].rpartition(":")
             if int(hex_port, 16) == port and fields[3] == _LISTEN:
                 found.append(address)
-    return found
-
-
-def own_listeners() -> set[tuple[str, str]]:
-    """(local address, port), in hex, of every socket this process listens on."""
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:] if Path(table).exists() else []:
-            fields = line.split()
-            if fields[9] in inodes and fields[3] == _LISTEN:
-                address, _, port = fields[1].rpartition(":")
-                found.add((address, port))
     return found
 
 
@@ -79,7 +61,7 @@ _ANY = {"00000000", "00000000000000000000000000000000"}
 )
 def test_rank0_store_and_the_group_listen_on_the_master_address_alone(host: str):
     port = free_port(host)
-    before = own_listeners()  # what earlier tests of this worker process left listening
+    before = listeners_of([os.getpid()])  # what earlier tests of this worker process left listening
     handles: dict[int, GroupHandle] = {}
     errors: list[BaseException] = []
 
@@ -111,7 +93,7 @@ def test_rank0_store_and_the_group_listen_on_the_master_address_alone(host: str)
     rank1.join(120)
     assert not errors, errors
     # formed: the store and gloo's own connections (both ranks here) listen on loopback alone
-    assert {address for address, _ in own_listeners() - before} == {_HEX[host]}
+    assert {address for address, _ in listeners_of([os.getpid()]) - before} == {_HEX[host]}
     tensor = torch.arange(4.0)
     received = torch.zeros(4)
     sent = threading.Thread(target=handles[0].broadcast, args=(tensor,))

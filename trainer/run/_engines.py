@@ -159,9 +159,10 @@ async def weight_sync_hosts(cfg: Config) -> tuple[str, ...]:
         return (cfg.sync.master_address,)
     if not cfg.plan.uses_ray:
         return ("127.0.0.1",)
-    import ray  # importing Ray costs seconds: only where the run uses it
 
     def node_addresses() -> tuple[str, ...]:
+        import ray  # importing Ray costs seconds: in the thread, only where the run uses it
+
         nodes = ray.nodes() if ray.is_initialized() else []  # a GCS round-trip: off the loop
         return tuple(dict.fromkeys(str(n["NodeManagerAddress"]) for n in nodes if n["Alive"]))
 
