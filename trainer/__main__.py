@@ -45,6 +45,8 @@ def _fail(
     exc: BaseException, *, code: int, show_traceback: bool, log_file: Path | None = None
 ) -> int:
     """Print ``exc`` as its last line on stderr: ``ErrorClass: message``; return ``code``.
+    A ConfigError with several problems prints one line each, then ``ConfigError: config: N
+    problems (above)``.
 
     With ``show_traceback`` the traceback comes first. Otherwise, when ``log_file`` holds it
     (the run's ``train.log``), the notes and a line saying where the traceback is come first;
@@ -60,7 +62,15 @@ def _fail(
         for note in getattr(exc, "__notes__", ()):
             print(f"note: {note}", file=sys.stderr)
         print(f"the traceback is in {log_file} (--verbose prints it here)", file=sys.stderr)
-    message = str(exc).replace("\n", " | ")
+    from trainer.errors import ConfigError
+
+    headline, *details = str(exc).split("\n")
+    if details and isinstance(exc, ConfigError):  # several problems: one line each, above
+        for line in details:
+            print(f"  {line}", file=sys.stderr)
+        print(f"{type(exc).__name__}: {headline} (above)", file=sys.stderr, flush=True)
+        return code
+    message = " | ".join((headline, *details))
     print(f"{type(exc).__name__}: {message}", file=sys.stderr, flush=True)
     return code
 

@@ -31,7 +31,9 @@ class Config:
     algorithm: AlgorithmConfig = _section(AlgorithmConfig, "Advantages and losses.")
     optim: OptimConfig = _section(OptimConfig, "Optimizer.")
     critic: CriticConfig = _section(
-        CriticConfig, "The critic (value model) of algorithm.advantage_estimator=gae."
+        CriticConfig,
+        "The critic (value model) of algorithm.advantage_estimator=gae.",
+        switch="algorithm.advantage_estimator=gae (the estimator that reads values)",
     )
     data: DataConfig = _section(DataConfig, "Prompts and rewards.")
     faults: str = _field(

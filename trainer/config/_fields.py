@@ -38,9 +38,11 @@ def config_field(
     return attrs.field(default=default, metadata={"doc": doc, "check": check, "env": env})
 
 
-def config_section(cls: type, doc: str) -> Any:
-    """A nested section (``cls()`` by default)."""
-    return attrs.field(factory=cls, metadata={"doc": doc})
+def config_section(cls: type, doc: str, *, switch: str | None = None) -> Any:
+    """A nested section (``cls()`` by default). ``switch``: the ``key=VALUE`` that turns the
+    section's feature on, where no ``.enable`` key does (the loader answers
+    ``SECTION.enable`` with it)."""
+    return attrs.field(factory=cls, metadata={"doc": doc, "switch": switch})
 
 
 def at_least(lo: float) -> Check:

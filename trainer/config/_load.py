@@ -22,6 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer.config._config import Config
+from trainer.config._peer_keys import peer_answer
 from trainer.config._schema import (
     RENAMED_VALUES,
 )
@@ -155,31 +156,18 @@ def _flatten(
 
 
 def _build(values: dict[str, object]) -> Config:
+    """The config from flattened ``values``; every unknown key, wrong type and value out of
+    range of one command line in one ConfigError (one line each), not the first alone."""
     known = {key: (a, tp) for key, a, tp in iter_fields()}
-    sections = {k.rsplit(".", 1)[0] for k in known if "." in k}
     mappings = frozenset(key for key, (_a, tp) in known.items() if _is_mapping(tp))
+    problems: list[str] = []
     leaves: dict[str, object] = {}
     for key, value in _flatten(values, mappings=mappings):
-        if key.startswith(("+", "~")):  # Hydra's (verl's) syntax to add or delete a key
-            bare = key.lstrip("+~")
-            what = (
-                f"write {bare}=VALUE without it"
-                if bare in known
-                else f"and {bare!r} is not a key (see `python -m trainer --help`)"
-            )
-            raise ConfigError(
-                f"config: {key!r}: '{key[0]}' adds or removes a key in Hydra; here every key "
-                f"exists already and none can be added, {what}"
-            )
-        if key not in known:
-            if key in sections:
-                raise ConfigError(
-                    f"config: {key} is a section, not a value; set its keys ({key}.KEY=...)"
-                )
-            hint = _closest_key(key, known)
-            tail = f" (did you mean {hint!r}?)" if hint else "; see `python -m trainer --help`"
-            raise ConfigError(f"config: unknown key {key!r}{tail}")
-        leaves[key] = value
+        problem = _key_problem(key, value, known)
+        if problem:
+            problems.append(problem)
+        else:
+            leaves[key] = value
     for key, (a, _tp) in known.items():
         env = a.metadata.get("env")
         if env and os.environ.get(env) not in (None, ""):
@@ -187,13 +175,69 @@ def _build(values: dict[str, object]) -> Config:
             leaves[key] = os.environ[env] if raw else yaml.safe_load(os.environ[env])
     for key, value in leaves.items():
         a, tp = known[key]
-        value = _coerce(key, value, tp)
+        try:
+            value = _coerce(key, value, tp)
+        except ConfigError as exc:
+            problems.append(str(exc))
+            continue
         check = a.metadata.get("check")
         problem = check(value) if check else None
         if problem:
-            raise ConfigError(f"config: {key}={value!r} is out of range: {problem}")
+            problems.append(f"config: {key}={value!r} is out of range: {problem}")
         leaves[key] = value
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"config: {len(problems)} problems\n" + "\n".join(problems))
     return _assemble(Config, leaves, "")
+
+
+def _key_problem(key: str, value: object, known: Mapping[str, tuple[Any, Any]]) -> str | None:
+    """What is wrong with the key of ``key=value`` (None: a key of this config): a peer's key
+    (verl's, SkyRL's: answered with the key and value here), Hydra's ``+``/``~``, a section,
+    an ``.enable`` where another key is the switch, or an unknown key with its closest."""
+    bare = key.lstrip("+~")
+    peer = peer_answer(bare, value) if bare not in known else None
+    if peer:
+        return f"config: {peer}"
+    if key.startswith(("+", "~")):  # Hydra's (verl's) syntax to add or delete a key
+        what = (
+            f"write {bare}=VALUE without it"
+            if bare in known
+            else f"and {bare!r} is not a key (see `python -m trainer --help`)"
+        )
+        return (
+            f"config: {key!r}: '{key[0]}' adds or removes a key in Hydra; here every key "
+            f"exists already and none can be added, {what}"
+        )
+    if key in known:
+        return None
+    section, _, leaf = key.rpartition(".")
+    switch = _section_switches().get(section)
+    if switch and leaf in _SWITCH_LEAVES:
+        return f"config: {key!r} is not a key: {switch} turns {section} on"
+    if any(k.startswith(key + ".") for k in known):
+        return f"config: {key} is a section, not a value; set its keys ({key}.KEY=...)"
+    hint = _closest_key(key, known)
+    tail = f" (did you mean {hint!r}?)" if hint else "; see `python -m trainer --help`"
+    return f"config: unknown key {key!r}{tail}"
+
+
+#: The leaf names users try to turn a section on with (verl's ``.enable``, ``use_``).
+_SWITCH_LEAVES = frozenset({"enable", "enabled", "use", "on", "active"})
+
+
+def _section_switches(cls: type = Config, prefix: str = "") -> dict[str, str]:
+    """``{section: "key=VALUE"}`` for each section declared with a ``switch``."""
+    hints = typing.get_type_hints(cls)
+    found: dict[str, str] = {}
+    for a in attrs.fields(cls):
+        if attrs.has(hints[a.name]):
+            key = f"{prefix}{a.name}"
+            if a.metadata.get("switch"):
+                found[key] = a.metadata["switch"]
+            found.update(_section_switches(hints[a.name], key + "."))
+    return found
 
 
 def _closest_key(key: str, known: Mapping[str, object]) -> str | None:

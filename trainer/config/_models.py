@@ -57,7 +57,9 @@ class ModelConfig:
         "name (smollm2-135m-instruct); None: the built-in tiny model.",
     )
     lora: LoraConfig = _section(
-        LoraConfig, "Train a LoRA adapter instead of the full model (docs/lora.md)."
+        LoraConfig,
+        "Train a LoRA adapter instead of the full model (docs/lora.md).",
+        switch="model.lora.rank=R (the adapter's rank, e.g. 8; 0 is off)",
     )
 
 

@@ -252,7 +252,9 @@ class TrainerConfig:
         WatchdogConfig, "The hang watchdog: a dump of where a long step waits."
     )
     fully_async: FullyAsyncConfig = _section(
-        FullyAsyncConfig, "trainer.strategy=fully_async: staleness and weight-sync cadence."
+        FullyAsyncConfig,
+        "trainer.strategy=fully_async: staleness and weight-sync cadence.",
+        switch="trainer.strategy=fully_async",
     )
 
     @property
@@ -428,10 +430,14 @@ class AlgorithmConfig:
         check=at_least(1),
     )
     overlong_buffer: OverlongBufferConfig = _section(
-        OverlongBufferConfig, "DAPO's soft overlong punishment of the reward."
+        OverlongBufferConfig,
+        "DAPO's soft overlong punishment of the reward.",
+        switch="algorithm.overlong_buffer.len=N (the buffer's length in tokens; 0 is off)",
     )
     dynamic_sampling: DynamicSamplingConfig = _section(
-        DynamicSamplingConfig, "DAPO's dynamic sampling: train only on informative groups."
+        DynamicSamplingConfig,
+        "DAPO's dynamic sampling: train only on informative groups.",
+        switch="algorithm.dynamic_sampling.type=filter (none is off)",
     )
 
     @property
