@@ -134,6 +134,12 @@ def _print_summary(summary: dict) -> None:
         first, last = _eval_at(summary, "first"), _eval_at(summary, "last")
         line = f"eval: {first}" + ("" if first == last else f" -> {last}")
         console.print(line, soft_wrap=True)
+    counted = [f"{v:g} {k}" for k, v in summary.get("totals", {}).items() if v]
+    restarts = summary.get("engine_restarts")
+    if restarts:
+        counted.insert(0, f"{restarts} engine restart{'s' if restarts > 1 else ''}")
+    if counted:  # what went wrong and was absorbed, and what steps spent (summary.json)
+        console.print("counted over the run: " + ", ".join(counted), soft_wrap=True)
     for event in summary.get("engine_restart_events", []):
         if event.get("seconds") is None:  # the run ended before the engine served again
             console.print(

@@ -89,10 +89,15 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
         "data.reward_fn=tests.trainer.helpers:varied_reward",
     )
     marker = new_marker()
-    # step 4's generation waits (non-blocking) long enough for us to kill the run there,
-    # after step 3 was logged and global_step_2 saved
+    # the engine dies in step 2 and is restarted (before the checkpoint: what the summary
+    # counts must survive the resume); step 4's generation waits (non-blocking) long enough
+    # for us to kill the run there, after step 3 was logged and global_step_2 saved
+    restart = "generate:kill_engine=0@2"
     proc = popen_trainer(
-        *common, f"trainer.run_dir={killed_dir}", "faults=generate:delay=600@4", marker=marker
+        *common,
+        f"trainer.run_dir={killed_dir}",
+        f"faults={restart},generate:delay=600@4",
+        marker=marker,
     )
     try:
         deadline = time.monotonic() + 240
@@ -117,7 +122,7 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
 
     resumed = run_trainer(*common, f"trainer.run_dir={killed_dir}", "trainer.resume_mode=latest")
     assert resumed.returncode == 0, resumed.stderr
-    straight = run_trainer(*common, f"trainer.run_dir={straight_dir}")
+    straight = run_trainer(*common, f"trainer.run_dir={straight_dir}", f"faults={restart}")
     assert straight.returncode == 0, straight.stderr
 
     resumed_rows, straight_rows = read_metrics(killed_dir), read_metrics(straight_dir)
@@ -130,6 +135,16 @@ def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order
         assert [r[key] for r in resumed_rows] == [r[key] for r in straight_rows], key
     assert len({r["policy/loss"] for r in straight_rows}) > 1
     assert "resumed from" in (killed_dir / "train.log").read_text()
+    # what the run counted is the uninterrupted run's: the restart before the checkpoint too
+    resumed_summary, straight_summary = (
+        json.loads((d / "summary.json").read_text()) for d in (killed_dir, straight_dir)
+    )
+    assert resumed_rows[-1]["engine/restarts"] == straight_rows[-1]["engine/restarts"] == 1
+    assert resumed_summary["engine_restarts"] == straight_summary["engine_restarts"] == 1
+    (event,) = resumed_summary["engine_restart_events"]
+    assert event["step"] == 2 and event["engine"] == 0
+    assert resumed_summary["totals"] == straight_summary["totals"]
+    assert "counted over the run: 1 engine restart" in resumed.stderr
 
 
 def test_resume_latest_without_checkpoints_starts_fresh(four_steps):

@@ -86,8 +86,10 @@ class EngineRecovery:
         self.transport = transport
         self.workers = workers
         n = len(self.rotation.urls)
-        #: Restarts of each engine so far.
+        #: Restarts of each engine so far (by this process: its ``engine.max_restarts`` budget).
         self.restarts = [0] * n
+        #: Restarts before this process, by the run this one resumes (:meth:`carry_over`).
+        self.earlier_restarts = 0
         #: One entry per failure brought back: engine, cause, the step, and the seconds from
         #: the failure to serving again (None while it is not back).
         self.events: list[dict[str, object]] = []
@@ -103,7 +105,18 @@ class EngineRecovery:
 
     @property
     def total_restarts(self) -> int:
-        return sum(self.restarts)
+        """The run's restarts, before a resume included (``engine/restarts``)."""
+        return self.earlier_restarts + sum(self.restarts)
+
+    def state_dict(self) -> dict[str, object]:
+        """What a checkpoint keeps of the run's restarts, so a resume goes on counting."""
+        return {"restarts": self.total_restarts, "events": list(self.events)}
+
+    def carry_over(self, state: dict[str, Any]) -> None:
+        """Count on from a checkpoint's :meth:`state_dict` (the run this one resumes). Each
+        engine's ``engine.max_restarts`` budget starts afresh: its server is a new process."""
+        self.earlier_restarts = int(state.get("restarts", 0))
+        self.events[:0] = [dict(e) for e in state.get("events", ())]
 
     def set_resync(self, resync: Callable[[], Awaitable[object]]) -> None:
         """How a restarted engine is brought to the current weights (see the class docstring)."""

@@ -236,9 +236,9 @@ async def train_critic_and_policy(
 async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer.
 
-    The trainer state holds the data position, the weight version and ``metrics``, the
-    step's metrics so far: a run killed after the save but before the step's line reached
-    ``metrics.jsonl`` gets the line back on resume (``restore_metrics``).
+    The trainer state holds the data position, the weight version, the engines' restarts so
+    far and ``metrics``, the step's metrics so far: a run killed after the save but before the
+    step's line reached ``metrics.jsonl`` gets the line back on resume (``restore_metrics``).
 
     ``checkpoint/max_stall_ms`` is the event loop's longest stall while the save ran: the
     writes happen off the trio thread, so it stays in the milliseconds however long the
@@ -250,6 +250,8 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
         "weight_version": ctx.versions.current,
         "metrics": jsonable_row({"step": step, **metrics}),
     }
+    if ctx.recovery is not None:  # the restarts so far, counted on by a resume
+        state["engine_recovery"] = ctx.recovery.state_dict()
     with ctx.stalls.window() as stalls:
         path = await ctx.workers.save_checkpoint(ctx.ckpt.save, step, state)
     return {

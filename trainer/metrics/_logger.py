@@ -31,17 +31,14 @@ from rich.progress import (
 
 __all__ = [
     "ETA_WINDOW",
-    "EVAL_SUMMARY_KEYS",
     "KL_METRICS",
     "ONE_UPDATE_METRICS",
     "MetricsLogger",
     "StepProgress",
     "eval_line",
-    "eval_summary",
     "jsonable_row",
     "open_run_log",
     "restore_metrics",
-    "reward_summary",
     "setup_run_logging",
     "teardown_run_logging",
 ]
@@ -456,32 +453,3 @@ def _scored(metrics: dict[str, float], which: str) -> str:
     if accuracy is not None and reward is not None and accuracy != reward:
         text += f" (accuracy {accuracy:.3f})"
     return text
-
-
-#: The ``eval/*`` metrics the run's summary keeps for its first and last eval.
-EVAL_SUMMARY_KEYS = ("reward_mean", "sampled_reward_mean", "accuracy", "sampled_accuracy")
-
-
-def eval_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The first and last eval of a run (``metrics.jsonl`` rows with ``eval/reward_mean``):
-    their steps and rewards, for ``summary.json`` and the closing lines."""
-    evals = [r for r in rows if "eval/reward_mean" in r]
-    if not evals:
-        return {}
-    out: dict[str, float] = {}
-    for which, row in (("first", evals[0]), ("last", evals[-1])):
-        out[f"eval/{which}_step"] = float(row["step"])
-        for key in EVAL_SUMMARY_KEYS:
-            if f"eval/{key}" in row:
-                out[f"eval/{which}_{key}"] = row[f"eval/{key}"]
-    return out
-
-
-def reward_summary(rewards: list[float]) -> dict[str, float]:
-    """Mean reward of the first and last 20% of steps (at least one step each)."""
-    if not rewards:
-        return {}
-    k = max(1, round(len(rewards) * 0.2))
-    first = statistics.fmean(rewards[:k])
-    last = statistics.fmean(rewards[-k:])
-    return {"reward/first_20pct": first, "reward/last_20pct": last, "steps": float(len(rewards))}

@@ -44,6 +44,7 @@ from trainer.metrics import (
     open_trackers,
     restore_metrics,
     reward_summary,
+    run_totals,
     setup_run_logging,
     teardown_run_logging,
 )
@@ -324,6 +325,8 @@ async def _open_run_context(
     recovery = await stack.enter_async_context(
         open_engine_recovery(cfg, engine, parts.engines.processes, parts.transport, parts.workers)
     )
+    if recovery is not None and "engine_recovery" in prepared.state:
+        recovery.carry_over(prepared.state["engine_recovery"])
     start = await _resume_policy(cfg, run_dir, prepared, parts.workers, progress)
     metrics = await _open_metrics(stack, run_dir, start, prepared)
     generator, eval_generator, eval_sampled_generator = await _open_generators(
@@ -460,6 +463,7 @@ def _summarize(
         times = [r["timing/step"] for r in steps if "timing/step" in r]
         summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
+    summary["totals"] = run_totals(steps)
     if restarts is not None:  # engine recovery was on: how often it brought an engine back
         summary["engine_restarts"] = len(restarts)
         summary["engine_restart_events"] = restarts

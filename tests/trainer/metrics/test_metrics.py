@@ -56,3 +56,20 @@ def test_non_finite_numbers_become_null():
         "c": 1.5,
         "d": [1],
     }
+
+
+def test_run_totals_sum_each_per_step_count_a_row_has():
+    from trainer.metrics import RUN_TOTALS, run_totals
+
+    rows = [
+        {"step": 1, "reward/mean": 0.5, "reward/timeouts": 2.0, "dynamic_sampling/rounds": 3.0},
+        {"step": 2, "reward/mean": 0.6, "reward/timeouts": 1.0, "reward/errors": None},
+        {"step": 3, "reward/mean": 0.7, "dynamic_sampling/rounds": 1.0, "sync/resends": 1},
+    ]
+    assert run_totals(rows) == {
+        "reward/timeouts": 3.0,
+        "dynamic_sampling/rounds": 4.0,
+        "sync/resends": 1.0,
+    }
+    assert "reward/mean" not in RUN_TOTALS  # a level, not a count: never summed
+    assert run_totals([]) == {}
