@@ -86,13 +86,15 @@ def test_a_dump_of_a_run_hung_in_forward_backward_shows_the_stage_operation_and_
         watchdog = wait_for_line(tmp_path / "train.log", "step 2 has run", proc)
     finally:
         stop(proc, marker)
-    # the watchdog wrote the same dump on its own, and left the step running
-    assert (
-        "Where it is: step 2 (stage='train_critic_and_policy', operation='forward_backward')"
-        in (watchdog)
+    # the watchdog said in one line what waits, and since when; wrote the same tree as the
+    # dump into train.log on its own, and left the step running
+    assert "operation 'forward_backward' (stage 'train_critic_and_policy') has not run" in (
+        watchdog
     )
     log = (tmp_path / "train.log").read_text()
-    assert "in fire_fault_sync: _release.wait()" in log.split("step 2 has run", 1)[1]
+    tree = log.split("step 2's task tree", 1)[1]
+    assert "step 2 (stage='train_critic_and_policy', operation='forward_backward')" in tree
+    assert "in fire_fault_sync: _release.wait()" in tree
     assert text.returncode == 0, text.stderr
     out = text.stdout
     assert "step 2 (stage='train_critic_and_policy', operation='forward_backward')" in out

@@ -85,18 +85,25 @@ def _loggers(v: Any) -> str | None:
 class WatchdogConfig:
     enabled: bool = _field(
         True,
-        "Write the run's task-tree dump (what `debug dump` prints) to train.log and "
-        "stderr when a step runs past after_s, and just before a StepTimeoutError; nothing is "
-        "stopped.",
+        "When a step runs past after_s: one line on stderr and in train.log naming the "
+        "operation that has gone longest without running, and the run's task tree (what "
+        "`debug dump` prints) in train.log; just before a StepTimeoutError, the tree on "
+        "stderr too. Nothing is stopped.",
     )
     after_s: float | None = _field(
         None,
-        "Seconds a step may run before the dump (None: 5x the median step so far, at least "
-        "min_s). Once per step.",
+        "Seconds a step may run before the watchdog speaks (None: 5x the median step so far, "
+        "at least min_s; first_step_s until a step has finished). Once per step.",
         check=positive,
     )
     min_s: float = _field(
         60.0, "The least automatic threshold (after_s=None), in seconds.", check=positive
+    )
+    first_step_s: float = _field(
+        300.0,
+        "The automatic threshold until a step has finished (a run's or a resume's first step "
+        "loads, compiles and warms up: it is judged by this, not by later steps' median).",
+        check=positive,
     )
 
 

@@ -16,7 +16,7 @@ from rich.tree import Tree
 
 from trainer.debug._snapshot import Snapshot, TaskNode
 
-__all__ = ["innermost_place", "render", "tree_of", "where_line"]
+__all__ = ["innermost_place", "render", "stalest_line", "tree_of", "where_line"]
 
 #: Siblings alike in all but name are shown once with a count past this many.
 _COLLAPSE_AT = 4
@@ -49,6 +49,28 @@ def where_line(snapshot: Snapshot) -> str:
         return "startup (no step running)"
     step = node["step"] if node["step"] is not None else "?"
     return f"step {step} (stage={node['stage']!r}, operation={node['operation'] or 'await'!r})"
+
+
+def stalest_line(snapshot: Snapshot) -> str:
+    """The open operation of the running step that has gone longest without running, and how
+    long: ``operation 'generate' (stage 'generate') has not run for 58.0s``. Tasks with an
+    operation first (a stage's task waits on its operations' tasks, so it always looks
+    stalest), else with a stage; :func:`where_line` where no task has a wait clock."""
+    running = snapshot["step"]
+    step = running["step"] if running else None
+    found: tuple[int, float, TaskNode] | None = None
+    for _depth, node in _walk(snapshot["tasks"]):
+        rank = 2 if node["operation"] else 1 if node["stage"] else 0
+        waited = node["waiting_s"]
+        if not rank or waited is None or (step is not None and node["step"] not in (step, None)):
+            continue
+        if found is None or (rank, waited) > found[:2]:
+            found = (rank, waited, node)
+    if found is None:
+        return where_line(snapshot)
+    _rank, waited, node = found
+    what = f"operation {node['operation']!r}" if node["operation"] else "its task"
+    return f"{what} (stage {node['stage']!r}) has not run for {waited:.1f}s"
 
 
 def _seconds(value: float | None) -> str:

@@ -8,14 +8,19 @@
         await run_step(ctx, step)
 
 When step N has run longer than ``after_s`` (default: ``factor`` x the median duration of the
-steps so far, at least ``min_s``), the run's task tree (:meth:`Dumper.snapshot`) goes to the
-``trainer.debug`` logger at WARNING, which the run sends to ``train.log`` and stderr. Once
-per step; nothing is stopped or cancelled.
+steps so far, at least ``min_s``; until a step has finished, ``first_step_s``: a first step
+loads, compiles and warms up, and is judged by that measure, not by later steps'), one line
+goes to the ``trainer.debug`` logger at WARNING (``train.log`` and stderr): how long the step
+has run, and the operation that has gone longest without running, with how long
+(:func:`~trainer.debug._render.stalest_line`). The whole task tree (:meth:`Dumper.snapshot`)
+goes at INFO, to ``train.log`` only; ``python -m trainer debug dump RUN_DIR`` shows it live.
+Once per step; nothing is stopped or cancelled.
 
 With a ``step_timeout_s``, the watchdog also takes a snapshot shortly before the step's
 deadline (:data:`LAST_WORDS_MARGIN_S`, or a tenth of the budget when that is smaller), while
-every task is still where it waits, and :meth:`Watchdog.watching` writes it just before the
-``StepTimeoutError`` leaves the step. All times are on the trio clock.
+every task is still where it waits, and :meth:`Watchdog.watching` writes it, whole, at
+WARNING (the console too: the step is failing) just before the ``StepTimeoutError`` leaves the
+step. All times are on the trio clock.
 """
 
 from __future__ import annotations
@@ -29,11 +34,17 @@ from contextlib import contextmanager
 import attrs
 import trio
 
-from trainer.debug._render import render, where_line
+from trainer.debug._render import render, stalest_line, where_line
 from trainer.debug._snapshot import Dumper, Snapshot
 from trainer.errors import StepTimeoutError
 
-__all__ = ["DEFAULT_FACTOR", "DEFAULT_MIN_S", "LAST_WORDS_MARGIN_S", "Watchdog"]
+__all__ = [
+    "DEFAULT_FACTOR",
+    "DEFAULT_FIRST_STEP_S",
+    "DEFAULT_MIN_S",
+    "LAST_WORDS_MARGIN_S",
+    "Watchdog",
+]
 
 log = logging.getLogger("trainer.debug")
 
@@ -41,6 +52,8 @@ log = logging.getLogger("trainer.debug")
 DEFAULT_FACTOR = 5.0
 #: ...and never less than this many seconds.
 DEFAULT_MIN_S = 60.0
+#: The threshold until a step has finished (model loading, compilation and warm-up included).
+DEFAULT_FIRST_STEP_S = 300.0
 #: How long before a step's deadline its last snapshot is taken (at most).
 LAST_WORDS_MARGIN_S = 3.0
 
@@ -65,6 +78,8 @@ class Watchdog:
     after_s: float | None = None
     min_s: float = DEFAULT_MIN_S
     factor: float = DEFAULT_FACTOR
+    #: The threshold until a step has finished (after_s=None).
+    first_step_s: float = DEFAULT_FIRST_STEP_S
     #: The step's budget (``trainer.step_timeout_s``): a last snapshot is taken before it.
     step_timeout_s: float | None = None
     #: False: :meth:`run` returns at once; steps are still tracked for dumps.
@@ -81,7 +96,7 @@ class Watchdog:
         if self.after_s is not None:
             return self.after_s
         if not self._durations:
-            return self.min_s
+            return max(self.min_s, self.first_step_s)
         return max(self.min_s, self.factor * statistics.median(self._durations))
 
     def running_step(self) -> tuple[int, float] | None:
@@ -148,10 +163,18 @@ class Watchdog:
             snapshot = await self._snapshot()
             if snapshot is not None:
                 log.warning(
-                    "step %d has run %.1fs, past the watchdog's %.1fs (trainer.watchdog); "
-                    "nothing is stopped. Where it is: %s\n%s",
+                    "step %d has run %.1fs, past the watchdog's %.1fs (trainer.watchdog); %s. "
+                    "Nothing is stopped; the task tree is in train.log (live: python -m "
+                    "trainer debug dump %s)",
                     current.step,
                     trio.current_time() - current.start,
+                    overdue_at - current.start,
+                    stalest_line(snapshot),
+                    self.dumper.run_dir,
+                )
+                log.info(
+                    "step %d's task tree past the watchdog's %.1fs: %s\n%s",
+                    current.step,
                     overdue_at - current.start,
                     where_line(snapshot),
                     render(snapshot),

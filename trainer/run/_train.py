@@ -169,6 +169,7 @@ async def train(cfg: Config) -> dict[str, Any]:
         dumper,
         after_s=w.after_s,
         min_s=w.min_s,
+        first_step_s=w.first_step_s,
         step_timeout_s=cfg.trainer.step_timeout_s,
         enabled=w.enabled,
     )
