@@ -23,7 +23,7 @@ from trainer.generators import Generator
 from trainer.loop._engine_recovery import EngineRecovery
 from trainer.loop._prompt_stream import PromptStream
 from trainer.loop._versions import WeightVersions
-from trainer.metrics import MetricsLogger, StepProgress, TrackerSink
+from trainer.metrics import MetricsLogger, StepProgress, TrackerSink, end_step
 from trainer.workers.group import WorkerGroup
 
 __all__ = ["SLOW_STALL_MS", "RunContext", "StepFn", "Strategy"]
@@ -155,6 +155,7 @@ class RunContext:
             metrics["reward/mean"],
             metrics["timing/step"],
         )
+        end_step(metrics["step"])  # the step's repeated warnings: one line each, counted
 
     def record_eval(self, step: int, metrics: dict[str, float]) -> None:
         self.metrics.log({"step": step, **metrics})

@@ -10,6 +10,8 @@ from trainer.metrics._logger import open_run_log as open_run_log
 from trainer.metrics._logger import restore_metrics as restore_metrics
 from trainer.metrics._logger import setup_run_logging as setup_run_logging
 from trainer.metrics._logger import teardown_run_logging as teardown_run_logging
+from trainer.metrics._repeats import RepeatedWarnings as RepeatedWarnings
+from trainer.metrics._repeats import end_step as end_step
 from trainer.metrics._summary import EVAL_SUMMARY_KEYS as EVAL_SUMMARY_KEYS
 from trainer.metrics._summary import RUN_TOTALS as RUN_TOTALS
 from trainer.metrics._summary import eval_summary as eval_summary
@@ -22,8 +24,10 @@ __all__ = [
     "EVAL_SUMMARY_KEYS",
     "RUN_TOTALS",
     "MetricsLogger",
+    "RepeatedWarnings",
     "StepProgress",
     "TrackerSink",
+    "end_step",
     "eval_line",
     "eval_summary",
     "jsonable_row",

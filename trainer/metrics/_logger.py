@@ -29,6 +29,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from trainer.metrics._repeats import RepeatedWarnings
+
 __all__ = [
     "ETA_WINDOW",
     "KL_METRICS",
@@ -69,6 +71,7 @@ def setup_run_logging(run_dir: Path | None = None) -> list[logging.Handler]:
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    console.addFilter(RepeatedWarnings(console))  # a warning again and again: counted
     first: logging.Handler = (
         _file_handler(run_dir)
         if run_dir is not None
@@ -111,6 +114,10 @@ def open_run_log(handlers: list[logging.Handler], run_dir: Path) -> None:
 
 
 def teardown_run_logging(handlers: list[logging.Handler]) -> None:
+    for h in handlers:  # each repeated warning's count, before the console goes
+        for f in h.filters:
+            if isinstance(f, RepeatedWarnings):
+                f.close()
     for name in LOGGERS:
         for h in handlers:
             logging.getLogger(name).removeHandler(h)
