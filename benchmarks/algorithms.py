@@ -8,7 +8,8 @@
 Runs ``python -m trainer`` (the default task and model, the local reference engines) once per
 recipe below, back to back in one sitting, each in its own run directory, and prints one table
 (the one in docs/algorithms.md): the mean reward of the first and last 20% of steps
-(``summary.json``), whether it learned (last >= 2x first, the issue's bar), the mean step time
+(``summary.json``), whether it learned (last >= 2x first, the issue's bar), the mean step time,
+the batches of prompts generated per step (dynamic sampling's rounds)
 and the time of the stages an algorithm changes (``timing/fwd_logprobs_values_reward``: the
 critic's values; ``timing/compute_advantages``; ``timing/train_critic_and_policy``), medians over the steps after the first 20%), each as a
 ratio to GRPO's in the same sitting: wall-clock times on a shared machine swing, ratios
@@ -115,9 +116,10 @@ def main() -> None:
     print()
     print(
         "| algorithm | reward, first 20% | reward, last 20% | learns (>= 2x) | step time | "
-        "vs GRPO | " + " | ".join(f"`{s}` vs GRPO" for s in STAGES) + " |"
+        "vs GRPO | " + " | ".join(f"`{s}` vs GRPO" for s in STAGES) + " | batches generated "
+        "per step |"
     )
-    print("|---|---|---|---|---|---|" + "---|" * len(STAGES))
+    print("|---|---|---|---|---|---|" + "---|" * (len(STAGES) + 1))
     for name, r in results.items():
         first, last = r["reward/first_20pct"], r["reward/last_20pct"]
 
@@ -128,8 +130,15 @@ def main() -> None:
             f"| {name} | {first:.3f} | {last:.3f} | {'yes' if last >= 2 * first else 'no'} | "
             f"{r['step_time_mean_s']:.3f} s | {ratio('step_time_mean_s')} | "
             + " | ".join(ratio(s) for s in STAGES)
-            + " |"
+            + f" | {batches_per_step(r):.2f} |"
         )
+
+
+def batches_per_step(summary: dict) -> float:
+    """Batches of prompts generated per step: dynamic sampling's rounds (summary.json's
+    totals), else one."""
+    rounds = summary.get("totals", {}).get("dynamic_sampling/rounds")
+    return rounds / summary["steps"] if rounds else 1.0
 
 
 if __name__ == "__main__":
