@@ -84,6 +84,7 @@ LOSS_AGG_MODES = Registry(
         "seq-mean-token-sum": "seq_mean_token_sum",
         "seq-mean-token-mean": "seq_mean_token_mean",
         "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+        "token-sum": "token_sum",
     },
 )
 
