@@ -234,3 +234,29 @@ async def test_a_run_with_a_token_mask_recomputes_old_logprobs_and_reports_its_r
         assert r["policy/is_truncated_frac"] == 0.0
         assert 0.5 <= r["policy/is_weight_max"] <= 2.0
         assert "timing/fwd_logprobs_values_reward" in r
+
+
+async def test_a_bypass_run_takes_the_rollouts_logprobs_as_the_old_ones(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "engine.backend=inprocess",
+            "algorithm.rollout_correction.bypass_mode=true",
+            "trainer.update_epochs=2",  # a forward would otherwise recompute the old logprobs
+            "trainer.max_steps=2",
+            "trainer.train_batch_size=2",
+            "generator.n_samples_per_prompt=4",
+            "data.reward_fn=tests.trainer.helpers:varied_reward",
+            f"trainer.run_dir={tmp_path}",
+            "trainer.progress=false",
+        ],
+    )
+    assert not cfg.plan.recomputes_old_logprobs
+    await trainer.run.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        # old is the rollout's, bit for bit: the ratio is exactly 1 (a recompute gives 1 +- 1e-6)
+        assert r["policy/is_ratio_min"] == r["policy/is_ratio_max"] == 1.0
+        assert r["policy/num_tokens"] > 0
