@@ -12,7 +12,7 @@ import torch
 
 import trainer.run
 from engines.models import build_tiny_model
-from trainer.algorithms import policy_loss
+from trainer.algorithms import RolloutCorrection, policy_loss
 from trainer.config import load_config
 from trainer.config._schema import AlgorithmConfig
 from trainer.errors import ConfigError
@@ -25,6 +25,7 @@ from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 
 F64 = torch.float64
+TOKEN_TIS = RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0)
 
 
 def t(values) -> torch.Tensor:
@@ -77,7 +78,9 @@ def test_weights_with_no_valid_token_are_zero_not_nan():
     old, rollout = _behaviour([[2.0, 3.0]])
     w, m = importance_weights(old, rollout, torch.zeros(1, 2), "tis")
     assert w is not None and w.tolist() == [[0.0, 0.0]]
-    assert m == {**dict.fromkeys(IS_RATIO_METRICS, 0.0), "is_truncated_frac": 0.0}
+    assert m == dict.fromkeys(
+        (*IS_RATIO_METRICS, "is_truncated_frac", "is_weight_p99", "is_weight_max"), 0.0
+    )
 
 
 @pytest.mark.parametrize(
@@ -207,7 +210,7 @@ def test_worker_with_none_trains_exactly_as_without_rollout_logprobs(model_dir):
 
 def test_worker_with_tis_weighs_each_token_by_its_capped_weight_across_micro_batches(model_dir):
     plain = PolicyWorker(model_dir, lr=1e-3, micro_batch_size=3)
-    tis = PolicyWorker(model_dir, lr=1e-3, micro_batch_size=3, off_policy_correction="tis")
+    tis = PolicyWorker(model_dir, lr=1e-3, micro_batch_size=3, rollout_correction=TOKEN_TIS)
     batch = _batch()
     assert batch.old_logprobs is not None and batch.advantages is not None
     # rows 0-1 were sampled by a policy 4x less likely (ratio 4, weight capped to 2), rows
@@ -233,8 +236,8 @@ def test_worker_with_tis_weighs_each_token_by_its_capped_weight_across_micro_bat
 
 
 def test_worker_with_tis_needs_rollout_logprobs(model_dir):
-    worker = PolicyWorker(model_dir, lr=1e-3, off_policy_correction="tis")
-    with pytest.raises(ValueError, match=r"off_policy_correction='tis' needs the batch's rollout"):
+    worker = PolicyWorker(model_dir, lr=1e-3, rollout_correction=TOKEN_TIS)
+    with pytest.raises(ValueError, match=r"rollout_is='token' needs the batch's rollout"):
         worker.forward_backward(_batch())
 
 
@@ -250,12 +253,12 @@ def test_config_keys_default_to_auto_and_check_their_values():
     # auto: corrected where the sampler lags (fully-async), plain where it does not; the run
     # plan decides it once
     for overrides, correction in [
-        ([], "none"),
-        (["trainer.strategy=fully_async"], "tis"),
-        (["trainer.strategy=fully_async", "algorithm.off_policy_correction=none"], "none"),
-        (["algorithm.off_policy_correction=tis"], "tis"),
+        ([], None),
+        (["trainer.strategy=fully_async"], "token"),
+        (["trainer.strategy=fully_async", "algorithm.off_policy_correction=none"], None),
+        (["algorithm.off_policy_correction=tis"], "token"),
     ]:
-        assert load_config(None, overrides).plan.correction == correction
+        assert load_config(None, overrides).plan.correction.rollout_is == correction
     cfg = load_config(None, ["algorithm.off_policy_correction=tis", "algorithm.tis_cap=null"])
     assert (cfg.algorithm.off_policy_correction, cfg.algorithm.tis_cap) == ("tis", None)
     with pytest.raises(ConfigError, match=r"choose one of 'auto', 'none', 'tis'"):

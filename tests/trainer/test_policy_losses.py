@@ -16,6 +16,7 @@ from trainer.config._schema import AlgorithmConfig
 from trainer.errors import ConfigError
 
 F64 = torch.float64
+SEQ = "seq-mean-token-mean"
 
 
 def t(values) -> torch.Tensor:
@@ -72,6 +73,23 @@ def test_gspo_clips_the_length_normalized_ratio_of_each_sequence():
     ppo, _ = policy_loss(logp.detach(), old, adv, mask)
     assert ppo.item() == pytest.approx((-1.1 - 1.1 - 1.2 - 1.0) / 4)
     assert set(m) == set(POLICY_LOSS_METRICS["gspo"])
+
+
+def test_gspo_averages_the_raw_token_log_ratios_and_clamps_only_the_sequences():
+    # One sequence, token log-ratios [25, 0, 0, 0, 0], A = -1: the paper's (and verl's) mean
+    # log-ratio is 25 / 5 = 5, s = e^5 = 148.41; -A s = 148.41 beats -A clip(s) = 1.2 on every
+    # token and seq-mean-token-mean gives 148.41. Clamping the token first (25 -> 20) would
+    # give e^4 = 54.60.
+    old = torch.zeros(1, 5, dtype=F64)
+    logp = t([[25.0, 0.0, 0.0, 0.0, 0.0]]).requires_grad_()
+    loss, m = policy_loss(logp, old, t([-1.0]), torch.ones(1, 5), loss="gspo", loss_agg_mode=SEQ)
+    assert loss.item() == pytest.approx(math.exp(5))
+    assert m["seq_ratio_max"] == pytest.approx(math.exp(5))
+    # the sequence's log-ratio alone is clamped, to 20: a mean of 30 counts as 20
+    loss, _ = policy_loss(
+        t([[150.0, 0, 0, 0, 0]]), old, t([-1.0]), torch.ones(1, 5), loss="gspo", loss_agg_mode=SEQ
+    )
+    assert loss.item() == pytest.approx(math.exp(20))
 
 
 def test_cispo_keeps_every_tokens_gradient_and_only_bounds_its_weight():

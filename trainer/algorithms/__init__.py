@@ -1,8 +1,9 @@
 """The algorithms: advantage estimators, policy losses, loss aggregation, reward shaping and the
 tensor operations they share. Pure torch, no trio, no I/O.
 
-Three registries name what a run picks by config (:data:`ADVANTAGE_ESTIMATORS`,
-:data:`POLICY_LOSSES`, :data:`LOSS_AGG_MODES`): each maps a value of its config key to one
+The registries name what a run picks by config (:data:`ADVANTAGE_ESTIMATORS`,
+:data:`POLICY_LOSSES`, :data:`LOSS_AGG_MODES`, and the rollout corrections :data:`ROLLOUT_IS`
+and :data:`ROLLOUT_RS`): each maps a value of its config key to one
 documented function, and the config's allowed values are its names. Importing this package
 does not import torch (the config reads the names); the functions below are imported on first
 use.
@@ -27,20 +28,31 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from trainer.algorithms._registry import DEFAULT_RS_BOUNDS as DEFAULT_RS_BOUNDS
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
 from trainer.algorithms._registry import OFF_POLICY_CORRECTIONS as OFF_POLICY_CORRECTIONS
 from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
+from trainer.algorithms._registry import ROLLOUT_IS as ROLLOUT_IS
+from trainer.algorithms._registry import ROLLOUT_RS as ROLLOUT_RS
 from trainer.algorithms._registry import VALUE_ESTIMATORS as VALUE_ESTIMATORS
 from trainer.algorithms._registry import AdvantageEstimatorName as AdvantageEstimatorName
 from trainer.algorithms._registry import LossAggModeName as LossAggModeName
 from trainer.algorithms._registry import OffPolicyCorrection as OffPolicyCorrection
 from trainer.algorithms._registry import PolicyLossName as PolicyLossName
 from trainer.algorithms._registry import Registry as Registry
+from trainer.algorithms._registry import RolloutCorrection as RolloutCorrection
+from trainer.algorithms._registry import RolloutIsName as RolloutIsName
+from trainer.algorithms._registry import RolloutRsName as RolloutRsName
 from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_agg_mode
 
 if TYPE_CHECKING:
     from trainer.algorithms._advantages import compute_advantages, gae_advantages_and_returns
     from trainer.algorithms._aggregation import BatchCounts, aggregate
+    from trainer.algorithms._corrections import (
+        CORRECTION_METRICS,
+        importance_weights_of,
+        rejection_mask_of,
+    )
     from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
@@ -61,8 +73,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "CORRECTION_METRICS",
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
+    "DEFAULT_RS_BOUNDS",
     "KL_ESTIMATORS",
     "LOGPROB_CHUNK_ELEMENTS",
     "LOG_RATIO_CLAMP",
@@ -70,6 +84,8 @@ __all__ = [
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
     "POLICY_LOSS_METRICS",
+    "ROLLOUT_IS",
+    "ROLLOUT_RS",
     "VALUE_ESTIMATORS",
     "VALUE_LOSS_METRICS",
     "AdvantageEstimatorName",
@@ -78,16 +94,21 @@ __all__ = [
     "OffPolicyCorrection",
     "PolicyLossName",
     "Registry",
+    "RolloutCorrection",
+    "RolloutIsName",
+    "RolloutRsName",
     "aggregate",
     "compute_advantages",
     "explained_variance",
     "gae_advantages_and_returns",
     "head_token_logprobs",
+    "importance_weights_of",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
     "overlong_penalty",
     "policy_loss",
+    "rejection_mask_of",
     "resolve_loss_agg_mode",
     "token_logprobs",
     "value_loss",
@@ -99,6 +120,9 @@ _LAZY = {
     "gae_advantages_and_returns": "_advantages",
     "BatchCounts": "_aggregation",
     "aggregate": "_aggregation",
+    "CORRECTION_METRICS": "_corrections",
+    "importance_weights_of": "_corrections",
+    "rejection_mask_of": "_corrections",
     "DEFAULT_CLIP_HIGH": "_losses",
     "DEFAULT_CLIP_LOW": "_losses",
     "POLICY_LOSS_METRICS": "_losses",

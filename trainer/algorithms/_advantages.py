@@ -249,8 +249,8 @@ def reinforce_plus_plus(x: AdvantageInputs) -> torch.Tensor:
     """REINFORCE++ (Hu 2025, arXiv:2501.03262; verl ``reinforce_plus_plus``, SkyRL
     ``reinforce_plus_plus``), ``[B, T]``: each trained token's discounted return
     ``gamma ** k * r`` (``k`` trained tokens after it: an environment's tokens in a multi-turn
-    trajectory are not steps of the policy and are skipped, where verl's loop resets the return
-    at them), whitened over all trained tokens of the batch (global, not per group: the
+    trajectory are not steps of the policy and are skipped; verl's loop carries the return
+    through them unchanged, the same), whitened over all trained tokens of the batch (global, not per group: the
     paper's point). The paper also folds a per-token KL penalty into the reward; here the KL
     term is the loss's (``algorithm.use_kl_loss``)."""
     mask = x.token_mask("reinforce_plus_plus")

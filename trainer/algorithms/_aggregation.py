@@ -16,7 +16,10 @@ loss:
   sequence weighs the same, so a token of a short answer weighs more.
 - ``seq-mean-token-sum-norm``: ``sum_i sum_t l_it / (S * L)`` with a constant ``L``
   (``scale_factor``; Dr. GRPO, Liu et al. 2025: the generation budget), no length bias. As
-  SkyRL's ``seq_mean_token_sum_norm``; verl's mode of that name leaves out the ``1 / S``.
+  SkyRL's ``seq_mean_token_sum_norm`` and verl's mode of that name (both divide by ``S``).
+- ``token-sum``: ``sum_i sum_t l_it`` (verl's ``token-sum``): no normalization at all, so the
+  loss and its gradient grow with the mini-batch's tokens; pair it with a smaller learning
+  rate.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "seq_mean_token_sum",
     "seq_mean_token_sum_norm",
     "token_mean",
+    "token_sum",
 ]
 
 
@@ -82,6 +86,14 @@ def token_mean(
 ) -> torch.Tensor:
     """``sum_i sum_t l_it / N``."""
     return picked.sum() / max(counts.tokens, 1)
+
+
+def token_sum(
+    picked: torch.Tensor, valid: torch.Tensor, counts: BatchCounts, scale_factor: float | None
+) -> torch.Tensor:
+    """``sum_i sum_t l_it`` (verl ``token-sum``): each micro-batch's own sum, so the sums
+    over micro-batches and ranks are the mini-batch's without any count."""
+    return picked.sum()
 
 
 def seq_mean_token_sum(

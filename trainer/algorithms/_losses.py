@@ -61,6 +61,9 @@ class LossInputs:
     logprobs: torch.Tensor
     #: ``logprobs - old_logprobs``, detached from ``old``, clamped to ``±LOG_RATIO_CLAMP``.
     log_ratio: torch.Tensor
+    #: The same before the clamp (zero at masked positions): what a sequence-level ratio
+    #: averages, so one wild token moves its sequence's mean by its whole log-ratio.
+    raw_log_ratio: torch.Tensor
     advantages: torch.Tensor
     valid: torch.Tensor
     clip_low: float
@@ -204,6 +207,7 @@ def _loss_inputs(
     return LossInputs(
         logprobs=_zero_where_masked(logprobs, valid, logprobs),
         log_ratio=log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP),
+        raw_log_ratio=log_ratio,
         advantages=_zero_where_masked(adv, valid, logprobs),
         valid=valid,
         clip_low=clip_low,
@@ -276,16 +280,22 @@ def gspo(x: LossInputs) -> tuple[torch.Tensor, dict[str, float]]:
     so the gradient of sequence ``i`` is ``s_i A_i mean_t grad logp_it`` where unclipped. The
     paper's clip ranges are far narrower than PPO's (3e-4 and 4e-4). Metrics: ``clip_frac``
     (tokens of clipped sequences), ``seq_ratio_mean``/``_max``/``_min`` over the sequences.
+
+    The mean is of the raw token log-ratios, as the paper and verl take it; only the sequence's
+    log-ratio is clamped, to ``±LOG_RATIO_CLAMP`` (20) against overflow. verl clamps it at 10,
+    and at the maximum only: a sequence whose mean log-ratio lies in (10, 20] or below -20 has
+    another loss there (no clip range comes near either bound).
     """
-    n = x.valid.sum(dim=-1).clamp(min=1).to(x.log_ratio.dtype)
-    seq_log_ratio = x.log_ratio.sum(dim=-1) / n
+    n = x.valid.sum(dim=-1).clamp(min=1).to(x.raw_log_ratio.dtype)
+    seq_log_ratio = x.raw_log_ratio.sum(dim=-1) / n
     log_s = x.logprobs - x.logprobs.detach() + seq_log_ratio.detach()[:, None]
     s = torch.exp(log_s.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -x.advantages * s
     clipped = -x.advantages * s.clamp(1.0 - x.clip_low, 1.0 + x.clip_high)
     per_token = torch.maximum(unclipped, clipped)
     has_tokens = x.valid.any(dim=-1)
-    seq_ratio = torch.exp(seq_log_ratio.detach())[has_tokens]
+    seq_ratio = torch.exp(seq_log_ratio.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    seq_ratio = seq_ratio[has_tokens]
     if seq_ratio.numel() == 0:
         seq_ratio = torch.zeros(1, dtype=s.dtype)
     return per_token, {

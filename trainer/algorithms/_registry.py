@@ -13,15 +13,21 @@ import attrs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DEFAULT_RS_BOUNDS",
     "LOSS_AGG_MODES",
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
+    "ROLLOUT_IS",
+    "ROLLOUT_RS",
     "VALUE_ESTIMATORS",
     "AdvantageEstimatorName",
     "LossAggModeName",
     "OffPolicyCorrection",
     "PolicyLossName",
     "Registry",
+    "RolloutCorrection",
+    "RolloutIsName",
+    "RolloutRsName",
     "resolve_loss_agg_mode",
 ]
 
@@ -84,8 +90,62 @@ LOSS_AGG_MODES = Registry(
         "seq-mean-token-sum": "seq_mean_token_sum",
         "seq-mean-token-mean": "seq_mean_token_mean",
         "seq-mean-token-sum-norm": "seq_mean_token_sum_norm",
+        "token-sum": "token_sum",
     },
 )
+
+#: ``algorithm.rollout_correction.rollout_is``: importance weights of the rollout's tokens,
+#: each a function of the old-over-rollout log-ratio, the trained tokens and the cap.
+ROLLOUT_IS = Registry(
+    "algorithm.rollout_correction.rollout_is",
+    "trainer.algorithms._corrections",
+    {"token": "token_is", "sequence": "sequence_is"},
+)
+#: ``algorithm.rollout_correction.rollout_rs``: rejection masks of the rollout's tokens, each a
+#: function of the log-ratio, the trained tokens and the bounds on its ratio.
+ROLLOUT_RS = Registry(
+    "algorithm.rollout_correction.rollout_rs",
+    "trainer.algorithms._corrections",
+    {
+        "token": "token_rs",
+        "sequence": "sequence_rs",
+        "geometric": "geometric_rs",
+        "icepop": "icepop_rs",
+    },
+)
+
+#: Each mask's bounds ``(lower, upper)`` on its ratio when ``rollout_rs_threshold`` (and
+#: ``_lower``) are unset: the geometric mask's are SkyRL's ``[0.99, 1.01]``; IcePop's ``b`` is 2.
+DEFAULT_RS_BOUNDS: dict[str, tuple[float, float]] = {
+    "token": (0.5, 2.0),
+    "sequence": (0.5, 2.0),
+    "geometric": (0.99, 1.01),
+    "icepop": (0.5, 2.0),
+}
+
+
+@attrs.frozen
+class RolloutCorrection:
+    """What the run corrects, decided once by the run plan from ``algorithm.rollout_correction``
+    (and the older ``algorithm.off_policy_correction``/``tis_cap``)."""
+
+    #: ``rollout_is``: None, ``token`` or ``sequence`` importance weights.
+    rollout_is: str | None = None
+    #: Their truncation (``rollout_is_threshold``); None: untruncated.
+    rollout_is_threshold: float | None = 2.0
+    #: ``rollout_rs``: None, ``token``, ``sequence``, ``geometric`` or ``icepop``.
+    rollout_rs: str | None = None
+    #: The mask's bounds on its ratio: kept where ``lower <= ratio <= upper``.
+    rs_lower: float = 0.5
+    rs_upper: float = 2.0
+    #: The rollout's logprobs are the old policy's (no recompute): the PPO ratio itself is
+    #: taken against the sampler.
+    bypass_mode: bool = False
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
+
 
 #: The aggregation a policy loss is defined with, where it has one of its own: the mode it
 #: gets when ``algorithm.loss_agg_mode`` is unset, and the only one it accepts.
@@ -114,7 +174,11 @@ if TYPE_CHECKING:
     AdvantageEstimatorName = str
     PolicyLossName = str
     LossAggModeName = str
+    RolloutIsName = str
+    RolloutRsName = str
 else:
     AdvantageEstimatorName = Literal[ADVANTAGE_ESTIMATORS.names]
     PolicyLossName = Literal[POLICY_LOSSES.names]
     LossAggModeName = Literal[LOSS_AGG_MODES.names]
+    RolloutIsName = Literal[ROLLOUT_IS.names]
+    RolloutRsName = Literal[ROLLOUT_RS.names]

@@ -69,6 +69,7 @@ _ON_OFF_FILTER = {"true": "filter", "false": "none"}
 _BUFFER_LEN = "N (the buffer's length in tokens; 0 is off)"
 _A = "actor_rollout_ref.actor"
 _S = "trainer.algorithm"
+_R = "algorithm.rollout_correction"
 
 
 def _verl(key: str, ours: str, **kw: object) -> PeerKey:
@@ -131,8 +132,18 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     _skyrl(f"{_S}.kl_loss_coef", "algorithm.kl_loss_coef"),
     _verl(f"{_A}.kl_loss_type", "algorithm.kl_loss_type", values=_KL),
     _skyrl(f"{_S}.kl_estimator_type", "algorithm.kl_loss_type"),
-    _verl("algorithm.rollout_correction.rollout_is_threshold", "algorithm.tis_cap"),
-    _skyrl(f"{_S}.off_policy_correction.token_tis_ratio_clip_high", "algorithm.tis_cap"),
+    *(
+        _verl(f"{_R}.{leaf}", f"{_R}.{leaf}")
+        for leaf in (
+            "rollout_is",
+            "rollout_is_threshold",
+            "rollout_rs",
+            "rollout_rs_threshold",
+            "bypass_mode",
+        )
+    ),
+    _skyrl(f"{_S}.off_policy_correction.tis_ratio_type", f"{_R}.rollout_is"),
+    _skyrl(f"{_S}.off_policy_correction.token_tis_ratio_clip_high", f"{_R}.rollout_is_threshold"),
     _verl(
         "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
         "algorithm.overlong_buffer.len",

@@ -12,7 +12,7 @@ names each decision's one place.
 
     plan = load_config(None, ["trainer.strategy=fully_async"]).plan
     plan.strategy is Strategy.FULLY_ASYNC     # True
-    plan.correction                           # 'tis' (algorithm.off_policy_correction=auto)
+    plan.correction.rollout_is                # 'token' (algorithm.off_policy_correction=auto)
     plan.policy.dtype                         # 'float32' on a machine without CUDA
 """
 
@@ -27,7 +27,8 @@ from engines.cpu_share import available_cores
 from engines.vllm.flags import VllmSettings
 from sync.bracket import Bracket
 from sync.registry import TRANSPORTS, TransportSpec
-from trainer.algorithms import OffPolicyCorrection
+from trainer.algorithms import RolloutCorrection
+from trainer.config._corrections import plan_correction
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._models import ModelConfig
 from trainer.config._schema import AlgorithmConfig, TrainerConfig
@@ -155,8 +156,8 @@ class RunPlan:
     engine_devices: tuple[str, ...]
     #: Whether the policy's parameters are FSDP2-sharded over its Ray workers.
     sharded: bool
-    #: The off-policy correction the policy loss applies (``algorithm.off_policy_correction``).
-    correction: OffPolicyCorrection
+    #: The rollout correction (``algorithm.rollout_correction``, ``off_policy_correction``).
+    correction: RolloutCorrection
     #: Each batch gets one optimizer step (its old logprobs are the update's own forward's).
     one_update_per_batch: bool
     #: The run has a critic (``algorithm.advantage_estimator`` reads values).
@@ -174,6 +175,16 @@ class RunPlan:
     #: How a LoRA policy reaches the engines (``sync.lora=adapter``: the adapter, served by
     #: name); None: full weights (full fine-tuning, or ``sync.lora=merged``).
     served_adapter: ServedAdapter | None = None
+
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """Whether the step runs a ``forward`` of the policy for the old logprobs before the
+        update: not with ``bypass_mode`` (the rollout's are the old policy's), nor with one
+        update per batch (the update's own forward has them) unless a rejection mask must read
+        them before the advantages."""
+        if self.correction.bypass_mode:
+            return False
+        return not self.one_update_per_batch or self.correction.rollout_rs is not None
 
 
 @attrs.frozen
@@ -245,7 +256,7 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         policy=policy,
         engine_devices=_engine_devices(cfg, cuda),
         sharded=sharded,
-        correction=_correction(cfg.algorithm.off_policy_correction, strategy),
+        correction=plan_correction(cfg.algorithm, strategy is Strategy.FULLY_ASYNC),
         one_update_per_batch=t.one_update_per_batch,
         trains_critic=cfg.algorithm.trains_critic,
         uses_ray=w.backend == "ray" or e.placement == "ray",
@@ -306,15 +317,6 @@ def _policy_placement(cfg: Sections, cuda: bool) -> RoleDevice:
         )
     device = torch.device(device_name)
     return RoleDevice(device_name, dtype_name(resolve_dtype(w.dtype, device)))
-
-
-def _correction(setting: str, strategy: Strategy) -> OffPolicyCorrection:
-    """``algorithm.off_policy_correction``: ``auto`` is ``tis`` under ``fully_async`` (its
-    samples lag the trainer) and ``none`` under ``sync`` (the engine samples with the trained
-    weights)."""
-    if setting == "auto":
-        return "tis" if strategy is Strategy.FULLY_ASYNC else "none"
-    return "tis" if setting == "tis" else "none"
 
 
 def _engine_devices(cfg: Sections, cuda: bool) -> tuple[str, ...]:

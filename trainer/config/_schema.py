@@ -22,6 +22,7 @@ from trainer.algorithms import (
     LossAggModeName,
     PolicyLossName,
 )
+from trainer.config._corrections import RolloutCorrectionConfig
 from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
@@ -426,7 +427,8 @@ class AlgorithmConfig:
         "'auto': 'tis' under trainer.strategy=fully_async, 'none' under sync. 'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
         "tis_cap) (truncated importance sampling): use it with fully-async training or any run "
         "whose sampler lags the trainer (engines serving older weights). 'none' ignores the gap "
-        "(right for sync runs, where the engine samples with the trained weights). Either way "
+        "(right for sync runs, where the engine samples with the trained weights); "
+        "algorithm.rollout_correction.* chooses among more corrections. Either way "
         "policy/is_ratio_{mean,max,min} report how off-policy the batch is; see "
         "docs/concepts.md#off-policy-correction.",
     )
@@ -435,6 +437,10 @@ class AlgorithmConfig:
         "off_policy_correction=tis: the largest importance weight (policy/is_truncated_frac is "
         "the share of tokens it caps); None: no cap, the decoupled PPO objective.",
         check=at_least(1),
+    )
+    rollout_correction: RolloutCorrectionConfig = _section(
+        RolloutCorrectionConfig,
+        "Rollout corrections (verl's names): importance weights, rejection masks, bypass mode.",
     )
     overlong_buffer: OverlongBufferConfig = _section(
         OverlongBufferConfig,

@@ -58,7 +58,7 @@ def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
             f"this run trains no critic (algorithm.advantage_estimator="
             f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
         )
-    if op == "forward" and plan.one_update_per_batch and not cfg.algorithm.use_kl_loss:
+    if op == "forward" and not plan.recomputes_old_logprobs and not cfg.algorithm.use_kl_loss:
         return (
             "with one update per batch (trainer.update_epochs=1, one mini-batch) the old "
             "logprobs come from the update's own forward_backward, and without "

@@ -22,6 +22,7 @@ from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, Traj
 from trainer.generators.chat import render_prompt
 from trainer.loop._context import RunContext
 from trainer.metrics import jsonable_row
+from trainer.off_policy import rejection_mask
 from trainer.workers.batch import TrainBatch
 from trainer.workers.training import extreme
 
@@ -31,6 +32,8 @@ __all__ = [
     "generator_input",
     "group_inputs",
     "make_batch",
+    "old_logprobs_for",
+    "reject_mismatched",
     "rollout_metrics",
     "save_checkpoint",
     "shaped_rewards",
@@ -124,6 +127,33 @@ def make_batch(trajectories: Sequence[Trajectory], pad_token_id: int) -> TrainBa
         loss_mask=mask[:, 1:].contiguous(),
         rollout_logprobs=rollout[:, 1:].contiguous(),
     )
+
+
+async def old_logprobs_for(ctx: RunContext, batch: TrainBatch) -> torch.Tensor | None:
+    """The old policy's logprobs of ``batch`` as the plan says: recomputed by the policy,
+    the rollout's own (``algorithm.rollout_correction.bypass_mode``), or None (one update per
+    batch: the update's own forward has them)."""
+    plan = ctx.cfg.plan
+    if plan.correction.bypass_mode:
+        return batch.rollout_logprobs
+    if plan.recomputes_old_logprobs:
+        return await ctx.workers.compute_logprobs(batch)
+    return None
+
+
+def reject_mismatched(ctx: RunContext, batch: TrainBatch) -> dict[str, float]:
+    """``algorithm.rollout_correction.rollout_rs``: drop from ``batch.loss_mask`` the tokens (or
+    sequences) whose old-over-rollout ratio is out of bounds, before anything reads the mask
+    (advantages, counts, losses), as verl does; the mask's ``policy/rs_*`` metrics. A no-op
+    without a mask."""
+    correction = ctx.cfg.plan.correction
+    if correction.rollout_rs is None:
+        return {}
+    assert batch.old_logprobs is not None and batch.rollout_logprobs is not None
+    batch.loss_mask, metrics = rejection_mask(
+        batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, correction
+    )
+    return {f"policy/{k}": v for k, v in metrics.items()}
 
 
 def accuracy(rewards: Sequence[float]) -> float:

@@ -95,11 +95,12 @@ async def train_on(
     """The stages between rollouts and weight sync, the same in both strategies."""
     with Timer("fwd_logprobs_values_reward", timings):
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
-        if not ctx.cfg.plan.one_update_per_batch:  # else the update's own forward has them
-            batch.old_logprobs = await ctx.workers.compute_logprobs(batch)
+        batch.old_logprobs = await stages.old_logprobs_for(ctx, batch)
+        metrics: dict[str, object] = {}
+        metrics |= stages.reject_mismatched(ctx, batch)  # rollout_rs: before the mask is read
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         batch.values = await ctx.workers.compute_values(batch)  # None without a critic
-        metrics = stages.rollout_metrics(prompts, rollouts)
+        metrics |= stages.rollout_metrics(prompts, rollouts)
     with Timer("compute_advantages", timings):
         batch.advantages, batch.returns, more = stages.advantages_for(ctx, rollouts, batch)
         metrics |= more

@@ -90,8 +90,8 @@ async def open_transport(
 def policy_kwargs(cfg: Config) -> dict[str, object]:
     """Every policy worker's keyword arguments, all from ``cfg``, built here only: the
     optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
-    aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the off-policy correction
-    for ``trainer.strategy``), the sampling temperature the logprobs are taken at, the micro
+    aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the rollout correction
+    the plan decided), the sampling temperature the logprobs are taken at, the micro
     batch, the seed, the device settings (``workers.*``; offload when ``engine.colocated``) and
     the LoRA adapter (``model.lora``).
     """
@@ -114,8 +114,7 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "micro_batch_max_tokens": cfg.trainer.micro_batch_max_tokens,
         "seed": cfg.trainer.seed,
-        "off_policy_correction": cfg.plan.correction,
-        "tis_cap": a.tis_cap,
+        "rollout_correction": cfg.plan.correction,
         "device": cfg.plan.policy.device,
         "dtype": cfg.plan.policy.dtype,
         "gradient_checkpointing": w.gradient_checkpointing,

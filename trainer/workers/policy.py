@@ -29,7 +29,7 @@ from trainer.checkpoint.format import (
     save_state,
     set_rng_state,
 )
-from trainer.off_policy import DEFAULT_TIS_CAP, OffPolicyCorrection, importance_weights
+from trainer.off_policy import RolloutCorrection, correction_weights
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import (
     GatheredModel,
@@ -145,8 +145,7 @@ class PolicyWorker:
         micro_batch_size: int | None = None,
         micro_batch_max_tokens: int | None = None,
         seed: int = 0,
-        off_policy_correction: OffPolicyCorrection = "none",
-        tis_cap: float | None = DEFAULT_TIS_CAP,
+        rollout_correction: RolloutCorrection | None = None,
         device: str = "auto",
         dtype: str = "auto",
         gradient_checkpointing: bool = False,
@@ -181,8 +180,7 @@ class PolicyWorker:
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
         self.micro_batching = MicroBatching(micro_batch_size, micro_batch_max_tokens)
-        self.off_policy_correction: OffPolicyCorrection = off_policy_correction
-        self.tis_cap = tis_cap
+        self.rollout_correction = rollout_correction or RolloutCorrection()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -252,20 +250,21 @@ class PolicyWorker:
         micro-batching, gradient accumulation and data parallel give the same gradient as one
         pass over the mini-batch.
 
-        With ``off_policy_correction="tis"`` each token's term is weighted by
-        ``min(exp(old - rollout), tis_cap)`` (:mod:`trainer.off_policy`); the batch must then
-        carry ``rollout_logprobs`` (``ValueError`` otherwise). With ``"none"`` the loss is
-        the plain PPO-clip loss, and a batch with ``rollout_logprobs`` still reports the
-        ``policy/is_ratio_*`` metrics.
+        With ``rollout_correction.rollout_is`` set each token's term is weighted by its
+        importance weight (token or sequence TIS, :mod:`trainer.off_policy`); the batch must
+        then carry ``rollout_logprobs`` (``ValueError`` otherwise). Without it the loss is the
+        plain loss, and a batch with ``rollout_logprobs`` still reports the
+        ``policy/is_ratio_*`` metrics. (Rejection masks are the loop's: they have already
+        left the batch's ``loss_mask``.)
 
         A batch without ``old_logprobs`` takes them from this pass's own forward (detached):
         exact when this pass is the batch's only optimizer step (the weights it scores with
         are the ones the rollouts are measured against), and it saves a forward of the batch.
         """
         assert batch.advantages is not None
-        if self.off_policy_correction != "none" and batch.rollout_logprobs is None:
+        if self.rollout_correction.rollout_is is not None and batch.rollout_logprobs is None:
             raise ValueError(
-                f"off_policy_correction={self.off_policy_correction!r} needs the batch's "
+                f"rollout_is={self.rollout_correction.rollout_is!r} needs the batch's "
                 "rollout_logprobs (the sampler's logprobs); this batch has none"
             )
         self._resident()
@@ -302,12 +301,8 @@ class PolicyWorker:
         old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         weights, is_metrics = None, {}
         if mb.rollout_logprobs is not None:
-            weights, is_metrics = importance_weights(
-                old,
-                mb.rollout_logprobs,
-                mb.loss_mask,
-                self.off_policy_correction,
-                cap=self.tis_cap,
+            weights, is_metrics = correction_weights(
+                old, mb.rollout_logprobs, mb.loss_mask, self.rollout_correction
             )
         loss, metrics = algorithms.policy_loss(
             logprobs,

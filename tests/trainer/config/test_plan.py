@@ -12,6 +12,7 @@ import pytest
 
 from engines.launch import ReferenceServers
 from sync.bracket import Bracket
+from trainer.algorithms import RolloutCorrection
 from trainer.config import (
     CpuThreads,
     EngineBackend,
@@ -38,7 +39,7 @@ def test_the_default_plan() -> None:
     )
     assert plan.transport.name == "disk" and not plan.transport.group
     assert not plan.sharded and not plan.uses_ray and plan.vllm is None
-    assert plan.one_update_per_batch and plan.correction == "none"
+    assert plan.one_update_per_batch and plan.correction == RolloutCorrection()
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engines.models import build_tiny_model
+from trainer.algorithms import RolloutCorrection
 from trainer.workers.batch import TrainBatch
 from trainer.workers.policy import PolicyWorker
 
@@ -25,13 +26,16 @@ def _batch() -> TrainBatch:
     )
 
 
-@pytest.mark.parametrize("correction", ["none", "tis"])
+@pytest.mark.parametrize("correction", [None, "token", "sequence"])
 def test_old_logprobs_from_the_updates_forward_equal_a_separate_forward(correction):
     model_dir = build_tiny_model()
     grads, metrics = [], []
     for precomputed in (True, False):
         worker = PolicyWorker(
-            model_dir, lr=1e-3, micro_batch_size=3, off_policy_correction=correction
+            model_dir,
+            lr=1e-3,
+            micro_batch_size=3,
+            rollout_correction=RolloutCorrection(rollout_is=correction),
         )
         batch = _batch()
         if precomputed:

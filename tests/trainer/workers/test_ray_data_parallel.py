@@ -13,6 +13,7 @@ import torch
 from sync.transports.inprocess import copy_weights
 from tests.trainer.helpers import assert_same_adam_step
 from tests.trainer.workers.ray_helpers import POLICY_KWARGS, flat_grad, make_batch, wait_gone
+from trainer.algorithms import RolloutCorrection
 from trainer.vocabulary import wait_refs
 from trainer.workers.batch import TrainBatch
 from trainer.workers.critic import CriticWorker
@@ -80,8 +81,7 @@ async def test_dp_ranks_get_rollout_logprobs_and_tis_matches_a_single_worker(
     loss and an aggregation other than the defaults (CISPO, one mean per sequence): the
     ranks' gradients, each normalized by the whole batch's counts, add up to one worker's."""
     kwargs = POLICY_KWARGS | {
-        "off_policy_correction": "tis",
-        "tis_cap": 2.0,
+        "rollout_correction": RolloutCorrection(rollout_is="token", rollout_is_threshold=2.0),
         "policy_loss": "cispo",
         "loss_agg_mode": "seq-mean-token-mean",
     }
