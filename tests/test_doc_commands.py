@@ -60,6 +60,8 @@ STAGES = tuple(
 EXTERNAL = {"curl", "vllm", "nvidia-smi"}
 #: The Python of ``bash setup.sh --vllm``'s environment (vLLM's CPU build beside the project).
 VLLM_PY = ".venv-vllm/bin/python"
+#: vLLM's own command line in that environment (its version lookup answered by the set-up).
+VLLM_CLI = ".venv-vllm/bin/vllm"
 CKPT_SUBCOMMANDS = {"list", "show", "verify", "prune", "export"}
 _OPERATORS = {"&&", "||", ";", "|"}
 _REDIRECTS = {"<", ">", ">>", "<<", "2>", "2>&1"}
@@ -140,6 +142,8 @@ def program_problem(words: list[str]) -> str | None:
         if rest[:1] == ["-m"] and len(rest) > 1 and rest[1].split(".")[0] == "vllm":
             return None
         prog = ".venv/bin/python"
+    if prog == VLLM_CLI:
+        return None if rest[:1] == ["serve"] else f"{VLLM_CLI} {rest[:1]}: the docs serve with it"
     if prog in ("python", "python3", "ray", "pip", "pytest"):
         return f"use .venv/bin/{'python' if prog.startswith('python') else prog}, as README does"
     if prog in EXTERNAL:

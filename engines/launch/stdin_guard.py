@@ -15,6 +15,8 @@ runs under this guard, which is its process group's leader:
   ``--grace-s`` seconds for the command, then sends SIGKILL to the group (itself included);
 - on SIGTERM or SIGINT (the launcher stopping the group), it waits for the command, which
   got the same signal, and the launcher escalates to SIGKILL if it has to;
+- its first line on stderr (the server's log's first line) names its process id, which is
+  its group's (``kill -- -PID`` stops the server and everything it started), and the command;
 - it exits with the command's exit status (``128 + N`` for a signal ``N``), so the launcher
   sees the server's own failure during start-up.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -109,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("no command given (write it after --)")
     if os.getpgid(0) != os.getpid():
         os.setpgid(0, 0)  # be the leader of the group the watcher signals
+    # the log's first line: the process to signal (``kill -- -PID`` takes the command along)
+    pid_line = f"stdin_guard: pid {os.getpid()}, process group {os.getpgid(0)}"
+    print(f"{pid_line}: {shlex.join(command)}", file=sys.stderr, flush=True)
     terminate = _Terminator(args.grace_s)
     # set before the command starts, so that no SIGTERM finds the default action
     signal.signal(signal.SIGINT, lambda *_: None)  # the child got it too: wait for it below

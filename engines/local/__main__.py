@@ -14,7 +14,9 @@
 ``--device cuda`` on a machine without one exits at once with a line saying what to do. On
 CUDA the model is bfloat16 unless ``--dtype`` says otherwise; sampling stays on the CPU.
 
-Once listening it prints one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
+Its first line, on stderr, names its process id and process group (``engines.local serve: pid
+N, process group N``: the first line of the log a launcher gives it). Once listening it prints
+one line to stdout, ``ENGINE_READY port=N url=http://HOST:N``
 (``--port 0`` picks a free port; launchers read the port from this line). SIGTERM/SIGINT
 shut it down gracefully (in-flight requests get a couple of seconds), and so does the death
 of its engine (a decode step over partial weights, as real vLLM's worker crashes), which
@@ -336,6 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    # the log's first line: which process to signal (its group takes what it started along)
+    pid_line = f"engines.local serve: pid {os.getpid()}, process group {os.getpgid(0)}"
+    print(pid_line, file=sys.stderr, flush=True)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -8,6 +8,8 @@ function on rank 0, with rank 0's policy model as the first argument.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, TypeVar
@@ -16,7 +18,20 @@ import attrs
 
 from engines.types import ControlPlaneClient, EngineClient
 
-__all__ = ["Rank0", "TransportSettings", "WeightTransport", "finish_body", "routes_of"]
+__all__ = [
+    "WEIGHT_DIR_MODE",
+    "Rank0",
+    "TransportSettings",
+    "WeightTransport",
+    "finish_body",
+    "make_sync_dir",
+    "remove_if_empty",
+    "routes_of",
+]
+
+#: The mode of the weight folder (``RUN_DIR/weight_sync``) and of each sync's folder in it, where
+#: a transport makes them: the run's owner alone (the engines it starts run as the same user).
+WEIGHT_DIR_MODE = 0o700
 
 T = TypeVar("T")
 
@@ -99,3 +114,19 @@ def routes_of(engine: EngineClient) -> ControlPlaneClient:
             "use sync.transport=inprocess with it"
         )
     return engine
+
+
+def make_sync_dir(target: Path) -> None:
+    """Make one sync's folder ``target`` inside the weight folder, both private
+    (:data:`WEIGHT_DIR_MODE`), the weight folder only when a transport first writes into it
+    (so a run whose transport writes no files leaves none). Existing folders are kept as they
+    are (a resumed run's transport counts its syncs from 1 again)."""
+    target.parent.mkdir(mode=WEIGHT_DIR_MODE, parents=True, exist_ok=True)
+    target.mkdir(mode=WEIGHT_DIR_MODE, exist_ok=True)
+
+
+def remove_if_empty(directory: Path) -> None:
+    """Remove ``directory`` when it is empty (a file transport's close: a run leaves no empty
+    ``weight_sync/``). One that holds anything, or is gone, is left as it is."""
+    with contextlib.suppress(OSError):  # not empty, or absent
+        os.rmdir(directory)

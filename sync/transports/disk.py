@@ -12,8 +12,8 @@ engines read each bucket as it is announced::
 ``N`` is the trainer's weight version (:func:`~sync.transports.base.finish_body`; ``{}``
 when the caller gives none).
 
-The files live under ``directory`` (the run directory's ``weight_sync/``) and are deleted
-after each sync; the engines must see the same filesystem (the same machine, or a shared
+The files live under ``directory`` (the run directory's ``weight_sync/``, made private on the
+first sync and removed, empty, when the transport closes) and are deleted after each sync; the engines must see the same filesystem (the same machine, or a shared
 mount). The engine side is ``engines/local/weight_routes.py`` (backend ``disk``).
 """
 
@@ -27,7 +27,14 @@ import torch
 import trio
 
 from engines.types import EngineClient
-from sync.transports.base import Rank0, TransportSettings, finish_body, routes_of
+from sync.transports.base import (
+    Rank0,
+    TransportSettings,
+    finish_body,
+    make_sync_dir,
+    remove_if_empty,
+    routes_of,
+)
 from sync.transports.buckets import plan_buckets, update_bytes, update_info
 
 __all__ = ["REMOVE_BOUND_S", "DiskTransport", "write_buckets"]
@@ -51,7 +58,7 @@ def write_buckets(
     from safetensors.torch import save_file  # only rank 0's process of a disk sync needs it
 
     target = Path(directory)
-    target.mkdir(parents=True, exist_ok=True)
+    make_sync_dir(target)
     infos = []
     for i, bucket in enumerate(plan_buckets(model.named_parameters(), bucket_bytes)):
         path = target / f"bucket_{i}.safetensors"
@@ -106,4 +113,4 @@ class DiskTransport:
                 )
 
     async def close(self, workers: Rank0) -> None:
-        return None
+        await trio.to_thread.run_sync(remove_if_empty, self.directory)

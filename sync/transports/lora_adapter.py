@@ -28,7 +28,7 @@ import torch
 import trio
 
 from engines.types import EngineClient
-from sync.transports.base import Rank0, routes_of
+from sync.transports.base import Rank0, make_sync_dir, remove_if_empty, routes_of
 
 __all__ = ["LoraAdapterTransport", "write_adapter"]
 
@@ -37,6 +37,7 @@ def write_adapter(model: torch.nn.Module, directory: str) -> int:
     """Rank 0: the policy's adapter (a peft model's ``save_pretrained``) into ``directory``;
     the bytes written."""
     target = Path(directory)
+    make_sync_dir(target)
     model.save_pretrained(directory)  # type: ignore[operator]
     return sum(f.stat().st_size for f in target.iterdir() if f.is_file())
 
@@ -71,4 +72,4 @@ class LoraAdapterTransport:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def close(self, workers: Rank0) -> None:
-        return None
+        await trio.to_thread.run_sync(remove_if_empty, self.directory)

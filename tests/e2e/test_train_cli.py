@@ -38,6 +38,7 @@ def four_steps(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]
         "trainer.ckpt_interval=2",
         "trainer.resume_mode=latest",
         f"trainer.run_dir={run_dir}",
+        "trainer.progress=true",  # the console's start-up lines (plain: stderr is a file)
     )
     return run_dir, proc
 
@@ -77,6 +78,27 @@ def test_four_steps_write_metrics_checkpoints_and_latest(four_steps):
     assert CheckpointManager.verify(ckpts / "global_step_4") == []
     assert (run_dir / "config.yaml").is_file() and (run_dir / "train.log").is_file()
     assert "mean reward: first 20% of steps" in proc.stderr
+
+
+def test_the_console_and_the_engine_log_name_the_engine_process_id_and_no_empty_folder_is_left(
+    four_steps,
+):
+    """What the fault-tolerance journey needs (``kill -9 -- -PID`` of an engine), said where
+    the engine starts: the console line after its start, and its log's first line."""
+    run_dir, proc = four_steps
+    log = run_dir / "engines" / "engine-0.log"
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("engine-0: pid ")]
+    pid = int(line.removeprefix("engine-0: pid ").split(",")[0])
+    assert line.endswith(f", log {log}") and ", http://127.0.0.1:" in line
+    lines = proc.stderr.splitlines()
+    assert lines.index("startup: engines ...") < lines.index(line)
+    assert lines.index(line) < next(
+        i for i, x in enumerate(lines) if x.startswith("startup: engines ready")
+    )
+    assert log.read_text().splitlines()[0] == f"engines.local serve: pid {pid}, process group {pid}"
+    assert line in (run_dir / "train.log").read_text()
+    # the disk transport's folder is gone with its last sync's files
+    assert not (run_dir / "weight_sync").exists()
 
 
 def test_sigkill_after_checkpoint_then_resume_continues_with_the_same_data_order(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import stat
 import threading
 from pathlib import Path
 
@@ -43,6 +44,7 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             # a small bucket size: several /update_weights calls, applied together at finish
             transport = DiskTransport(tmp_path / "sync", bucket_bytes=64 * 1024)
             await transport.init(client, workers)
+            assert not (tmp_path / "sync").exists()  # made by the first sync that writes
             result = await sync_weights(client, workers, transport, weight_version=7)
             (after,) = await client.control("POST", "/weight_checker", json={"action": "checksum"})
             assert isinstance(after, dict) and after["checksum"] == policy_sum
@@ -52,6 +54,19 @@ async def test_disk_sync_makes_the_engine_serve_exactly_the_policy_weights(tmp_p
             completion = await client.generate([5, 6, 7], SamplingParams(max_tokens=2, seed=0))
             assert completion.finish_reason in ("stop", "length")
     assert not list((tmp_path / "sync").glob("v*"))  # bucket files are removed after the sync
+    assert stat.S_IMODE((tmp_path / "sync").stat().st_mode) == 0o700  # the run's owner's alone
+    await transport.close(workers)
+    assert not (tmp_path / "sync").exists()  # a run leaves no empty weight folder
+
+
+async def test_closing_the_disk_transport_keeps_a_weight_folder_that_holds_anything(tmp_path):
+    """Only an empty folder is removed: a file someone put there (or a removal that was cut
+    off at its bound) stays, and so does the folder."""
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "sync" / "mine.txt").write_text("keep me")
+    await DiskTransport(tmp_path / "sync", bucket_bytes=1024).close(None)  # type: ignore[arg-type]
+    assert (tmp_path / "sync" / "mine.txt").read_text() == "keep me"
+    await DiskTransport(tmp_path / "absent", bucket_bytes=1024).close(None)  # type: ignore[arg-type]
 
 
 async def test_protocol_misuse_and_bad_buckets_are_refused_as_vllm_refuses_them(tmp_path):

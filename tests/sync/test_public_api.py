@@ -27,8 +27,11 @@ PUBLIC = {
     "sync.transports.base": [
         "Rank0",
         "TransportSettings",
+        "WEIGHT_DIR_MODE",
         "WeightTransport",
         "finish_body",
+        "make_sync_dir",
+        "remove_if_empty",
         "routes_of",
     ],
     "sync.transports.broadcast": ["BroadcastTransport"],

@@ -60,6 +60,9 @@ class Engines:
     #: started, ``engine.api_key`` or else the fresh one of this run; for ``remote``,
     #: ``engine.api_key``; None for in-process engines (no HTTP).
     api_key: str | None = None
+    #: One line per server the trainer started: its name, process id (its process group's:
+    #: ``kill -- -PID`` takes what it started along), URL and log, as the console shows them.
+    started: tuple[str, ...] = ()
 
 
 @asynccontextmanager
@@ -108,13 +111,14 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
             yield Engines(client)
         return
     async with AsyncExitStack() as stack:
-        processes, api_key = None, e.api_key
+        processes, api_key, lines = None, e.api_key, ()
         if plan.engine_backend is EngineBackend.REMOTE:
             urls = list(e.urls)
         else:
             started, api_key = await _start_servers(stack, cfg, model_dir, run_dir)
             urls = [engine.url for engine in started]
             processes = started if isinstance(started, EngineProcesses) else None
+            lines = _started_lines(started)
         client = await stack.enter_async_context(
             InferenceClient(
                 urls,
@@ -127,7 +131,17 @@ async def open_engines(cfg: Config, model_dir: Path, run_dir: Path) -> AsyncIter
         await client.probe(routes)
         if adapter is None:  # the weight-transfer backend the run's transport speaks
             await check_server_config(client, plan.transport.name, needs_sleep=sleeps)
-        yield Engines(client, processes, api_key)
+        yield Engines(client, processes, api_key, lines)
+
+
+def _started_lines(started: EngineProcesses | list[RayEngine]) -> tuple[str, ...]:
+    """:attr:`Engines.started` of the servers ``_start_servers`` started."""
+    if isinstance(started, EngineProcesses):
+        return tuple(f"engine-{p.index}: pid {p.pid}, {p.url}, log {p.log_path}" for p in started)
+    return tuple(
+        f"engine-{i}: pid {p.pid} on {p.node_ip}, {p.url}, log {p.log_path} (on that node)"
+        for i, p in enumerate(started)
+    )
 
 
 def vllm_settings(cfg: Config, model_dir: Path) -> VllmSettings:

@@ -279,6 +279,7 @@ async def _open_parts(
         engines = await stack.enter_async_context(open_engines(cfg, prepared.model_dir, run_dir))
         max_tokens = cfg.generator.sampling.max_tokens
         check_context(await engines.client.max_model_len(), prepared.fitted, max_tokens)
+        _announce(progress, engines.started)
     dumper.engine_urls = tuple(getattr(engines.client, "urls", ()))
     dumper.engine_api_key = engines.api_key
     with progress.phase("workers"):
@@ -288,6 +289,17 @@ async def _open_parts(
             open_transport(cfg, run_dir, engines.client, workers)
         )
     return _Parts(reward_fn, trackers, engines, workers, transport)
+
+
+def _announce(progress: StepProgress, lines: tuple[str, ...]) -> None:
+    """Each line on the console (as the start-up phases are shown; nothing with
+    ``trainer.progress=false``) and in ``train.log``."""
+    for line in lines:
+        log.info("%s", line)
+        if progress.enabled:
+            progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        elif progress.plain:
+            print(line, file=progress.console.file, flush=True)
 
 
 async def _open_trackers(

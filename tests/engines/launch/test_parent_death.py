@@ -186,3 +186,30 @@ def test_a_reference_server_whose_stdin_ends_while_it_loads_exits(
     text = log.read_text()
     assert "stdin closed" in text
     assert "ENGINE_READY" not in text
+
+
+def test_stdin_guard_names_its_process_id_and_group_and_the_command_first() -> None:
+    """Its first line (a guarded ``vllm serve``'s log's first line) says which process to
+    signal: the guard, its group's leader."""
+    guard = [sys.executable, "-m", "engines.launch.stdin_guard", "--grace-s", "1", "--"]
+    proc = subprocess.Popen(
+        [*guard, "echo", "served"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        text=True,
+    )
+    try:
+        assert proc.wait(timeout=60) == 0  # the command ended (stdin stays open: no end-of-file)
+    finally:
+        proc.kill()
+    assert proc.stdout is not None and proc.stdin is not None
+    out = proc.stdout.read()
+    proc.stdout.close()
+    proc.stdin.close()
+    assert out.splitlines() == [
+        f"stdin_guard: pid {proc.pid}, process group {proc.pid}: echo served",
+        "served",
+    ]

@@ -204,7 +204,9 @@ async def test_a_run_against_remote_servers_with_the_kl_loss_shows_its_progress(
     assert [r["step"] for r in rows] == [1, 2]
     assert all("policy/kl" in r and r["policy/kl"] >= 0 for r in rows)
     assert not (tmp_path / "run/engines").exists()  # no server of its own
+    assert not (tmp_path / "run/weight_sync").exists()  # the disk transport's, removed empty
     err = capsys.readouterr().err  # not a terminal: plain lines
+    assert "engine-0: pid" not in err  # a remote server's process is not the trainer's
     for phase in ("model", "engines", "workers", "weight transport", "first weight sync"):
         assert f"startup: {phase} ...\n" in err and f"startup: {phase} ready in " in err, phase
     assert err.index("startup: engines ready") < err.index("startup: first weight sync ...")
