@@ -40,6 +40,7 @@ from trainer.metrics import (
     StepProgress,
     TrackerSink,
     eval_summary,
+    mismatch_summary,
     open_run_log,
     open_trackers,
     restore_metrics,
@@ -465,6 +466,8 @@ def _summarize(
         summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
     summary["totals"] = run_totals(steps)
+    if mismatch := mismatch_summary(steps):
+        summary["mismatch"] = mismatch
     if restarts is not None:  # engine recovery was on: how often it brought an engine back
         summary["engine_restarts"] = len(restarts)
         summary["engine_restart_events"] = restarts
