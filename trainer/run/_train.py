@@ -186,6 +186,8 @@ async def train(cfg: Config) -> dict[str, Any]:
                 await trio.to_thread.run_sync(_make_run_dir, run_dir)
                 await trio.to_thread.run_sync(open_run_log, handlers, run_dir)
                 install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
+                if cfg.plan.correction_note:  # fully-async: what it corrects with, said once
+                    log.warning(cfg.plan.correction_note)
                 async with open_debug_services(dumper) as services:
                     await services.start(watchdog.run)
                     summary = await _train(cfg, run_dir, prepared, dumper, watchdog, progress)
