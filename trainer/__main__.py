@@ -140,6 +140,16 @@ def _print_summary(summary: dict) -> None:
         counted.insert(0, f"{restarts} engine restart{'s' if restarts > 1 else ''}")
     if counted:  # what went wrong and was absorbed, and what steps spent (summary.json)
         console.print("counted over the run: " + ", ".join(counted), soft_wrap=True)
+    if summary.get("totals", {}).get("mismatch/crossed"):  # train.log has each warning
+        worst = [
+            f"{k} {v['worst']:.4g} at step {int(v['worst_step'])}"
+            for k, v in summary.get("mismatch", {}).items()
+        ]
+        console.print(
+            "the engine and the trainer disagreed past algorithm.mismatch's thresholds; "
+            "worst: " + ", ".join(worst),
+            soft_wrap=True,
+        )
     for event in summary.get("engine_restart_events", []):
         if event.get("seconds") is None:  # the run ended before the engine served again
             console.print(

@@ -255,7 +255,14 @@ def test_config_keys_default_to_auto_and_check_their_values():
     for overrides, correction in [
         ([], None),
         (["trainer.strategy=fully_async"], "token"),
-        (["trainer.strategy=fully_async", "algorithm.off_policy_correction=none"], None),
+        (
+            [
+                "trainer.strategy=fully_async",
+                "trainer.fully_async.max_staleness_steps=0",
+                "algorithm.off_policy_correction=none",
+            ],
+            None,
+        ),
         (["algorithm.off_policy_correction=tis"], "token"),
     ]:
         assert load_config(None, overrides).plan.correction.rollout_is == correction

@@ -11,10 +11,13 @@ every loss, multiplying each token's term as verl does), aggregates
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import torch
 
 from trainer.algorithms._aggregation import BatchCounts, aggregate
+from trainer.algorithms._cov_losses import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, clip_cov, kl_cov
 from trainer.algorithms._ops import LOG_RATIO_CLAMP, masked_mean, valid_mask
 from trainer.algorithms._registry import POLICY_LOSSES
 
@@ -25,7 +28,9 @@ __all__ = [
     "POLICY_LOSS_METRICS",
     "LossInputs",
     "cispo",
+    "clip_cov",
     "gspo",
+    "kl_cov",
     "policy_loss",
     "ppo",
 ]
@@ -50,6 +55,13 @@ POLICY_LOSS_METRICS: dict[str, tuple[str, ...]] = {
     "ppo": (*COMMON_METRICS, "clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac"),
     "gspo": (*COMMON_METRICS, "clip_frac", "seq_ratio_mean", "seq_ratio_max", "seq_ratio_min"),
     "cispo": (*COMMON_METRICS, "clip_frac", "clip_frac_high", "clip_frac_low"),
+    "clip_cov": (*COMMON_METRICS, "clip_frac", "cov_clip_frac", "cov_candidates_frac"),
+    "kl_cov": (*COMMON_METRICS, "kl_cov_frac", "abs_kl"),
+}
+#: Each loss's own parameters and their defaults (``loss_options`` overrides them).
+LOSS_OPTIONS: dict[str, dict[str, float]] = {
+    "clip_cov": CLIP_COV_DEFAULTS,
+    "kl_cov": KL_COV_DEFAULTS,
 }
 
 
@@ -70,6 +82,8 @@ class LossInputs:
     clip_high: float
     #: Dual-clip's bound on the ratio for negative advantages (``ppo``); None: off.
     clip_ratio_c: float | None
+    #: The loss's own parameters (:data:`LOSS_OPTIONS`: ``clip_cov``'s, ``kl_cov``'s).
+    options: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -94,9 +108,11 @@ def policy_loss(
     counts: BatchCounts | None = None,
     scale_factor: float | None = None,
     token_weights: torch.Tensor | None = None,
+    loss_options: Mapping[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss named ``loss`` (``ppo``, ``gspo``, ``cispo``), aggregated by
-    ``loss_agg_mode``, and its metrics.
+    """The policy loss named ``loss`` (``ppo``, ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``),
+    aggregated by ``loss_agg_mode``, and its metrics. ``loss_options``: the loss's own
+    parameters (:data:`LOSS_OPTIONS`; unset ones take their defaults, others are refused).
 
     ``logprobs``, ``old_logprobs`` and ``mask`` are ``[B, T]``; ``advantages`` ``[B]`` (one per
     trajectory, broadcast over its tokens) or ``[B, T]``. ``counts``: the whole mini-batch's
@@ -120,6 +136,7 @@ def policy_loss(
     _check_shapes(logprobs, old_logprobs, mask, token_weights)
     _check_clip_ranges(clip_low, clip_high, clip_ratio_c)
     _check_agg_mode(loss, loss_agg_mode)
+    options = _options(loss, loss_options or {})
     inputs = _loss_inputs(
         logprobs,
         old_logprobs,
@@ -129,7 +146,7 @@ def policy_loss(
         clip_high=clip_high,
         clip_ratio_c=clip_ratio_c,
     )
-    per_token, own = fn(inputs)
+    per_token, own = fn(attrs.evolve(inputs, options=options))
     if token_weights is not None:
         weights = token_weights.detach().to(per_token)
         per_token = per_token * _zero_where_masked(weights, inputs.valid, logprobs)
@@ -170,6 +187,18 @@ def _check_agg_mode(loss: str, loss_agg_mode: str) -> None:
             "policy loss 'gspo' is one term per sequence (GSPO, eq. 5): its loss_agg_mode is "
             f"'seq-mean-token-mean', got {loss_agg_mode!r}"
         )
+
+
+def _options(loss: str, given: Mapping[str, float]) -> dict[str, float]:
+    """``loss``'s parameters: its defaults, overridden by ``given``; ``ValueError`` for a
+    parameter the loss does not have."""
+    defaults = LOSS_OPTIONS.get(loss, {})
+    if unknown := set(given) - set(defaults):
+        raise ValueError(
+            f"policy loss {loss!r} has no option {', '.join(sorted(unknown))}; "
+            f"its options: {', '.join(defaults) or 'none'}"
+        )
+    return {**defaults, **given}
 
 
 def _per_token_advantages(advantages: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

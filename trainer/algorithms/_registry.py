@@ -79,7 +79,7 @@ VALUE_ESTIMATORS = frozenset({"gae"})
 POLICY_LOSSES = Registry(
     "algorithm.policy_loss",
     "trainer.algorithms._losses",
-    {"ppo": "ppo", "gspo": "gspo", "cispo": "cispo"},
+    {"ppo": "ppo", "gspo": "gspo", "cispo": "cispo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"},
 )
 #: ``algorithm.loss_agg_mode``: how per-token losses become one scalar.
 LOSS_AGG_MODES = Registry(

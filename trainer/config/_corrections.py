@@ -23,7 +23,12 @@ from trainer.config._fields import config_field as _field
 from trainer.config._fields import positive
 from trainer.errors import ConfigError
 
-__all__ = ["RolloutCorrectionConfig", "plan_correction"]
+__all__ = [
+    "ASYNC_CORRECTION_CHOICES",
+    "RolloutCorrectionConfig",
+    "correction_note",
+    "plan_correction",
+]
 
 
 @attrs.define
@@ -84,12 +89,36 @@ class _Algorithm(Protocol):
     def rollout_correction(self) -> RolloutCorrectionConfig: ...
 
 
-def plan_correction(a: _Algorithm, fully_async: bool) -> RolloutCorrection:
+#: What a fully-async run with staleness can correct with: the keys that choose one.
+ASYNC_CORRECTION_CHOICES = (
+    "algorithm.off_policy_correction=tis (or auto, the default: token TIS capped at tis_cap), "
+    "algorithm.rollout_correction.rollout_is=token|sequence, "
+    "algorithm.rollout_correction.rollout_rs=token|sequence|geometric|icepop, "
+    "algorithm.rollout_correction.bypass_mode=true"
+)
+
+
+def _chooses_nothing(a: _Algorithm) -> bool:
+    rc = a.rollout_correction
+    return rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode
+
+
+def plan_correction(a: _Algorithm, fully_async: bool, *, staleness: int = 0) -> RolloutCorrection:
     """The run's correction. ``algorithm.rollout_correction.*`` where set; else
     ``algorithm.off_policy_correction`` (``tis``: token weights capped at ``tis_cap``; ``auto``:
     that under ``fully_async``, none under ``sync``). ``ConfigError`` (one line, naming the
-    keys) for settings that contradict each other."""
+    keys) for settings that contradict each other, and for a fully-async run that may train on
+    samples ``staleness > 0`` steps old with every correction turned off
+    (``off_policy_correction=none`` and no ``rollout_correction``): the line names the
+    choices (miles refuses the same since its PR #1829)."""
     rc = a.rollout_correction
+    if fully_async and staleness > 0 and a.off_policy_correction == "none" and _chooses_nothing(a):
+        raise ConfigError(
+            f"config: trainer.strategy=fully_async with max_staleness_steps={staleness} trains "
+            "on samples of older weights, and algorithm.off_policy_correction=none with no "
+            f"algorithm.rollout_correction corrects nothing: choose one of {ASYNC_CORRECTION_CHOICES}"
+            " (or max_staleness_steps=0)"
+        )
     rollout_is, threshold = rc.rollout_is, rc.rollout_is_threshold
     if rollout_is is not None and a.off_policy_correction == "tis":
         raise ConfigError(
@@ -120,6 +149,23 @@ def plan_correction(a: _Algorithm, fully_async: bool) -> RolloutCorrection:
         rs_lower=lower,
         rs_upper=upper,
         bypass_mode=rc.bypass_mode,
+    )
+
+
+def correction_note(a: _Algorithm, fully_async: bool, *, staleness: int = 0) -> str | None:
+    """The line a run logs at its start when the correction was chosen for it: a fully-async
+    run that may train on samples ``staleness > 0`` steps old, with ``off_policy_correction=auto``
+    and no ``rollout_correction``, corrects with token TIS by default; None otherwise."""
+    if not (fully_async and staleness > 0 and a.off_policy_correction == "auto"):
+        return None
+    if not _chooses_nothing(a):
+        return None
+    cap = "untruncated" if a.tis_cap is None else f"capped at tis_cap={a.tis_cap:g}"
+    return (
+        f"trainer.strategy=fully_async with max_staleness_steps={staleness}: correcting the "
+        f"stale samples with token TIS {cap} (algorithm.off_policy_correction="
+        f"auto, the default; docs/async.md#off-policy-correction); choose another with "
+        f"{ASYNC_CORRECTION_CHOICES}"
     )
 
 

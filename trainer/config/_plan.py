@@ -28,7 +28,7 @@ from engines.vllm.flags import VllmSettings
 from sync.bracket import Bracket
 from sync.registry import TRANSPORTS, TransportSpec
 from trainer.algorithms import RolloutCorrection
-from trainer.config._corrections import plan_correction
+from trainer.config._corrections import correction_note, plan_correction
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._models import ModelConfig
 from trainer.config._schema import AlgorithmConfig, TrainerConfig
@@ -175,6 +175,9 @@ class RunPlan:
     #: How a LoRA policy reaches the engines (``sync.lora=adapter``: the adapter, served by
     #: name); None: full weights (full fine-tuning, or ``sync.lora=merged``).
     served_adapter: ServedAdapter | None = None
+    #: The line a run logs at its start where the correction was chosen for it: fully-async
+    #: with staleness and nothing chosen (``off_policy_correction=auto``); else None.
+    correction_note: str | None = None
 
     @property
     def recomputes_old_logprobs(self) -> bool:
@@ -243,6 +246,8 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         and (w.data_parallel == "fsdp2" or (w.data_parallel == "auto" and policy.device == "cuda"))
     )
     served = _served_adapter(cfg)
+    fully_async = strategy is Strategy.FULLY_ASYNC
+    staleness = t.fully_async.max_staleness_steps if fully_async else 0
     tolerance = cfg.sync.verify_tolerance
     if tolerance is None:
         tolerance = DEFAULT_TOLERANCE.get(policy.dtype, LOW_PRECISION_TOLERANCE)
@@ -256,7 +261,8 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         policy=policy,
         engine_devices=_engine_devices(cfg, cuda),
         sharded=sharded,
-        correction=plan_correction(cfg.algorithm, strategy is Strategy.FULLY_ASYNC),
+        correction=plan_correction(cfg.algorithm, fully_async, staleness=staleness),
+        correction_note=correction_note(cfg.algorithm, fully_async, staleness=staleness),
         one_update_per_batch=t.one_update_per_batch,
         trains_critic=cfg.algorithm.trains_critic,
         uses_ray=w.backend == "ray" or e.placement == "ray",

@@ -28,6 +28,7 @@ from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
+from trainer.config._mismatch import MismatchConfig
 from trainer.config._models import ModelConfig, OptimConfig
 from trainer.config._workers import WorkersConfig
 
@@ -441,6 +442,10 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = _section(
         RolloutCorrectionConfig,
         "Rollout corrections (verl's names): importance weights, rejection masks, bypass mode.",
+    )
+    mismatch: MismatchConfig = _section(
+        MismatchConfig,
+        "When the mismatch diagnostics (mismatch/*) warn: their thresholds.",
     )
     overlong_buffer: OverlongBufferConfig = _section(
         OverlongBufferConfig,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from math import fsum
 from typing import Any
 
 import torch
 
 from sync.verify import verify_sync
 from trainer.algorithms import (
+    MISMATCH_SUMS,
     compute_advantages,
     explained_variance,
     gae_advantages_and_returns,
@@ -260,7 +262,13 @@ async def train_critic_and_policy(
                 metrics.setdefault(k, []).append(v)
     if policy:
         moved |= await ctx.workers.offload_to_cpu()
-    return {k: (extreme(k) or statistics.fmean)(v) for k, v in metrics.items()} | moved
+    return {k: _fold_mini_batches(k)(v) for k, v in metrics.items()} | moved
+
+
+def _fold_mini_batches(key: str) -> Callable[[list[float]], float]:
+    """How a metric folds over a step's mini-batches and epochs: extremes by max or min, the
+    mismatch diagnostics' sums (only a step of one update has them) by sum, others by mean."""
+    return extreme(key) or (fsum if key in MISMATCH_SUMS else statistics.fmean)
 
 
 async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -> dict[str, Any]:

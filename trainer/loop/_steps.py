@@ -21,6 +21,7 @@ from trainer.loop import _stages as stages
 from trainer.loop._context import RunContext
 from trainer.loop._dynamic_sampling import generate_filtered
 from trainer.loop._engine_logs import engine_logs_on_unusable
+from trainer.loop._mismatch import batch_mismatch_sums, finish_mismatch
 from trainer.vocabulary import Timer, step_deadline
 
 __all__ = [
@@ -97,6 +98,7 @@ async def train_on(
         batch = stages.make_batch(rollouts.trajectories, ctx.tokenizer.pad_token_id)
         batch.old_logprobs = await stages.old_logprobs_for(ctx, batch)
         metrics: dict[str, object] = {}
+        metrics |= batch_mismatch_sums(ctx, batch)  # over every sampled token, before a mask
         metrics |= stages.reject_mismatched(ctx, batch)  # rollout_rs: before the mask is read
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         batch.values = await ctx.workers.compute_values(batch)  # None without a critic
@@ -108,6 +110,7 @@ async def train_on(
         metrics |= await stages.train_critic_and_policy(
             ctx, step, batch, [t.group_id for t in rollouts.trajectories]
         )
+    metrics |= finish_mismatch(ctx, step, metrics)  # mismatch/*: warns past a threshold
     if ctx.checkpoint_due(step):
         with Timer("save_checkpoints", timings):
             metrics |= await stages.save_checkpoint(ctx, step, metrics)

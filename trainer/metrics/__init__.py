@@ -13,8 +13,10 @@ from trainer.metrics._logger import teardown_run_logging as teardown_run_logging
 from trainer.metrics._repeats import RepeatedWarnings as RepeatedWarnings
 from trainer.metrics._repeats import end_step as end_step
 from trainer.metrics._summary import EVAL_SUMMARY_KEYS as EVAL_SUMMARY_KEYS
+from trainer.metrics._summary import MISMATCH_WORST as MISMATCH_WORST
 from trainer.metrics._summary import RUN_TOTALS as RUN_TOTALS
 from trainer.metrics._summary import eval_summary as eval_summary
+from trainer.metrics._summary import mismatch_summary as mismatch_summary
 from trainer.metrics._summary import reward_summary as reward_summary
 from trainer.metrics._summary import run_totals as run_totals
 from trainer.metrics._trackers import TrackerSink as TrackerSink
@@ -22,6 +24,7 @@ from trainer.metrics._trackers import open_trackers as open_trackers
 
 __all__ = [
     "EVAL_SUMMARY_KEYS",
+    "MISMATCH_WORST",
     "RUN_TOTALS",
     "MetricsLogger",
     "RepeatedWarnings",
@@ -31,6 +34,7 @@ __all__ = [
     "eval_line",
     "eval_summary",
     "jsonable_row",
+    "mismatch_summary",
     "open_run_log",
     "open_trackers",
     "restore_metrics",

@@ -12,13 +12,22 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["EVAL_SUMMARY_KEYS", "RUN_TOTALS", "eval_summary", "reward_summary", "run_totals"]
+__all__ = [
+    "EVAL_SUMMARY_KEYS",
+    "MISMATCH_WORST",
+    "RUN_TOTALS",
+    "eval_summary",
+    "mismatch_summary",
+    "reward_summary",
+    "run_totals",
+]
 
 #: The per-step counts whose run totals ``summary.json`` holds (``totals``): what went wrong
 #: and was absorbed (reward calls that timed out or raised, weight syncs sent again, failed
-#: agent episodes) and what a step spent (dynamic sampling's rounds, and the steps where its
-#: rounds ran out).
+#: agent episodes, mismatch diagnostics past their thresholds) and what a step spent (dynamic
+#: sampling's rounds, and the steps where its rounds ran out).
 RUN_TOTALS = (
+    "mismatch/crossed",
     "reward/timeouts",
     "reward/errors",
     "sync/resends",
@@ -67,3 +76,34 @@ def reward_summary(rewards: list[float]) -> dict[str, float]:
     first = statistics.fmean(rewards[:k])
     last = statistics.fmean(rewards[-k:])
     return {"reward/first_20pct": first, "reward/last_20pct": last, "steps": float(len(rewards))}
+
+
+#: The mismatch diagnostics ``summary.json`` summarises (``mismatch``), each with the fold that
+#: picks its worst step: the largest logprob gap, the lowest correlation and ESS.
+MISMATCH_WORST = {
+    "mismatch/logprob_abs_diff_mean": max,
+    "mismatch/logprob_abs_diff_max": max,
+    "mismatch/prob_pearson": min,
+    "mismatch/is_ess": min,
+}
+
+
+def mismatch_summary(rows: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each of :data:`MISMATCH_WORST` over the run's step rows: its ``mean`` over the steps that
+    report it, its ``worst`` and the ``worst_step`` (the first, on a tie). Empty for a run
+    without them (``bypass_mode``)."""
+    out: dict[str, dict[str, float]] = {}
+    rows = list(rows)
+    for key, fold in MISMATCH_WORST.items():
+        points = [
+            (float(r[key]), int(r["step"])) for r in rows if isinstance(r.get(key), int | float)
+        ]
+        if not points:
+            continue
+        worst = fold(v for v, _ in points)
+        out[key.removeprefix("mismatch/")] = {
+            "mean": statistics.fmean(v for v, _ in points),
+            "worst": worst,
+            "worst_step": float(next(step for v, step in points if v == worst)),
+        }
+    return out

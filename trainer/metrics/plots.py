@@ -3,9 +3,12 @@
 Reads each run's ``metrics.jsonl`` (the source of truth) and writes, into ``--out`` (default
 ``FIRST_RUN_DIR/plots``):
 
-- ``reward.png``, ``loss.png``, ``kl.png``, ``loop_stall.png``, ``weight_sync.png``: one line
-  per run against the step (``reward/mean``, ``policy/loss``, ``policy/kl`` or else
-  ``policy/approx_kl``, ``loop/max_stall_ms``, ``sync/last_weight_sync_seconds``);
+- ``reward.png``, ``loss.png``, ``kl.png``, ``loop_stall.png``, ``weight_sync.png``,
+  ``mismatch_logprob.png``, ``mismatch_pearson.png``, ``mismatch_ess.png``: one line per run
+  against the step (``reward/mean``, ``policy/loss``, ``policy/kl`` or else
+  ``policy/approx_kl``, ``loop/max_stall_ms``, ``sync/last_weight_sync_seconds``, and the
+  mismatch diagnostics ``mismatch/logprob_abs_diff_mean``, ``mismatch/prob_pearson``,
+  ``mismatch/is_ess``);
 - ``eval.png``: each run's eval lines against the step: greedy ``eval/reward_mean`` and,
   where recorded, ``eval/sampled_reward_mean`` (step 0: before training);
 - ``step_time.png``: each run's step time stacked by stage (``timing/<stage>`` in the
@@ -45,6 +48,21 @@ LINE_PLOTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kl": ("KL to the reference / old policy", "KL", KL_METRICS),
     "loop_stall": ("Longest event-loop stall", "ms", ("loop/max_stall_ms",)),
     "weight_sync": ("Weight sync time", "seconds", ("sync/last_weight_sync_seconds",)),
+    "mismatch_logprob": (
+        "Engine vs trainer: mean |logprob difference| of the sampled tokens",
+        "|logprob diff|",
+        ("mismatch/logprob_abs_diff_mean",),
+    ),
+    "mismatch_pearson": (
+        "Engine vs trainer: correlation of the sampled tokens' probabilities",
+        "Pearson r",
+        ("mismatch/prob_pearson",),
+    ),
+    "mismatch_ess": (
+        "Importance weights' effective sample size (normalized)",
+        "ESS / n",
+        ("mismatch/is_ess",),
+    ),
 }
 
 #: The eval panel's metrics: label -> key.

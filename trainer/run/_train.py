@@ -40,6 +40,7 @@ from trainer.metrics import (
     StepProgress,
     TrackerSink,
     eval_summary,
+    mismatch_summary,
     open_run_log,
     open_trackers,
     restore_metrics,
@@ -185,6 +186,8 @@ async def train(cfg: Config) -> dict[str, Any]:
                 await trio.to_thread.run_sync(_make_run_dir, run_dir)
                 await trio.to_thread.run_sync(open_run_log, handlers, run_dir)
                 install_faults(cfg.faults, fired_log=run_dir / "faults_fired.log")
+                if cfg.plan.correction_note:  # fully-async: what it corrects with, said once
+                    log.warning(cfg.plan.correction_note)
                 async with open_debug_services(dumper) as services:
                     await services.start(watchdog.run)
                     summary = await _train(cfg, run_dir, prepared, dumper, watchdog, progress)
@@ -477,6 +480,8 @@ def _summarize(
         summary["step_time_mean_s"] = statistics.fmean(times) if times else None
         summary["last_step"] = steps[-1]["step"]
     summary["totals"] = run_totals(steps)
+    if mismatch := mismatch_summary(steps):
+        summary["mismatch"] = mismatch
     if restarts is not None:  # engine recovery was on: how often it brought an engine back
         summary["engine_restarts"] = len(restarts)
         summary["engine_restart_events"] = restarts

@@ -274,7 +274,7 @@ class PolicyWorker:
         for _, part in self.micro_batching.split(batch, self.model):
             mb = part.to(self.device)
             padding = mb.num_tokens == 0  # rows that only keep FSDP2's ranks in step
-            loss, metrics, kl_loss = self._micro_batch_loss(mb, counts)
+            loss, metrics, kl_loss, sums = self._micro_batch_loss(mb, counts)
             weight = float(mb.loss_mask.sum()) / num_tokens
             if kl_loss is not None:
                 totals["policy/kl"] = totals.get("policy/kl", 0.0) + float(kl_loss.detach())
@@ -288,19 +288,24 @@ class PolicyWorker:
                 weight,
                 summed=("policy/num_tokens", "policy/pg_loss"),  # pg_loss: a share, as loss
             )
+            algorithms.fold_mismatch_sums(totals, sums)
         return totals
 
     def _micro_batch_loss(
         self, mb: TrainBatch, counts: BatchCounts
-    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, dict[str, float]]:
         """One micro-batch's forward: its loss (the policy loss, plus the weighted KL term),
-        the policy loss's metrics with the importance ratio's, and the KL term (None when
-        off or the batch has no ``ref_logprobs``)."""
+        the policy loss's metrics with the importance ratio's, the KL term (None when
+        off or the batch has no ``ref_logprobs``), and the mismatch diagnostics' sums where
+        this forward is the old policy's (no ``old_logprobs``: the loop recomputed none), else
+        ``{}``."""
         assert mb.advantages is not None
         logprobs = forward_logprobs(self.model, mb, self.temperature)
         old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
-        weights, is_metrics = None, {}
+        weights, is_metrics, sums = None, {}, {}
         if mb.rollout_logprobs is not None:
+            if mb.old_logprobs is None:
+                sums = algorithms.mismatch_sums(old, mb.rollout_logprobs, mb.loss_mask)
             weights, is_metrics = correction_weights(
                 old, mb.rollout_logprobs, mb.loss_mask, self.rollout_correction
             )
@@ -320,12 +325,12 @@ class PolicyWorker:
         )
         metrics |= is_metrics
         if not self.kl_loss_coef or mb.ref_logprobs is None:
-            return loss, metrics, None
+            return loss, metrics, None, sums
         kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
         kl_loss = algorithms.aggregate(
             kl, mb.loss_mask, self.loss_agg_mode, counts, scale_factor=self.loss_scale_factor
         )
-        return loss + self.kl_loss_coef * kl_loss, metrics, kl_loss
+        return loss + self.kl_loss_coef * kl_loss, metrics, kl_loss, sums
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, step optimizer and scheduler, zero gradients."""

@@ -30,6 +30,9 @@ def _write_run(run_dir: Path, steps: int, *, slope: float, with_kl: bool) -> Pat
             "timing/step": 1.8,
             "loop/max_stall_ms": 5.0 + step,
             "sync/last_weight_sync_seconds": 0.05,
+            "mismatch/logprob_abs_diff_mean": 0.01 + slope * step,
+            "mismatch/prob_pearson": 1.0 - slope * step,
+            "mismatch/is_ess": 1.0 - slope * step / 2,
         }
         if with_kl:
             row["policy/kl"] = 0.02 * step
