@@ -25,6 +25,10 @@ from trainer.errors import FaultInjected
 
 from .test_exact_resume import _computed
 
+#: Metrics of the engine's numerics against the trainer's (which path carried the weights,
+#: which batch a sequence was decoded in): equal to rounding between two runs, not to the bit.
+ENGINE_NUMERICS = ("policy/is_ratio", "sync/verify", "mismatch/")
+
 COMMON = [
     "engine.backend=local",
     "model.lora.rank=4",
@@ -87,7 +91,8 @@ def test_both_sync_modes_compute_the_same_run_and_the_adapter_moves_a_fraction_o
     adapter_bytes = [r.pop("sync/bytes") for r in adapter]
     assert max(adapter_bytes) < 0.25 * min(merged_bytes)
     for want, have in zip(merged, adapter, strict=True):
-        for k in [k for k in want if k.startswith(("policy/is_ratio", "sync/verify"))]:
+        # the engine's numerics against the trainer's: equal to rounding, not to the bit
+        for k in [k for k in want if k.startswith(ENGINE_NUMERICS)]:
             assert have.pop(k) == pytest.approx(want.pop(k), abs=1e-5), k
         want.pop("checkpoint/step", None), have.pop("checkpoint/step", None)
         assert have == want
@@ -100,7 +105,7 @@ def test_a_resumed_lora_run_computes_what_the_whole_run_computed(runs):
     assert "at step 2" in (resumed / "train.log").read_text()
     want, have = _computed(whole)[2], _computed(resumed)[-1]
     assert have["step"] == want["step"] == 3
-    for k in [k for k in want if k.startswith("policy/is_ratio") or k.startswith("sync/verify")]:
+    for k in [k for k in want if k.startswith(ENGINE_NUMERICS)]:
         assert have.pop(k) == pytest.approx(want.pop(k), abs=1e-5), k
     assert have == want
 
