@@ -7,6 +7,23 @@
 # it installs torch==2.13.0 from the default index (PyPI's Linux wheel is a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")"
+# `bash setup.sh --tinker`: .venv-tinker, the official Tinker SDK alone (docs/tinker.md), the client
+# the training service (`python -m trainer serve`) is tested with. Its own environment because the
+# SDK pins its own pydantic, protobuf and httpx, which must not move the trainer's .venv.
+setup_tinker() {
+    local venv=.venv-tinker sdk="tinker==0.38.0" py=${PYTHON:-python3}
+    if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('tinker') != '${sdk#tinker==}')" 2>/dev/null; then
+        return 0
+    fi
+    echo "setup.sh --tinker: setting up $venv with $sdk (the first time under a minute)" >&2
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    "$venv/bin/python" -m pip --disable-pip-version-check -q install --upgrade pip >/dev/null
+    "$venv/bin/python" -m pip --disable-pip-version-check -q install "$sdk"
+    "$venv/bin/python" -c "import tinker; print('setup.sh --tinker: tinker', tinker.__version__)" >&2
+}
+if [ "${1:-}" = "--tinker" ]; then
+    setup_tinker; exit 0
+fi
 if [ "${1:-}" = "--vllm" ]; then
     exec bash .setup-vllm.sh  # real vLLM in its own environment, .venv-vllm (docs/vllm.md)
 fi

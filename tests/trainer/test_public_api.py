@@ -17,6 +17,8 @@ PUBLIC = {
         "ADVANTAGE_ESTIMATORS",
         "AdvantageEstimatorName",
         "BatchCounts",
+        "DATUM_LOSSES",
+        "DATUM_LOSS_INPUTS",
         "DEFAULT_CLIP_HIGH",
         "DEFAULT_CLIP_LOW",
         "KL_ESTIMATORS",
@@ -89,7 +91,9 @@ PUBLIC = {
         "EnginePlacement",
         "RoleDevice",
         "RunPlan",
+        "ServeConfig",
         "Strategy",
+        "TINY_MODEL_NAME",
         "Timeouts",
         "WorkerBackend",
         "cpu_threads",
@@ -289,8 +293,12 @@ PUBLIC = {
         "wait_refs",
         "wait_result",
     ],
+    "trainer.serve": sorted(
+        ["API", "READY_PREFIX", "ServiceApp", "ServiceSpec", "serve", "serve_main", "spec_of"]
+    ),
     "trainer.workers": [],
     "trainer.workers.batch": ["TrainBatch"],
+    "trainer.workers.service_model": ["AdamStep", "DatumOutput", "ServiceModel"],
     "trainer.workers.critic": ["CRITIC_FILES", "CriticWorker"],
     "trainer.workers.device": ["collective_backend"],
     "trainer.workers.fsdp": [

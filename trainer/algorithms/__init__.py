@@ -3,7 +3,8 @@ tensor operations they share. Pure torch, no trio, no I/O.
 
 Three registries name what a run picks by config (:data:`ADVANTAGE_ESTIMATORS`,
 :data:`POLICY_LOSSES`, :data:`LOSS_AGG_MODES`): each maps a value of its config key to one
-documented function, and the config's allowed values are its names. Importing this package
+documented function, and the config's allowed values are its names. A fourth,
+:data:`DATUM_LOSSES`, names the training service's losses (the Tinker protocol's ``loss_fn``). Importing this package
 does not import torch (the config reads the names); the functions below are imported on first
 use.
 
@@ -27,6 +28,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from trainer.algorithms._registry import DATUM_LOSSES as DATUM_LOSSES
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
 from trainer.algorithms._registry import OFF_POLICY_CORRECTIONS as OFF_POLICY_CORRECTIONS
 from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
@@ -41,6 +43,7 @@ from trainer.algorithms._registry import resolve_loss_agg_mode as resolve_loss_a
 if TYPE_CHECKING:
     from trainer.algorithms._advantages import compute_advantages, gae_advantages_and_returns
     from trainer.algorithms._aggregation import BatchCounts, aggregate
+    from trainer.algorithms._datum_losses import DATUM_LOSS_INPUTS
     from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
@@ -61,6 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DATUM_LOSSES",
+    "DATUM_LOSS_INPUTS",
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
     "KL_ESTIMATORS",
@@ -98,6 +103,7 @@ _LAZY = {
     "compute_advantages": "_advantages",
     "gae_advantages_and_returns": "_advantages",
     "BatchCounts": "_aggregation",
+    "DATUM_LOSS_INPUTS": "_datum_losses",
     "aggregate": "_aggregation",
     "DEFAULT_CLIP_HIGH": "_losses",
     "DEFAULT_CLIP_LOW": "_losses",
