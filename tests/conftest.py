@@ -125,7 +125,7 @@ SLOW_FILES = (
 
 def pytest_collection_modifyitems(config, items):
     """The files of :data:`HEAVY_FIRST` first, in its order; the rest as collected. Every test
-    that is not marked ``slow`` or ``vllm`` and not in a file of :data:`SLOW_FILES` is marked
+    that is not marked ``slow``, ``vllm`` or ``tinker`` and not in a file of :data:`SLOW_FILES` is marked
     ``quick`` (``just test-quick``: ``-m quick``)."""
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     slow_files = frozenset(SLOW_FILES)
@@ -136,7 +136,7 @@ def pytest_collection_modifyitems(config, items):
 
     items.sort(key=key)  # stable: each file's tests keep their order
     for item in items:
-        marked = any(item.get_closest_marker(m) is not None for m in ("slow", "vllm"))
+        marked = any(item.get_closest_marker(m) is not None for m in ("slow", "vllm", "tinker"))
         if not marked and item.nodeid.split("::", 1)[0] not in slow_files:
             item.add_marker(pytest.mark.quick)
 

@@ -113,6 +113,9 @@ def _plan(tmp_path: Path, *flags: str) -> list[str]:
         (("--envs", "--smollm2"), ["venv", "smollm2", "envs"]),
         (("--vllm", "--envs"), ["venv", "envs", "vllm"]),
         (("--vllm", "--smollm2", "--envs", "--smollm2"), ["venv", "smollm2", "envs", "vllm"]),
+        (("--tinker",), ["tinker"]),
+        (("--tinker", "--vllm"), ["vllm", "tinker"]),
+        (("--tinker", "--envs"), ["venv", "envs", "tinker"]),
     ],
 )
 def test_setup_runs_the_steps_of_every_flag_it_is_given_in_one_order(tmp_path, flags, steps):
@@ -124,7 +127,7 @@ def test_an_unknown_flag_is_refused_in_one_line_naming_the_allowed_ones(tmp_path
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == [
         "setup.sh: unknown flag '--nonsense' "
-        "(allowed: --smollm2, --envs, --vllm, --print-plan, --help)"
+        "(allowed: --smollm2, --envs, --vllm, --tinker, --print-plan, --help)"
     ]
     assert not (tmp_path / "checkout" / ".venv").exists()  # refused before any work
 

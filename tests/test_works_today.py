@@ -20,7 +20,16 @@ from trainer.config._load import iter_fields
 
 README = ROOT / "README.md"
 MODE_NAMES = {"backend", "strategy", "placement", "transport", "device"}
-ROWS = {"CPU", "GPU", "vLLM", "Ray", "fully-async", "engine fault tolerance", "LoRA"}
+ROWS = {
+    "CPU",
+    "GPU",
+    "vLLM",
+    "Ray",
+    "fully-async",
+    "engine fault tolerance",
+    "LoRA",
+    "Tinker service",
+}
 STATUSES = ("yes", "partly verified", "unverified", "not yet")
 
 
@@ -87,6 +96,7 @@ def test_each_status_follows_from_the_schema():
             key == "engine.max_restarts" for key, _a, _t in iter_fields()
         ),
         "LoRA": any(key == "model.lora.rank" for key, _a, _t in iter_fields()),
+        "Tinker service": any(key.startswith("serve.") for key, _a, _t in iter_fields()),
     }
     wrong = {
         name: status

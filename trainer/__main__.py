@@ -1,7 +1,8 @@
 """``python -m trainer [--config FILE.yaml] [key=value ...]`` and its subcommands.
 
 Subcommands: ``ckpt {list,show,verify,prune,export} DIR``, ``debug dump PID|RUN_DIR``,
-``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib). On failure the last line on stderr is
+``plot RUN_DIR [RUN_DIR...]`` (needs the ``plot`` extra: matplotlib), ``serve [key=value ...]``
+(the Tinker-protocol training service: docs/tinker.md). On failure the last line on stderr is
 ``ErrorClass: message`` and the exit status is non-zero (2 for bad configuration); the
 traceback goes to the run's ``train.log`` (and to stderr too with ``--verbose``).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 #: Subcommands with their own ``--help``.
-SUBCOMMANDS = ("ckpt", "debug", "plot")
+SUBCOMMANDS = ("ckpt", "debug", "plot", "serve")
 
 USAGE = """\
 usage: python -m trainer [--config FILE.yaml] [--verbose] [key=value ...]
@@ -25,6 +26,7 @@ usage: python -m trainer [--config FILE.yaml] [--verbose] [key=value ...]
        python -m trainer ckpt export DIR OUT [--adapter] [--base MODEL_DIR]
        python -m trainer debug dump PID|RUN_DIR [--json]
        python -m trainer plot RUN_DIR [RUN_DIR...] [--out DIR]
+       python -m trainer serve [--config FILE.yaml] [key=value ...]
 
 Train with the configuration's defaults overridden by FILE.yaml, then by key=value pairs
 (e.g. trainer.max_steps=100 generator.n_samples_per_prompt=8). A failed run ends its stderr
@@ -188,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"plot needs matplotlib ({exc}): pip install 'trainer[plot]'", file=sys.stderr)
             return 2
         return plot_main(argv[1:])
+    if command == "serve":
+        from trainer.serve import serve_main
+
+        return serve_main(argv[1:])
     return _train(argv)
 
 

@@ -18,6 +18,8 @@ PUBLIC = {
         "AdvantageEstimatorName",
         "BatchCounts",
         "CORRECTION_METRICS",
+        "DATUM_LOSSES",
+        "DATUM_LOSS_INPUTS",
         "DEFAULT_CLIP_HIGH",
         "DEFAULT_CLIP_LOW",
         "DEFAULT_RS_BOUNDS",
@@ -103,7 +105,9 @@ PUBLIC = {
         "EnginePlacement",
         "RoleDevice",
         "RunPlan",
+        "ServeConfig",
         "Strategy",
+        "TINY_MODEL_NAME",
         "Timeouts",
         "WorkerBackend",
         "cpu_threads",
@@ -312,8 +316,12 @@ PUBLIC = {
         "wait_refs",
         "wait_result",
     ],
+    "trainer.serve": sorted(
+        ["API", "READY_PREFIX", "ServiceApp", "ServiceSpec", "serve", "serve_main", "spec_of"]
+    ),
     "trainer.workers": [],
     "trainer.workers.batch": ["TrainBatch"],
+    "trainer.workers.service_model": ["AdamStep", "DatumOutput", "ServiceModel"],
     "trainer.workers.critic": ["CRITIC_FILES", "CriticWorker"],
     "trainer.workers.device": ["collective_backend"],
     "trainer.workers.fsdp": [

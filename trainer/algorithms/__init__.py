@@ -4,7 +4,9 @@ tensor operations they share. Pure torch, no trio, no I/O.
 The registries name what a run picks by config (:data:`ADVANTAGE_ESTIMATORS`,
 :data:`POLICY_LOSSES`, :data:`LOSS_AGG_MODES`, and the rollout corrections :data:`ROLLOUT_IS`
 and :data:`ROLLOUT_RS`): each maps a value of its config key to one
-documented function, and the config's allowed values are its names. Importing this package
+documented function, and the config's allowed values are its names. Another,
+:data:`DATUM_LOSSES`, names the training service's losses (the Tinker protocol's
+``loss_fn``). Importing this package
 does not import torch (the config reads the names); the functions below are imported on first
 use.
 
@@ -28,6 +30,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
+from trainer.algorithms._registry import DATUM_LOSSES as DATUM_LOSSES
 from trainer.algorithms._registry import DEFAULT_RS_BOUNDS as DEFAULT_RS_BOUNDS
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
 from trainer.algorithms._registry import OFF_POLICY_CORRECTIONS as OFF_POLICY_CORRECTIONS
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
         importance_weights_of,
         rejection_mask_of,
     )
+    from trainer.algorithms._datum_losses import DATUM_LOSS_INPUTS
     from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
@@ -81,6 +85,8 @@ if TYPE_CHECKING:
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CORRECTION_METRICS",
+    "DATUM_LOSSES",
+    "DATUM_LOSS_INPUTS",
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
     "DEFAULT_RS_BOUNDS",
@@ -131,6 +137,7 @@ _LAZY = {
     "compute_advantages": "_advantages",
     "gae_advantages_and_returns": "_advantages",
     "BatchCounts": "_aggregation",
+    "DATUM_LOSS_INPUTS": "_datum_losses",
     "aggregate": "_aggregation",
     "CORRECTION_METRICS": "_corrections",
     "importance_weights_of": "_corrections",

@@ -13,6 +13,7 @@ import attrs
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DATUM_LOSSES",
     "DEFAULT_RS_BOUNDS",
     "LOSS_AGG_MODES",
     "OFF_POLICY_CORRECTIONS",
@@ -80,6 +81,13 @@ POLICY_LOSSES = Registry(
     "algorithm.policy_loss",
     "trainer.algorithms._losses",
     {"ppo": "ppo", "gspo": "gspo", "cispo": "cispo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"},
+)
+#: The training service's losses (``python -m trainer serve``: the Tinker protocol's
+#: ``loss_fn``): one datum's loss from its target tokens' logprobs, summed over its tokens.
+DATUM_LOSSES = Registry(
+    "loss_fn",
+    "trainer.algorithms._datum_losses",
+    {"cross_entropy": "cross_entropy", "importance_sampling": "importance_sampling"},
 )
 #: ``algorithm.loss_agg_mode``: how per-token losses become one scalar.
 LOSS_AGG_MODES = Registry(

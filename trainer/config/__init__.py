@@ -21,9 +21,12 @@ from trainer.config._plan import WorkerBackend as WorkerBackend
 from trainer.config._plan import cpu_threads as cpu_threads
 from trainer.config._plan import plan_run as plan_run
 from trainer.config._schema import DataConfig as DataConfig
+from trainer.config._serve import TINY_MODEL_NAME as TINY_MODEL_NAME
+from trainer.config._serve import ServeConfig as ServeConfig
 from trainer.config._validate import validate_cfg as validate_cfg
 
 __all__ = [
+    "TINY_MODEL_NAME",
     "Config",
     "ConfigWarning",
     "CpuThreads",
@@ -33,6 +36,7 @@ __all__ = [
     "EnginePlacement",
     "RoleDevice",
     "RunPlan",
+    "ServeConfig",
     "Strategy",
     "Timeouts",
     "WorkerBackend",

@@ -15,6 +15,7 @@ from trainer.config._fields import config_section as _section
 from trainer.config._models import CriticConfig, ModelConfig, OptimConfig
 from trainer.config._plan import RunPlan, plan_run
 from trainer.config._schema import AlgorithmConfig, GeneratorConfig, TrainerConfig
+from trainer.config._serve import ServeConfig
 from trainer.config._workers import WorkersConfig
 
 __all__ = ["Config"]
@@ -36,6 +37,9 @@ class Config:
         switch="algorithm.advantage_estimator=gae (the estimator that reads values)",
     )
     data: DataConfig = _section(DataConfig, "Prompts and rewards.")
+    serve: ServeConfig = _section(
+        ServeConfig, "python -m trainer serve: the Tinker-protocol training service."
+    )
     faults: str = _field(
         "",
         "Fault injection 'OP:ACTION[@STEPS],...' to rehearse timeouts (see docs/troubleshooting.md).",

@@ -40,7 +40,7 @@ __all__ = [
 
 #: Keys whose value is a secret: written nowhere (:func:`to_dict` leaves them None), taken from
 #: their environment variable as given (not parsed as YAML).
-SECRET_KEYS = frozenset({"engine.api_key"})
+SECRET_KEYS = frozenset({"engine.api_key", "serve.api_key"})
 
 # ---------------------------------------------------------------------------------------------
 
