@@ -53,6 +53,15 @@ def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
             )
         if fault.engine is not None and fault.engine >= e.num_engines:
             return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
+    if fault.action.skews_sampler and backend not in (
+        EngineBackend.LOCAL,
+        EngineBackend.INPROCESS,
+    ):
+        return (
+            f"{fault.action.value} makes the reference engine disagree, and "
+            f"engine.backend={e.backend} serves another; use engine.backend=local "
+            "(or inprocess, for generate) to reach it"
+        )
     if op.startswith("critic_") and not plan.trains_critic:
         return (
             f"this run trains no critic (algorithm.advantage_estimator="

@@ -126,12 +126,14 @@ OPS_LIST = ", ".join(OPERATIONS)
         (
             "forward_backward",
             "faults: no action in 'forward_backward'; "
-            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
+            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
+            "or at their one operation stale, drop_bucket or bf16_logits",
         ),
         (
             "forward_backward:hung@2",
             "faults: unknown action 'hung' in 'forward_backward:hung@2'; "
-            "ACTION is one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
+            "ACTION is one of hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
+            "or at their one operation stale, drop_bucket or bf16_logits",
         ),
         (
             "forward_backward:sleep",
