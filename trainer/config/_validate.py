@@ -16,6 +16,7 @@ from engines.vllm.flags import flag_clashes
 from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._config import Config
+from trainer.config._cov import check_cov
 from trainer.config._models import CriticConfig
 from trainer.config._plan import EngineBackend, RunPlan, Strategy, WorkerBackend
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -250,6 +251,7 @@ def _check_algorithm(cfg: Config) -> None:
         resolve_loss_agg_mode(a.policy_loss, a.loss_agg_mode)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
+    check_cov(a)
     if a.advantage_estimator == "grpo_passk" and g.n_samples_per_prompt < 2:
         raise ConfigError(
             "config: algorithm.advantage_estimator='grpo_passk' rewards the best of a group "
