@@ -22,12 +22,6 @@ from trainer.vocabulary import (
 RUN = ["trainer.progress=false", "trainer.max_steps=2"]
 
 
-@pytest.fixture(autouse=True)
-def _no_faults_after():
-    yield
-    install_faults(None)
-
-
 @pytest.mark.parametrize(
     ("spec", "action", "inside", "outside"),
     [
