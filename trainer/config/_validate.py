@@ -63,6 +63,13 @@ def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
             f"engine.backend={e.backend} serves another; use engine.backend=local "
             "(or inprocess, for generate) to reach it"
         )
+    if op == "/v1/load_lora_adapter" and not (
+        backend is EngineBackend.LOCAL and cfg.model.lora.rank > 0 and cfg.sync.lora == "adapter"
+    ):
+        return (
+            "only a LoRA policy's adapter sync loads adapters into the reference engine; set "
+            "model.lora.rank=N, sync.lora=adapter and engine.backend=local to reach it"
+        )
     if op.startswith("critic_") and not plan.trains_critic:
         return (
             f"this run trains no critic (algorithm.advantage_estimator="

@@ -8,12 +8,13 @@
   operation runs, once per entry: ``kill_engine=I`` (``SIGKILL`` to engine ``I``'s server,
   its whole process group: it dies) and ``stop_engine=I`` (``SIGSTOP``: it hangs), for the
   operations the trainer itself runs (:data:`ENGINE_SIGNAL_OPS`).
-- Three make the reference engine's sampler disagree with the trainer on purpose, silently (the
+- Four make the reference engine's sampler disagree with the trainer on purpose, silently (the
   call succeeds), each at the one operation where it happens (:data:`SKEW_OPS`):
   ``/finish_weight_update:stale`` (the update is acknowledged, the previous weights keep
-  serving), ``/update_weights:drop_bucket`` (the bucket is acknowledged and not applied)
-  and ``generate:bf16_logits`` (the logits are rounded to bfloat16 before sampling and
-  logprobs, as a bf16 engine's are). They show what catches such
+  serving), ``/update_weights:drop_bucket`` (the bucket is acknowledged and not applied),
+  ``generate:bf16_logits`` (the logits are rounded to bfloat16 before sampling and
+  logprobs, as a bf16 engine's are) and ``/v1/load_lora_adapter:skip_load`` (a LoRA adapter's
+  load is acknowledged and not done: the previous adapter serves on). They show what catches such
   a bug (``sync.verify``, the ``mismatch/*`` diagnostics; docs/algorithms.md).
 - ``STEPS`` is ``N`` or ``N-M`` (inclusive); without it the fault fires on every call, with
   it only when the current step is known and in range.
@@ -36,7 +37,7 @@ __all__ = ["ENGINE_SIGNAL_OPS", "SKEW_OPS", "Action", "Fault", "Faults", "parse_
 
 _ACTIONS_HELP = (
     "hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
-    "or at their one operation stale, drop_bucket or bf16_logits"
+    "or at their one operation stale, drop_bucket, bf16_logits or skip_load"
 )
 #: The operations an engine-signal action may target: those the trainer's own trio thread
 #: runs (engine servers and workers fire the others, and cannot signal an engine).
@@ -56,6 +57,7 @@ class Action(enum.Enum):
     STALE = "stale"
     DROP_BUCKET = "drop_bucket"
     BF16_LOGITS = "bf16_logits"
+    SKIP_LOAD = "skip_load"
 
     @property
     def signals_engine(self) -> bool:
@@ -74,6 +76,7 @@ SKEW_OPS: Mapping[Action, str] = {
     Action.STALE: "/finish_weight_update",
     Action.DROP_BUCKET: "/update_weights",
     Action.BF16_LOGITS: "generate",
+    Action.SKIP_LOAD: "/v1/load_lora_adapter",
 }
 
 

@@ -23,7 +23,7 @@ kill_eng.  (trainer operations only)                    ``SIGKILL`` to engine I'
 stop_eng.  (trainer operations only)                    ``SIGSTOP`` to engine I's server, once
 =========  ===========================================  ==========================================
 
-The three sampler-skewing actions (``stale``, ``drop_bucket``, ``bf16_logits``) fire neither way: the reference engine asks :func:`sampler_skew` where it does
+The four sampler-skewing actions (``stale``, ``drop_bucket``, ``bf16_logits``, ``skip_load``) fire neither way: the reference engine asks :func:`sampler_skew` where it does
 the work and disagrees as told, silently.
 
 ``kill_engine=I`` and ``stop_engine=I`` go through the engine signaller the run registers
@@ -180,7 +180,7 @@ def sampler_skew(op: str, step: int | None = None) -> Action | None:
     at ``step`` (default :func:`current_step`), recorded as fired; None when none does.
 
     The reference engine asks where it does the work (``/update_weights``,
-    ``/finish_weight_update``, each ``generate``) and carries on, disagreeing as told; the
+    ``/finish_weight_update``, each ``generate``, ``/v1/load_lora_adapter``) and carries on, disagreeing as told; the
     call succeeds. :func:`fire_fault` and :func:`fire_fault_sync` never fire these.
     """
     entries = active_faults().entries(op)

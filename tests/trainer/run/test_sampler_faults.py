@@ -28,6 +28,7 @@ RUN = ["trainer.progress=false", "trainer.max_steps=2"]
         ("/finish_weight_update:stale@1", FaultAction.STALE, 1, 2),
         ("/update_weights:drop_bucket@2-3", FaultAction.DROP_BUCKET, 3, None),
         ("generate:bf16_logits@2", FaultAction.BF16_LOGITS, 2, 1),
+        ("/v1/load_lora_adapter:skip_load@4", FaultAction.SKIP_LOAD, 4, 3),
     ],
 )
 def test_each_is_declared_at_its_operation_and_asked_for_not_fired(spec, action, inside, outside):
@@ -45,6 +46,7 @@ def test_each_is_declared_at_its_operation_and_asked_for_not_fired(spec, action,
         ("generate:stale", "stale fires at /finish_weight_update only"),
         ("/finish_weight_update:drop_bucket", "drop_bucket fires at /update_weights only"),
         ("generate:bf16_logits=1", "bf16_logits takes no value"),
+        ("/update_weights:skip_load", "skip_load fires at /v1/load_lora_adapter only"),
     ],
 )
 def test_at_another_operation_or_with_a_value_they_are_refused(spec, says):
@@ -57,10 +59,26 @@ def test_an_engine_that_is_not_the_reference_one_is_refused_at_load():
         load_config(None, ["engine.backend=vllm", "faults=generate:bf16_logits"])
 
 
-@pytest.mark.parametrize("spec", ["/finish_weight_update:stale@1", "/update_weights:drop_bucket@1"])
-async def test_a_sync_the_engine_did_not_apply_ends_the_run_at_sync_verify(tmp_path, spec):
+def test_a_skipped_adapter_load_needs_an_adapter_sync():
+    with pytest.raises(ConfigError, match=r"set model\.lora\.rank=N, sync\.lora=adapter"):
+        load_config(None, ["engine.backend=local", "faults=/v1/load_lora_adapter:skip_load@1"])
+    load_config(None, ["engine.backend=local", *LORA, "faults=/v1/load_lora_adapter:skip_load@1"])
+
+
+LORA = ["model.lora.rank=8", "sync.lora=adapter"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "more"),
+    [
+        ("/finish_weight_update:stale@1", []),
+        ("/update_weights:drop_bucket@1", []),
+        ("/v1/load_lora_adapter:skip_load@1", LORA),  # the previous adapter serves on
+    ],
+)
+async def test_a_sync_the_engine_did_not_apply_ends_the_run_at_sync_verify(tmp_path, spec, more):
     # the step-1 sync is acknowledged (no error anywhere) but leaves the old weights serving
-    over = ["engine.backend=local", "sync.verify=every", f"faults={spec}"]
+    over = ["engine.backend=local", "sync.verify=every", f"faults={spec}", *more]
     cfg = load_config(None, [*RUN, *over, f"trainer.run_dir={tmp_path}"])
     with pytest.raises(WeightSyncMismatchError) as info:
         await trainer.run.train(cfg)
