@@ -334,7 +334,7 @@ async def _call(
             log.warning("fault stale: the update is acknowledged, the old weights serve on")
             version = finish_version(body)
             engine.weight_version = engine.weight_version + 1 if version is None else version
-            rx.staged = None
+            rx.staged = None  # the pools stay as they were: the parameters hold what they held
             engine.end_update(whole=True)
             rx.updates_finished += 1
             return

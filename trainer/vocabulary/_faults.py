@@ -23,8 +23,9 @@ kill_eng.  (trainer operations only)                    ``SIGKILL`` to engine I'
 stop_eng.  (trainer operations only)                    ``SIGSTOP`` to engine I's server, once
 =========  ===========================================  ==========================================
 
-The four sampler-skewing actions (``stale``, ``drop_bucket``, ``bf16_logits``, ``skip_load``) fire neither way: the reference engine asks :func:`sampler_skew` where it does
-the work and disagrees as told, silently.
+The four sampler-skewing actions (``stale``, ``drop_bucket``, ``bf16_logits``, ``skip_load``)
+fire neither way: the reference engine asks :func:`sampler_skew` where it does the work and
+disagrees as told, silently.
 
 ``kill_engine=I`` and ``stop_engine=I`` go through the engine signaller the run registers
 (:func:`set_engine_signaller`: it signals engine I's whole process group where it runs),
