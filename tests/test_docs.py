@@ -150,7 +150,7 @@ def test_the_fault_reference_lists_every_operation_a_fault_can_target():
 
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
     entry = text.split("- **OP** —", 1)[1].split("- **ACTION** —", 1)[0]
-    assert sorted(set(re.findall(r"`(/?[a-z_]+)`", entry))) == sorted(OPERATIONS)
+    assert sorted(set(re.findall(r"`(/?[a-z0-9_/]+)`", entry))) == sorted(OPERATIONS)
 
 
 _PRIVATE_MODULE = re.compile(r"\b(?:trainer|engines|sync)(?:\.[a-z]\w*)*\._[a-z]\w*")

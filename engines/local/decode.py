@@ -89,6 +89,8 @@ class DecodeRequest(Protocol):
     kv: KVRef | None
     #: The request's LoRA adapter (None: the base weights).
     adapter: Adapter | None
+    #: Round its logits to bfloat16 first, as a bf16 engine computes them (a fault).
+    bf16_logits: bool
 
 
 def sample_tokens(
@@ -306,6 +308,10 @@ def decode_step(
         order = torch.empty(len(batch), dtype=torch.long)
         order[torch.tensor(fresh + cached)] = torch.arange(len(batch))
         rows = rows.index_select(0, order)
+    rounded = [i for i, r in enumerate(batch) if r.bf16_logits]
+    if rounded:  # the bf16_logits fault: those rows as a bfloat16 engine would have them
+        at = torch.tensor(rounded)
+        rows = rows.index_copy(0, at, rows.index_select(0, at).bfloat16().float())
     generators = [r.generator if r.params.temperature > 0 else None for r in batch]
     noise = exponential_noise(generators, rows.shape[-1])
     tokens = sample_tokens(rows, [r.params for r in batch], noise)

@@ -63,7 +63,7 @@ from engines.local.requests import (
 from engines.local.text import first_stop
 from engines.models import load_tokenizer
 from engines.types import Completion, FinishReason, SamplingParams
-from trainer.vocabulary import open_owner_nursery
+from trainer.vocabulary import FaultAction, open_owner_nursery, sampler_skew
 
 __all__ = ["DEFAULT_BATCH_WAIT_S", "LocalEngine", "open_local_engine"]
 
@@ -182,7 +182,14 @@ class LocalEngine(EngineStates):
             )
         generator = torch.Generator()
         generator.manual_seed(params.seed if params.seed is not None else self._rng.getrandbits(63))
-        req = Request(list(prompt_ids), params, generator, on_token=on_token, adapter=adapter)
+        req = Request(
+            list(prompt_ids),
+            params,
+            generator,
+            on_token=on_token,
+            adapter=adapter,
+            bf16_logits=sampler_skew("generate") is FaultAction.BF16_LOGITS,
+        )
         if params.max_tokens <= 0:
             req.finish("length")
         else:

@@ -11,6 +11,7 @@ id. Success is a 200 whose body is a sentence, not JSON, as vLLM's.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from engines import lora_answers
@@ -18,8 +19,11 @@ from engines.local.engine import LocalEngine
 from engines.local.http import Request, Response, json_response
 from engines.local.protocol import parse_json_object
 from engines.lora_answers import LoraRefusal, check_load, check_unload
+from trainer.vocabulary import FaultAction, fire_fault, sampler_skew
 
 __all__ = ["RUNTIME_LORA_ENV", "LoraRoutes", "runtime_lora_updating"]
+
+log = logging.getLogger(__name__)
 
 #: vLLM serves the routes only with this set true (``envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -46,6 +50,10 @@ class LoraRoutes:
     served_model: str
 
     async def load_lora_adapter(self, request: Request) -> Response:
+        """Load an adapter, as vLLM does. ``TRAINER_FAULTS`` fire here, ``skip_load`` among
+        them: the load is checked and answered as done, and not done (the adapter of the
+        name, if any, serves on)."""
+        await fire_fault(request.path, request.step)
         body = parse_json_object(request.body)
         try:
             name = lora_answers.string_field(body, "lora_name")
@@ -61,7 +69,10 @@ class LoraRoutes:
                     loaded=name in self.engine.adapters,
                     in_place=lora_answers.in_place(body),
                 )
-                await self.engine.load_adapter(name, path)
+                if sampler_skew(request.path, request.step) is FaultAction.SKIP_LOAD:
+                    log.warning("fault skip_load: %s from %s acknowledged, not loaded", name, path)
+                else:
+                    await self.engine.load_adapter(name, path)
             except LoraRefusal as exc:
                 return _error(exc.status, exc.err_type, exc.message)
         return _text(lora_answers.loaded(name))

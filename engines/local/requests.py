@@ -61,6 +61,8 @@ class Request:
     done: trio.Event = attrs.field(factory=trio.Event)
     #: The LoRA adapter the request samples through (its ``model``); None: the base weights.
     adapter: Adapter | None = None
+    #: Round the logits to bfloat16 before sampling and logprobs (the ``bf16_logits`` fault).
+    bf16_logits: bool = False
 
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason

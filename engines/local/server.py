@@ -69,7 +69,7 @@ from engines.local.weight_routes import (
     WeightReceiver,
     handle_weight_transfer,
 )
-from trainer.vocabulary import fire_fault
+from trainer.vocabulary import at_step, fire_fault
 
 if TYPE_CHECKING:
     from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, HTTPScope, Scope
@@ -232,7 +232,8 @@ class ServerApp(CompletionRoutes, LoraRoutes):
                 if request.path not in WEIGHT_TRANSFER_PATHS:
                     await fire_fault(request.path, request.step)
             if request.path in GENERATION_PATHS:
-                return await self._until_disconnect(lambda: handler(self, request), receive)
+                with at_step(request.step):  # the step a generate fault fires at
+                    return await self._until_disconnect(lambda: handler(self, request), receive)
             return await handler(self, request)
         except ProtocolError as exc:
             return json_response(exc.body(), exc.status)

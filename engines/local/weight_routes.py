@@ -78,7 +78,7 @@ from engines.weight_transfer import (
     NCCL_INIT_FIELDS,
     parse_info,
 )
-from trainer.vocabulary import fire_fault
+from trainer.vocabulary import FaultAction, fire_fault, sampler_skew
 
 __all__ = [
     "BACKENDS",
@@ -278,7 +278,7 @@ async def handle_weight_transfer(
         finish_version(body)  # a label it cannot take is refused before the update is touched
     try:
         await fire_fault(request.path, request.step)  # TRAINER_FAULTS: a failure of the call
-        await _call(engine, rx, request.path, body)
+        await _call(engine, rx, request.path, body, request.step)
     except Exception as exc:
         if request.path == "/update_weights":
             rx.staged = None  # vLLM closes the update; its weights stay partial
@@ -300,7 +300,12 @@ _DONE = {
 }
 
 
-async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[str, Any]) -> None:
+async def _call(
+    engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[str, Any], step: int | None
+) -> None:
+    """Do ``path``'s work. The sampler-skewing faults (``TRAINER_FAULTS``) act here, silently:
+    ``/update_weights:drop_bucket`` receives the bucket and leaves it out of the update,
+    ``/finish_weight_update:stale`` finishes it (the new version named) on the old weights."""
     if path == "/init_weight_transfer_engine":
         await _init(engine, rx, body.get("init_info", {}))
     elif path == "/start_weight_update":
@@ -318,10 +323,21 @@ async def _call(engine: LocalEngine, rx: WeightReceiver, path: str, body: dict[s
         again = next((n for n in bucket if n in rx.staged), None)
         if again is not None:
             raise ValueError(f"{again} was already loaded in this update")
+        if sampler_skew(path, step) is FaultAction.DROP_BUCKET:
+            log.warning("fault drop_bucket: %d tensor(s) acknowledged, not applied", len(bucket))
+            return
         rx.staged.update(bucket)
     else:
         if rx.staged is None:
             raise ValueError(NOT_STARTED_FINISH)
+        if sampler_skew(path, step) is FaultAction.STALE:
+            log.warning("fault stale: the update is acknowledged, the old weights serve on")
+            version = finish_version(body)
+            engine.weight_version = engine.weight_version + 1 if version is None else version
+            rx.staged = None  # the pools stay as they were: the parameters hold what they held
+            engine.end_update(whole=True)
+            rx.updates_finished += 1
+            return
         try:
             adopted = await engine.load_weights(
                 rx.staged, adopt=rx.backend != "disk", weight_version=finish_version(body)

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
         DEFAULT_CLIP_LOW,
+        LOSS_OPTIONS,
         POLICY_LOSS_METRICS,
         policy_loss,
     )
@@ -94,6 +95,7 @@ __all__ = [
     "LOGPROB_CHUNK_ELEMENTS",
     "LOG_RATIO_CLAMP",
     "LOSS_AGG_MODES",
+    "LOSS_OPTIONS",
     "MISMATCH_METRICS",
     "MISMATCH_SUMS",
     "OFF_POLICY_CORRECTIONS",
@@ -149,6 +151,7 @@ _LAZY = {
     "mismatch_sums": "_mismatch",
     "DEFAULT_CLIP_HIGH": "_losses",
     "DEFAULT_CLIP_LOW": "_losses",
+    "LOSS_OPTIONS": "_losses",
     "POLICY_LOSS_METRICS": "_losses",
     "policy_loss": "_losses",
     "LOGPROB_CHUNK_ELEMENTS": "_logprobs",

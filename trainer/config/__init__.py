@@ -5,6 +5,7 @@ the run acts on, made once), written back (:func:`to_dict`) and described
 (:func:`help_text`)."""
 
 from trainer.config._config import Config as Config
+from trainer.config._cov import loss_options as loss_options
 from trainer.config._engine import EngineConfig as EngineConfig
 from trainer.config._fields import ConfigWarning as ConfigWarning
 from trainer.config._load import help_text as help_text
@@ -43,6 +44,7 @@ __all__ = [
     "cpu_threads",
     "help_text",
     "load_config",
+    "loss_options",
     "plan_run",
     "to_dict",
     "validate_cfg",

@@ -114,6 +114,11 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     _skyrl(f"{_S}.cispo.cispo_eps_clip_high", "algorithm.clip_ratio_high"),
     _verl(f"{_A}.clip_ratio_c", "algorithm.clip_ratio_c"),
     _skyrl(f"{_S}.clip_ratio_c", "algorithm.clip_ratio_c"),
+    _verl(f"{_A}.policy_loss.clip_cov_ratio", "algorithm.clip_cov.ratio"),
+    _verl(f"{_A}.policy_loss.clip_cov_lb", "algorithm.clip_cov.lb"),
+    _verl(f"{_A}.policy_loss.clip_cov_ub", "algorithm.clip_cov.ub"),
+    _verl(f"{_A}.policy_loss.kl_cov_ratio", "algorithm.kl_cov.ratio"),
+    _verl(f"{_A}.policy_loss.ppo_kl_coef", "algorithm.kl_cov.coef"),
     _verl(f"{_A}.loss_agg_mode", "algorithm.loss_agg_mode"),
     _skyrl(
         f"{_S}.loss_reduction",

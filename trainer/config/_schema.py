@@ -23,6 +23,7 @@ from trainer.algorithms import (
     PolicyLossName,
 )
 from trainer.config._corrections import RolloutCorrectionConfig
+from trainer.config._cov import ClipCovConfig, KlCovConfig
 from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
@@ -438,6 +439,14 @@ class AlgorithmConfig:
         "off_policy_correction=tis: the largest importance weight (policy/is_truncated_frac is "
         "the share of tokens it caps); None: no cap, the decoupled PPO objective.",
         check=at_least(1),
+    )
+    clip_cov: ClipCovConfig = _section(
+        ClipCovConfig,
+        "policy_loss=clip_cov's parameters (verl's actor.policy_loss.clip_cov_*).",
+    )
+    kl_cov: KlCovConfig = _section(
+        KlCovConfig,
+        "policy_loss=kl_cov's parameters (verl's kl_cov_ratio and ppo_kl_coef).",
     )
     rollout_correction: RolloutCorrectionConfig = _section(
         RolloutCorrectionConfig,

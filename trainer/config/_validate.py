@@ -16,6 +16,7 @@ from engines.vllm.flags import flag_clashes
 from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._config import Config
+from trainer.config._cov import check_cov
 from trainer.config._models import CriticConfig
 from trainer.config._plan import EngineBackend, RunPlan, Strategy, WorkerBackend
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -53,6 +54,22 @@ def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
             )
         if fault.engine is not None and fault.engine >= e.num_engines:
             return f"engine {fault.engine} does not exist (engine.num_engines={e.num_engines})"
+    if fault.action.skews_sampler and backend not in (
+        EngineBackend.LOCAL,
+        EngineBackend.INPROCESS,
+    ):
+        return (
+            f"{fault.action.value} makes the reference engine disagree, and "
+            f"engine.backend={e.backend} serves another; use engine.backend=local "
+            "(or inprocess, for generate) to reach it"
+        )
+    if op == "/v1/load_lora_adapter" and not (
+        backend is EngineBackend.LOCAL and cfg.model.lora.rank > 0 and cfg.sync.lora == "adapter"
+    ):
+        return (
+            "only a LoRA policy's adapter sync loads adapters into the reference engine; set "
+            "model.lora.rank=N, sync.lora=adapter and engine.backend=local to reach it"
+        )
     if op.startswith("critic_") and not plan.trains_critic:
         return (
             f"this run trains no critic (algorithm.advantage_estimator="
@@ -241,6 +258,7 @@ def _check_algorithm(cfg: Config) -> None:
         resolve_loss_agg_mode(a.policy_loss, a.loss_agg_mode)
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
+    check_cov(a)
     if a.advantage_estimator == "grpo_passk" and g.n_samples_per_prompt < 2:
         raise ConfigError(
             "config: algorithm.advantage_estimator='grpo_passk' rewards the best of a group "

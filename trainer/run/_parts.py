@@ -24,7 +24,7 @@ from sync import registry
 from sync.transports import InProcessTransport, LoraAdapterTransport, WeightTransport
 from sync.transports.base import TransportSettings
 from trainer.algorithms import resolve_loss_agg_mode
-from trainer.config import Config, EngineBackend, EnginePlacement, WorkerBackend
+from trainer.config import Config, EngineBackend, EnginePlacement, WorkerBackend, loss_options
 from trainer.workers.group import WorkerGroup
 from trainer.workers.local import LocalWorkerGroup
 from trainer.workers.lora import LoraSpec
@@ -90,7 +90,8 @@ async def open_transport(
 def policy_kwargs(cfg: Config) -> dict[str, object]:
     """Every policy worker's keyword arguments, all from ``cfg``, built here only: the
     optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
-    aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), KL, the rollout correction
+    aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), its own
+    parameters (``algorithm.clip_cov``/``kl_cov``), KL, the rollout correction
     the plan decided), the sampling temperature the logprobs are taken at, the micro
     batch, the seed, the device settings (``workers.*``; offload when ``engine.colocated``) and
     the LoRA adapter (``model.lora``).
@@ -108,6 +109,7 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
         "clip_ratio_high": a.clip_ratio_high,
         "clip_ratio_c": a.clip_ratio_c,
         "loss_agg_mode": resolve_loss_agg_mode(a.policy_loss, a.loss_agg_mode),
+        "loss_options": loss_options(a),
         "loss_scale_factor": a.loss_scale_factor or cfg.generator.response_budget,
         "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
         "kl_loss_type": a.kl_loss_type,

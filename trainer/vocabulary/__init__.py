@@ -32,6 +32,7 @@ from trainer.vocabulary._deadlines import pending_deadline_error as pending_dead
 from trainer.vocabulary._deadlines import remaining as remaining
 from trainer.vocabulary._deadlines import step_deadline as step_deadline
 from trainer.vocabulary._deadlines import wait_result as wait_result
+from trainer.vocabulary._fault_spec import SKEW_OPS as SKEW_OPS
 from trainer.vocabulary._fault_spec import Action as FaultAction
 from trainer.vocabulary._fault_spec import Fault as Fault
 from trainer.vocabulary._fault_spec import Faults as Faults
@@ -43,6 +44,7 @@ from trainer.vocabulary._faults import fire_fault as fire_fault
 from trainer.vocabulary._faults import fire_fault_sync as fire_fault_sync
 from trainer.vocabulary._faults import install_faults as install_faults
 from trainer.vocabulary._faults import release_hangs as release_hangs
+from trainer.vocabulary._faults import sampler_skew as sampler_skew
 from trainer.vocabulary._faults import set_engine_signaller as set_engine_signaller
 from trainer.vocabulary._faults import unfired_faults as unfired_faults
 from trainer.vocabulary._names import OPERATIONS as OPERATIONS
@@ -62,6 +64,7 @@ __all__ = [
     "FAULTS_ENV",
     "FAULTS_FIRED_ENV",
     "OPERATIONS",
+    "SKEW_OPS",
     "STAGES",
     "Bound",
     "Fault",
@@ -92,6 +95,7 @@ __all__ = [
     "raise_first",
     "release_hangs",
     "remaining",
+    "sampler_skew",
     "set_engine_signaller",
     "stage",
     "step_deadline",

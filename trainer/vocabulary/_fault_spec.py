@@ -8,6 +8,14 @@
   operation runs, once per entry: ``kill_engine=I`` (``SIGKILL`` to engine ``I``'s server,
   its whole process group: it dies) and ``stop_engine=I`` (``SIGSTOP``: it hangs), for the
   operations the trainer itself runs (:data:`ENGINE_SIGNAL_OPS`).
+- Four make the reference engine's sampler disagree with the trainer on purpose, silently (the
+  call succeeds), each at the one operation where it happens (:data:`SKEW_OPS`):
+  ``/finish_weight_update:stale`` (the update is acknowledged, the previous weights keep
+  serving), ``/update_weights:drop_bucket`` (the bucket is acknowledged and not applied),
+  ``generate:bf16_logits`` (the logits are rounded to bfloat16 before sampling and
+  logprobs, as a bf16 engine's are) and ``/v1/load_lora_adapter:skip_load`` (a LoRA adapter's
+  load is acknowledged and not done: the previous adapter serves on). They show what catches such
+  a bug (``sync.verify``, the ``mismatch/*`` diagnostics; docs/algorithms.md).
 - ``STEPS`` is ``N`` or ``N-M`` (inclusive); without it the fault fires on every call, with
   it only when the current step is known and in range.
 """
@@ -25,9 +33,12 @@ import attrs
 from trainer.errors import ConfigError
 from trainer.vocabulary._names import OPERATIONS
 
-__all__ = ["ENGINE_SIGNAL_OPS", "Action", "Fault", "Faults", "parse_faults"]
+__all__ = ["ENGINE_SIGNAL_OPS", "SKEW_OPS", "Action", "Fault", "Faults", "parse_faults"]
 
-_ACTIONS_HELP = "hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I"
+_ACTIONS_HELP = (
+    "hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
+    "or at their one operation stale, drop_bucket, bf16_logits or skip_load"
+)
 #: The operations an engine-signal action may target: those the trainer's own trio thread
 #: runs (engine servers and workers fire the others, and cannot signal an engine).
 ENGINE_SIGNAL_OPS = ("generate", "wait_for_batch")
@@ -43,11 +54,30 @@ class Action(enum.Enum):
     ERROR = "error"
     KILL_ENGINE = "kill_engine"
     STOP_ENGINE = "stop_engine"
+    STALE = "stale"
+    DROP_BUCKET = "drop_bucket"
+    BF16_LOGITS = "bf16_logits"
+    SKIP_LOAD = "skip_load"
 
     @property
     def signals_engine(self) -> bool:
         """Whether it acts on an engine server (once), not where the operation runs."""
         return self in (Action.KILL_ENGINE, Action.STOP_ENGINE)
+
+    @property
+    def skews_sampler(self) -> bool:
+        """Whether it makes the reference engine disagree silently (:data:`SKEW_OPS`) rather
+        than hang, wait or fail: the engine asks for it where it does the work."""
+        return self in SKEW_OPS
+
+
+#: Each sampler-skewing action and the one operation it fires at.
+SKEW_OPS: Mapping[Action, str] = {
+    Action.STALE: "/finish_weight_update",
+    Action.DROP_BUCKET: "/update_weights",
+    Action.BF16_LOGITS: "generate",
+    Action.SKIP_LOAD: "/v1/load_lora_adapter",
+}
 
 
 @attrs.frozen
@@ -197,6 +227,13 @@ def _parse_entry(entry: str) -> Fault:
         if arg is not None:
             raise _bad(f"{action_text.strip()!r}", entry, "hang takes no value")
         return Fault(op, Action.HANG, steps=steps)
+    skew = next((a for a in SKEW_OPS if a.value == name), None)
+    if skew is not None:
+        if arg is not None:
+            raise _bad(f"{action_text.strip()!r}", entry, f"{name} takes no value")
+        if op != SKEW_OPS[skew]:
+            raise _bad(f"{name} at {op!r}", entry, f"{name} fires at {SKEW_OPS[skew]} only")
+        return Fault(op, skew, steps=steps)
     if name in (Action.SLEEP.value, Action.DELAY.value):
         return Fault(op, Action(name), seconds=_parse_seconds(entry, name, arg), steps=steps)
     if name in (Action.KILL_ENGINE.value, Action.STOP_ENGINE.value):

@@ -23,6 +23,10 @@ kill_eng.  (trainer operations only)                    ``SIGKILL`` to engine I'
 stop_eng.  (trainer operations only)                    ``SIGSTOP`` to engine I's server, once
 =========  ===========================================  ==========================================
 
+The four sampler-skewing actions (``stale``, ``drop_bucket``, ``bf16_logits``, ``skip_load``)
+fire neither way: the reference engine asks :func:`sampler_skew` where it does the work and
+disagrees as told, silently.
+
 ``kill_engine=I`` and ``stop_engine=I`` go through the engine signaller the run registers
 (:func:`set_engine_signaller`: it signals engine I's whole process group where it runs),
 and fire once per entry: a restarted engine is not killed again by the same entry.
@@ -65,6 +69,7 @@ __all__ = [
     "fire_fault_sync",
     "install_faults",
     "release_hangs",
+    "sampler_skew",
     "set_engine_signaller",
     "unfired_faults",
 ]
@@ -157,7 +162,9 @@ def _firing(op: str, step: int | None) -> tuple[Fault, int | None] | None:
         (
             f
             for f in entries
-            if f.applies_to(step) and not (f.action.signals_engine and str(f) in _fired)
+            if f.applies_to(step)
+            and not f.action.skews_sampler  # the engine asks for those: sampler_skew
+            and not (f.action.signals_engine and str(f) in _fired)
         ),
         None,
     )
@@ -167,6 +174,26 @@ def _firing(op: str, step: int | None) -> tuple[Fault, int | None] | None:
     if fault.action is Action.ERROR:
         raise FaultInjected(op, fault.message or "", step)
     return fault, step
+
+
+def sampler_skew(op: str, step: int | None = None) -> Action | None:
+    """The sampler-skewing action (:data:`~trainer.vocabulary.SKEW_OPS`) that applies to ``op``
+    at ``step`` (default :func:`current_step`), recorded as fired; None when none does.
+
+    The reference engine asks where it does the work (``/update_weights``,
+    ``/finish_weight_update``, each ``generate``, ``/v1/load_lora_adapter``) and carries on, disagreeing as told; the
+    call succeeds. :func:`fire_fault` and :func:`fire_fault_sync` never fire these.
+    """
+    entries = active_faults().entries(op)
+    if not entries:
+        return None
+    if step is None:
+        step = current_step()
+    fault = next((f for f in entries if f.action.skews_sampler and f.applies_to(step)), None)
+    if fault is None:
+        return None
+    _record(fault)
+    return fault.action
 
 
 def _record(fault: Fault) -> None:

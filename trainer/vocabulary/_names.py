@@ -55,6 +55,8 @@ Operation = Literal[
     "/update_weights",
     "/finish_weight_update",
     "/reset_prefix_cache",
+    # a LoRA policy's sync of its adapter (sync.lora=adapter), by vLLM's path
+    "/v1/load_lora_adapter",
 ]
 
 #: Every stage, in step order (``Stage``'s values).

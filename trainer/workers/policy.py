@@ -13,6 +13,7 @@ offloaded policy brings it back first. On the CPU both are no-ops that report 0 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Unpack
 
@@ -139,6 +140,7 @@ class PolicyWorker:
         clip_ratio_high: float = 0.2,
         clip_ratio_c: float | None = None,
         loss_agg_mode: str = "token-mean",
+        loss_options: Mapping[str, float] | None = None,
         loss_scale_factor: float | None = None,
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "k3",
@@ -176,6 +178,8 @@ class PolicyWorker:
         self.clip_ratio_high = clip_ratio_high
         self.clip_ratio_c = clip_ratio_c
         self.loss_agg_mode = loss_agg_mode
+        #: The policy loss's own parameters (``algorithm.clip_cov``/``kl_cov``; None: defaults).
+        self.loss_options = loss_options
         self.loss_scale_factor = loss_scale_factor
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
@@ -322,6 +326,7 @@ class PolicyWorker:
             counts=counts,
             scale_factor=self.loss_scale_factor,
             token_weights=weights,
+            loss_options=self.loss_options,
         )
         metrics |= is_metrics
         if not self.kl_loss_coef or mb.ref_logprobs is None:

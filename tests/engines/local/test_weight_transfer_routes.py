@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from engines.client import STEP_HEADER
 from engines.local.weight_routes import (
     ALREADY_ACTIVE,
     NOT_STARTED,
@@ -23,7 +25,8 @@ from engines.local.weight_routes import (
     WeightReceiver,
 )
 from engines.weight_transfer import ipc_init_info, nccl_init_info
-from tests.engines.helpers import serve_reference
+from tests.engines.helpers import serve_reference, serve_reference_engine
+from trainer.vocabulary import install_faults
 
 DISK = {"backend": "disk"}
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -123,3 +126,48 @@ async def test_a_finish_names_the_weight_version_the_engine_serves(model_dir: Pa
         assert await version() == 8
         assert (await post("/finish_weight_update", {"weight_version": "3"})).status_code == 200
         assert await version() == 3
+
+
+async def test_drop_bucket_and_stale_acknowledge_what_they_leave_out(
+    model_dir: Path, tmp_path: Path
+):
+    """The sampler-skewing faults answer 200 and leave the weights as they were:
+    ``drop_bucket`` one bucket of an update (the step's), ``stale`` the whole update, whose
+    version the engine names all the same."""
+    install_faults("/update_weights:drop_bucket@2,/finish_weight_update:stale@3")
+    receiver = WeightReceiver(weight_dir=str(tmp_path))
+    async with (
+        serve_reference_engine(model_dir, weight_receiver=receiver) as (url, engine),
+        httpx.AsyncClient(timeout=60) as http,
+    ):
+        params = dict(engine.model.named_parameters())
+        a, b = list(params)[:2]
+        before = {n: params[n].detach().clone() for n in (a, b)}
+
+        def bucket(name: str) -> dict:
+            path = tmp_path / f"{name}.safetensors"
+            save_file({name: torch.zeros_like(before[name])}, str(path))
+            shape = list(before[name].shape)
+            return {
+                "names": [name],
+                "dtype_names": ["float32"],
+                "shapes": [shape],
+                "path": str(path),
+            }
+
+        async def post(path: str, body: dict, step: int) -> None:
+            r = await http.post(f"{url}{path}", json=body, headers={STEP_HEADER: str(step)})
+            assert r.status_code == 200, r.text
+
+        await post("/init_weight_transfer_engine", {"init_info": DISK}, 0)
+        await post("/start_weight_update", {}, 2)
+        await post("/update_weights", {"update_info": bucket(a)}, 1)  # applied
+        await post("/update_weights", {"update_info": bucket(b)}, 2)  # dropped
+        await post("/finish_weight_update", {"weight_version": "2"}, 2)
+        assert not params[a].any()
+        assert torch.equal(params[b], before[b])
+        await post("/start_weight_update", {}, 3)
+        await post("/update_weights", {"update_info": bucket(b)}, 3)
+        await post("/finish_weight_update", {"weight_version": "3"}, 3)  # stale
+        assert torch.equal(params[b], before[b])
+        assert engine.weight_version == 3

@@ -58,6 +58,8 @@ def test_operations_are_those_of_design_4_3():
         "/finish_weight_update",
         # issue 11: vLLM keeps prefix caches across a keep-mode pause; reset after a transfer
         "/reset_prefix_cache",
+        # issue 61: a LoRA adapter's sync (sync.lora=adapter)
+        "/v1/load_lora_adapter",
     )
 
 
@@ -126,12 +128,14 @@ OPS_LIST = ", ".join(OPERATIONS)
         (
             "forward_backward",
             "faults: no action in 'forward_backward'; "
-            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
+            "write OP:ACTION[@STEPS], ACTION one of hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
+            "or at their one operation stale, drop_bucket, bf16_logits or skip_load",
         ),
         (
             "forward_backward:hung@2",
             "faults: unknown action 'hung' in 'forward_backward:hung@2'; "
-            "ACTION is one of hang, sleep=S, delay=S, error=MSG, kill_engine=I or stop_engine=I",
+            "ACTION is one of hang, sleep=S, delay=S, error=MSG, kill_engine=I, stop_engine=I, "
+            "or at their one operation stale, drop_bucket, bf16_logits or skip_load",
         ),
         (
             "forward_backward:sleep",
