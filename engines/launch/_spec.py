@@ -93,10 +93,14 @@ class ReferenceServers:
     #: ``--enable-lora --max-lora-rank N`` and the variable vLLM wants for the LoRA routes
     #: (``sync.lora=adapter``); None: no LoRA.
     max_lora_rank: int | None = None
+    #: ``--logprobs-mode`` (None: the server's default, ``raw_logprobs``, as vLLM's).
+    logprobs_mode: str | None = None
 
     def __call__(self, index: int, host: str) -> ServerSpec:
         cmd = [sys.executable, "-m", "engines.local", "serve", "--host", host, "--port", "0"]
         cmd += ["--seed", str(self.seed + index), "--exit-on-stdin-eof"]
+        if self.logprobs_mode is not None:
+            cmd += ["--logprobs-mode", self.logprobs_mode]
         if self.enable_sleep_mode:
             cmd.append("--enable-sleep-mode")
         if self.num_threads is not None:

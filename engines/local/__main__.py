@@ -49,6 +49,7 @@ from hypercorn.trio import serve as hypercorn_serve
 
 from engines.devices import DTYPES, resolve_device
 from engines.launch import ready_line
+from engines.local.decode import LOGPROBS_MODES
 from engines.local.engine import DEFAULT_BATCH_WAIT_S, LocalEngine, open_local_engine
 from engines.local.lora_routes import runtime_lora_updating
 from engines.local.server import ServerApp
@@ -224,6 +225,14 @@ def _weight_and_lifetime_args(s: argparse.ArgumentParser) -> None:
         "engine batches any number",
     )
     s.add_argument(
+        "--logprobs-mode",
+        choices=LOGPROBS_MODES,
+        default="raw_logprobs",
+        help="what completion logprobs are of, as vLLM's flag: raw_logprobs (the model's "
+        "logits, the default) or processed_logprobs (over the request's temperature: the "
+        "distribution the token was sampled from, as the trainer's own logprobs)",
+    )
+    s.add_argument(
         "--exit-on-stdin-eof",
         action="store_true",
         help="shut down when stdin closes (launchers hold a pipe so the server dies with them)",
@@ -280,6 +289,7 @@ async def serve(args: argparse.Namespace) -> bool:
             dtype=args.dtype,
             threads=args.num_threads if args.num_threads > 0 else None,
             max_lora_rank=args.max_lora_rank if args.enable_lora else None,
+            logprobs_mode=args.logprobs_mode,
         ) as engine:
             nursery.start_soon(_watch_death, engine, shutdown.set)
             app = ServerApp(

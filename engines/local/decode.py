@@ -43,6 +43,7 @@ from engines.local.lora import Adapter, LoraLayers
 from engines.types import SamplingParams
 
 __all__ = [
+    "LOGPROBS_MODES",
     "DecodeRequest",
     "KVRef",
     "PackedKV",
@@ -51,6 +52,10 @@ __all__ = [
     "exponential_noise",
     "sample_tokens",
 ]
+
+#: What a completion's logprobs are of (``--logprobs-mode``, vLLM's names): the model's raw
+#: logits (vLLM's default), or the sampling distribution's (over the request's temperature).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 
 
 @attrs.frozen(eq=False)
@@ -286,14 +291,21 @@ def _top_alternatives(
 
 @torch.no_grad()
 def decode_step(
-    model: Any, batch: Sequence[DecodeRequest], pad_id: int, lora: LoraLayers | None = None
+    model: Any,
+    batch: Sequence[DecodeRequest],
+    pad_id: int,
+    lora: LoraLayers | None = None,
+    *,
+    processed: bool = False,
 ) -> StepResult:
     """Advance every request of ``batch`` by one sampled token (each through its adapter,
     with ``lora``: :mod:`engines.local.lora`).
 
-    Logprobs are of the raw logits (before temperature/top-p), as vLLM reports them; the
-    alternatives (``params.top_logprobs``) cost one ``topk`` over the batch, and nothing when
-    no request asks for them. Each request's ``kv`` is replaced and its generator advanced
+    Logprobs are of the raw logits (vLLM's default ``--logprobs-mode raw_logprobs``), or with
+    ``processed`` of the logits over each request's temperature (``processed_logprobs``: the
+    distribution the token was sampled from, before top-p, as the trainer computes its own;
+    a greedy request's stay raw). The alternatives (``params.top_logprobs``) cost one
+    ``topk`` over the batch, and nothing when no request asks for them. Each request's ``kv`` is replaced and its generator advanced
     (unless it samples greedily); the caller appends the token to ``out_ids``.
     """
     fresh = [i for i, r in enumerate(batch) if r.kv is None]
@@ -315,6 +327,9 @@ def decode_step(
     generators = [r.generator if r.params.temperature > 0 else None for r in batch]
     noise = exponential_noise(generators, rows.shape[-1])
     tokens = sample_tokens(rows, [r.params for r in batch], noise)
+    if processed:
+        temperature = torch.tensor([r.params.temperature for r in batch], dtype=rows.dtype)
+        rows = rows / torch.where(temperature > 0, temperature, 1.0)[:, None]
     logprobs = torch.log_softmax(rows, dim=-1)
     picked = logprobs.gather(1, tokens[:, None]).squeeze(1)
     return StepResult(

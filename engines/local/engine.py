@@ -87,6 +87,7 @@ class LocalEngine(EngineStates):
         dtype: str = "auto",
         threads: int | None = None,
         max_lora_rank: int | None = None,
+        logprobs_mode: str = "raw_logprobs",
     ) -> None:
         #: ``threads``: the most torch threads a decode step uses, fewer while the machine's
         #: other processes hold cores (:class:`engines.cpu_share.CpuShare`); None: torch's own.
@@ -95,6 +96,8 @@ class LocalEngine(EngineStates):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = Path(model_dir)
+        #: ``--logprobs-mode processed_logprobs``: logprobs over each request's temperature.
+        self.processed_logprobs = logprobs_mode == "processed_logprobs"
         #: Where the model and the KV caches live (``--device``; sampling stays on the CPU).
         self.device = resolve_device(device, key="--device")
         self.dtype = resolve_dtype(dtype, self.device, key="--dtype")
@@ -407,7 +410,9 @@ class LocalEngine(EngineStates):
     def _decode_step(self, batch: list[Request]) -> StepResult:
         if self.cpu is not None:  # torch's thread count is this thread's
             torch.set_num_threads(self.cpu.threads())
-        return decode_step(self.model, batch, self.pad_token_id, self._lora)
+        return decode_step(
+            self.model, batch, self.pad_token_id, self._lora, processed=self.processed_logprobs
+        )
 
     def _die(self, batch_size: int) -> None:
         """What real vLLM's worker does on a forward pass over partial weights: it crashes.
@@ -439,6 +444,7 @@ async def open_local_engine(
     dtype: str = "auto",
     threads: int | None = None,
     max_lora_rank: int | None = None,
+    logprobs_mode: str = "raw_logprobs",
 ) -> AsyncIterator[LocalEngine]:
     """Load the model (in a thread) and run the scheduler in a nursery for the block's life.
 
@@ -446,7 +452,8 @@ async def open_local_engine(
     when this process sees a GPU, else the CPU in float32); ``ConfigError`` for CUDA where
     there is none. ``threads``: the most torch threads a decode step uses (see
     :class:`engines.cpu_share.CpuShare`); None leaves torch's count alone. ``max_lora_rank``:
-    serve LoRA adapters up to that rank (``--enable-lora``); None: none.
+    serve LoRA adapters up to that rank (``--enable-lora``); None: none. ``logprobs_mode``:
+    one of :data:`~engines.local.decode.LOGPROBS_MODES` (``--logprobs-mode``).
     """
     engine = await trio.to_thread.run_sync(
         lambda: LocalEngine(
@@ -458,6 +465,7 @@ async def open_local_engine(
             dtype=dtype,
             threads=threads,
             max_lora_rank=max_lora_rank,
+            logprobs_mode=logprobs_mode,
         )
     )
     async with open_owner_nursery() as nursery:

@@ -105,5 +105,9 @@ class InProcessClient:
 async def open_inprocess_client(
     model_dir: str | Path, *, seed: int = 0, device: str = "auto"
 ) -> AsyncIterator[InProcessClient]:
-    async with open_local_engine(model_dir, seed=seed, device=device) as engine:
+    """The trainer's in-process engine: its logprobs are the sampling distribution's
+    (``processed_logprobs``), as the trainer computes its own."""
+    async with open_local_engine(
+        model_dir, seed=seed, device=device, logprobs_mode="processed_logprobs"
+    ) as engine:
         yield InProcessClient(engine)

@@ -119,6 +119,8 @@ class VllmSettings:
     #: ``--enable-lora --max-lora-rank N --max-loras 1`` (one adapter, the policy's, as the
     #: trainer serves it with ``sync.lora=adapter``); None: no LoRA.
     max_lora_rank: int | None = None
+    #: ``--logprobs-mode`` unless ``extra_args`` sets one (None: vLLM's ``raw_logprobs``).
+    logprobs_mode: str | None = None
 
     def argv(self, seed_offset: int = 0) -> list[str]:
         """``vllm serve``'s engine flags, ``--model`` first, ``extra_args`` last (``--seed``
@@ -147,6 +149,8 @@ class VllmSettings:
             argv += ["--weight-transfer-config", json.dumps({"backend": backend})]
         if self.dtype is not None and "--dtype" not in {_flag_of(t) for t in extra}:
             argv += ["--dtype", self.dtype]
+        if self.logprobs_mode is not None and "--logprobs-mode" not in {_flag_of(t) for t in extra}:
+            argv += ["--logprobs-mode", self.logprobs_mode]
         if self.cpu and "--no-enforce-eager" not in extra:
             argv.append("--enforce-eager")
         if self.max_lora_rank is not None:

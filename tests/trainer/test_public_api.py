@@ -104,6 +104,7 @@ PUBLIC = {
         "EngineBackend",
         "EngineConfig",
         "EnginePlacement",
+        "ROLLOUT_LOGPROBS_MODE",
         "RoleDevice",
         "RunPlan",
         "ServeConfig",

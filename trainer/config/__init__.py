@@ -11,6 +11,7 @@ from trainer.config._fields import ConfigWarning as ConfigWarning
 from trainer.config._load import help_text as help_text
 from trainer.config._load import load_config as load_config
 from trainer.config._load import to_dict as to_dict
+from trainer.config._plan import ROLLOUT_LOGPROBS_MODE as ROLLOUT_LOGPROBS_MODE
 from trainer.config._plan import CpuThreads as CpuThreads
 from trainer.config._plan import EngineBackend as EngineBackend
 from trainer.config._plan import EnginePlacement as EnginePlacement
@@ -27,6 +28,7 @@ from trainer.config._serve import ServeConfig as ServeConfig
 from trainer.config._validate import validate_cfg as validate_cfg
 
 __all__ = [
+    "ROLLOUT_LOGPROBS_MODE",
     "TINY_MODEL_NAME",
     "Config",
     "ConfigWarning",

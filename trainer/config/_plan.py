@@ -35,7 +35,17 @@ from trainer.config._schema import AlgorithmConfig, TrainerConfig
 from trainer.config._workers import WorkersConfig
 from trainer.errors import ConfigError
 
+#: What the engines the trainer starts report as a sampled token's logprob (``--logprobs-mode``,
+#: vLLM's flag, which the reference engine shares): the sampling distribution's, the logits
+#: over the temperature, as the trainer computes its own old logprobs. vLLM's default
+#: (``raw_logprobs``, before the temperature) would make every importance ratio, rollout
+#: correction and mismatch diagnostic wrong at a temperature other than 1 (verl, TRL and
+#: prime-rl set the same). Top-p is not in the trainer's logprobs; vLLM's processed ones
+#: renormalise after it, so with ``top_p < 1`` the two still differ on the tokens it cut.
+ROLLOUT_LOGPROBS_MODE = "processed_logprobs"
+
 __all__ = [
+    "ROLLOUT_LOGPROBS_MODE",
     "CpuThreads",
     "EngineBackend",
     "EnginePlacement",
@@ -378,6 +388,7 @@ def _vllm_settings(
         dtype=policy.dtype,
         cpu=not cuda,
         max_lora_rank=served.max_rank if served is not None else None,
+        logprobs_mode=ROLLOUT_LOGPROBS_MODE,
     )
 
 

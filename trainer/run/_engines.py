@@ -34,7 +34,7 @@ from engines.types import EngineClient
 from engines.vllm.flags import VllmSettings
 from engines.vllm.inprocess import open_vllm_inprocess_client
 from engines.vllm.serve import VllmServers, check_server_config, gpu_groups
-from trainer.config import Config, EngineBackend, EnginePlacement
+from trainer.config import ROLLOUT_LOGPROBS_MODE, Config, EngineBackend, EnginePlacement
 
 __all__ = [
     "Engines",
@@ -204,6 +204,7 @@ async def _start_servers(
             enable_sleep_mode=plan.bracket.sleeps,
             num_threads=None if plan.threads is None else plan.threads.server,
             max_lora_rank=plan.served_adapter.max_rank if plan.served_adapter else None,
+            logprobs_mode=ROLLOUT_LOGPROBS_MODE,
         )
     api_key = new_api_key() if e.api_key is None else e.api_key
     weight_dir = run_dir / "weight_sync"  # make_transport's folder

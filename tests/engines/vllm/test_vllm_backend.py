@@ -46,13 +46,17 @@ def test_the_default_run_against_real_vllm_learns_with_exact_weights(trainer_run
 
 @pytest.mark.parametrize("transport", ["gloo", "disk"])
 @pytest.mark.trainer_run("engine.backend=vllm_inprocess", "sync.transport={transport}",
-                         "trainer.max_steps=3")  # fmt: skip
+                         "trainer.max_steps=3",
+                         "generator.sampling.temperature=0.7")  # fmt: skip
 def test_engine_backend_vllm_inprocess_trains_3_steps_exactly(trainer_run, transport):
+    """Exact at a temperature other than 1 too: vLLM reports the sampling distribution's
+    logprobs (``--logprobs-mode processed_logprobs``), as the trainer computes its own."""
     _train(trainer_run, 3)
 
 
 @pytest.mark.trainer_run("engine.backend=vllm", "sync.transport=gloo", "trainer.max_steps=4",
-                         "faults=generate:kill_engine=0@2")  # fmt: skip
+                         "faults=generate:kill_engine=0@2",
+                         "generator.sampling.temperature=0.7")  # fmt: skip
 def test_a_killed_vllm_server_is_restarted_and_synced_before_it_serves_again(trainer_run):
     """The only vLLM server is killed (SIGKILL, its whole process group) at step 2: step 2
     waits for the restarted server, which gets a complete gloo sync, verified, first; every
