@@ -332,6 +332,7 @@ PUBLIC = {
     "trainer.workers.fsdp": [
         "GatheredModel",
         "gathered_model",
+        "is_dtensor",
         "is_sharded",
         "shard_model",
         "unsharded_in_turn",

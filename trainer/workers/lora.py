@@ -26,7 +26,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint.format import (
     ADAPTER_WEIGHTS,
@@ -36,6 +35,7 @@ from trainer.checkpoint.format import (
     write_base,
 )
 from trainer.errors import CheckpointError
+from trainer.workers.fsdp import is_dtensor
 
 __all__ = [
     "ADAPTER_NAME",
@@ -175,7 +175,7 @@ def merged_copy(peft_model: torch.nn.Module, done: Container[str] = ()) -> dict[
     base = peft_model.get_base_model()  # type: ignore[operator]
     out: dict[str, torch.Tensor] = {}
     for name, p in base_parameters(peft_model):
-        if name in done or isinstance(p, DTensor):
+        if name in done or is_dtensor(p):
             continue
         layer = _adapted_layer(base, name)
         out[name] = p.detach().clone() if layer is None else _merged_weight(layer, p.dtype)

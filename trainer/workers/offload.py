@@ -21,15 +21,16 @@ from typing import Any
 
 import attrs
 import torch
-from torch.distributed.tensor import DTensor
+
+from trainer.workers.fsdp import is_dtensor, is_sharded
 
 __all__ = ["Offloaded", "offload_training_state", "restore_training_state", "tensor_bytes"]
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes ``t``'s elements take (``numel * element_size``); a DTensor's local shard."""
-    if isinstance(t, DTensor):  # this rank holds its shard only
-        t = t.to_local()
+    if is_dtensor(t):  # this rank holds its shard only
+        t = t.to_local()  # type: ignore[attr-defined]
     return t.numel() * t.element_size()
 
 
@@ -49,10 +50,6 @@ class Offloaded:
     optimizer_entries: list[tuple[dict[str, Any], str]]
     #: Bytes moved (parameters, gradients and optimizer state).
     nbytes: int
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _move(t: torch.Tensor, device: torch.device, pin_memory: bool) -> torch.Tensor:
@@ -84,7 +81,7 @@ def _move_params(
     nbytes = sum(
         tensor_bytes(p) + (tensor_bytes(p.grad) if p.grad is not None else 0) for p in params
     )
-    if _is_sharded(model):
+    if is_sharded(model):
         model.to(target)  # FSDP2 re-points its shards itself; gradients move with them
         return params, nbytes
     with torch.no_grad():
@@ -124,7 +121,7 @@ def offload_training_state(
 def restore_training_state(offloaded: Offloaded) -> int:
     """Move what ``offloaded`` names back to its source device; the bytes moved; blocking."""
     source, model = offloaded.source, offloaded.model
-    if _is_sharded(model):
+    if is_sharded(model):
         model.to(source)
     else:
         with torch.no_grad():
