@@ -76,6 +76,13 @@ class RolloutCorrectionConfig:
         "mode). Needs rollout logprobs; rollout_is and rollout_rs would see a ratio of 1 "
         "and are refused with it.",
     )
+    allow_uncorrected: bool = _field(
+        False,
+        "A trainer.strategy=fully_async run with max_staleness_steps > 0 and "
+        "algorithm.off_policy_correction=none and no rollout_correction is refused at load; "
+        "true runs it uncorrected anyway, saying so at the start (for comparisons: "
+        "benchmarks/mismatch.py). Nothing else reads it.",
+    )
 
 
 class _Algorithm(Protocol):
@@ -112,12 +119,14 @@ def plan_correction(a: _Algorithm, fully_async: bool, *, staleness: int = 0) -> 
     (``off_policy_correction=none`` and no ``rollout_correction``): the line names the
     choices (miles refuses the same since its PR #1829)."""
     rc = a.rollout_correction
-    if fully_async and staleness > 0 and a.off_policy_correction == "none" and _chooses_nothing(a):
+    uncorrected = fully_async and staleness > 0 and a.off_policy_correction == "none"
+    if uncorrected and _chooses_nothing(a) and not rc.allow_uncorrected:
         raise ConfigError(
             f"config: trainer.strategy=fully_async with max_staleness_steps={staleness} trains "
             "on samples of older weights, and algorithm.off_policy_correction=none with no "
             f"algorithm.rollout_correction corrects nothing: choose one of {ASYNC_CORRECTION_CHOICES}"
-            " (or max_staleness_steps=0)"
+            " (or max_staleness_steps=0; algorithm.rollout_correction.allow_uncorrected=true "
+            "runs it uncorrected on purpose)"
         )
     rollout_is, threshold = rc.rollout_is, rc.rollout_is_threshold
     if rollout_is is not None and a.off_policy_correction == "tis":
@@ -155,10 +164,18 @@ def plan_correction(a: _Algorithm, fully_async: bool, *, staleness: int = 0) -> 
 def correction_note(a: _Algorithm, fully_async: bool, *, staleness: int = 0) -> str | None:
     """The line a run logs at its start when the correction was chosen for it: a fully-async
     run that may train on samples ``staleness > 0`` steps old, with ``off_policy_correction=auto``
-    and no ``rollout_correction``, corrects with token TIS by default; None otherwise."""
-    if not (fully_async and staleness > 0 and a.off_policy_correction == "auto"):
+    and no ``rollout_correction``, corrects with token TIS by default; with
+    ``off_policy_correction=none`` and ``rollout_correction.allow_uncorrected``, it corrects
+    nothing; None otherwise."""
+    if not (fully_async and staleness > 0 and _chooses_nothing(a)):
         return None
-    if not _chooses_nothing(a):
+    if a.off_policy_correction == "none" and a.rollout_correction.allow_uncorrected:
+        return (
+            f"trainer.strategy=fully_async with max_staleness_steps={staleness}: training on "
+            "stale samples UNCORRECTED (algorithm.off_policy_correction=none, "
+            "algorithm.rollout_correction.allow_uncorrected=true)"
+        )
+    if a.off_policy_correction != "auto":
         return None
     cap = "untruncated" if a.tis_cap is None else f"capped at tis_cap={a.tis_cap:g}"
     return (

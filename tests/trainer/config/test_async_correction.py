@@ -37,6 +37,26 @@ def test_no_correction_at_staleness_above_zero_is_refused_naming_the_choices(sta
         assert choice in message
 
 
+def test_allow_uncorrected_runs_stale_samples_uncorrected_and_says_so():
+    overrides = [
+        *ASYNC,
+        "trainer.fully_async.max_staleness_steps=2",
+        "algorithm.off_policy_correction=none",
+        "algorithm.rollout_correction.allow_uncorrected=true",
+    ]
+    plan = load_config(None, overrides).plan
+    assert (plan.correction.rollout_is, plan.correction.rollout_rs) == (None, None)
+    assert not plan.correction.bypass_mode
+    note = plan.correction_note
+    assert note is not None and "\n" not in note
+    assert "UNCORRECTED" in note and "max_staleness_steps=2" in note
+    # the refusal names the opt-out; the opt-out alone does not turn auto's TIS off
+    with pytest.raises(ConfigError, match="allow_uncorrected=true runs it uncorrected"):
+        load_config(None, overrides[:-1])
+    auto = load_config(None, [*ASYNC, "algorithm.rollout_correction.allow_uncorrected=true"])
+    assert auto.plan.correction.rollout_is == "token"
+
+
 @pytest.mark.parametrize(
     "chosen",
     [
