@@ -1,0 +1,113 @@
+"""The sampling scenarios of sdk_client.py (in .venv-tinker's Python, the official SDK
+unchanged): a LoRA client trained a few steps, then its sampling clients. Never imports the
+trainer; prints nothing (sdk_client.py prints the JSON).
+
+``sample`` (the sync API): ``save_weights_and_get_sampling_client`` and samples of it (three
+at once, seeded; the same again; a stop token; a prompt-logprobs request), each sampled
+sequence scored by the training client's ``forward``; a named ``save_weights_for_sampler``
+sampled through ``create_sampling_client(model_path=...)``; the base model's sampler.
+``sample_async``: a sampler save and samples through ``await``, several at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import tinker
+from tinker import types
+
+PROMPT = [3, 17, 5, 22, 9]
+TOKENS = [3, 17, 5, 22, 9, 41, 12, 30]
+WEIGHTS = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+MAX_TOKENS = 6
+
+
+def _supervised() -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": WEIGHTS},
+    )
+
+
+def _scored(tokens: list[int]) -> types.Datum:
+    """A datum whose forward scores ``tokens`` after PROMPT."""
+    full = PROMPT + tokens
+    weights = [0.0] * (len(PROMPT) - 1) + [1.0] * len(tokens)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
+    )
+
+
+def _params(seed: int, **kwargs: object) -> types.SamplingParams:
+    return types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, **kwargs)
+
+
+def _seqs(response: types.SampleResponse) -> list[dict]:
+    return [
+        {"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason}
+        for s in response.sequences
+    ]
+
+
+def _policy_logprobs(client: tinker.TrainingClient, seqs: list[dict]) -> list[list[float]]:
+    """The trained policy's logprob of each sampled token, by the training client's forward."""
+    out = client.forward([_scored(s["tokens"]) for s in seqs], "cross_entropy").result()
+    return [o["logprobs"].tolist()[len(PROMPT) - 1 :] for o in out.loss_fn_outputs]
+
+
+def sample(url: str) -> dict:
+    service = tinker.ServiceClient(base_url=url)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=2).result()
+    for _ in range(3):
+        client.forward_backward([_supervised()], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    sampler = client.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    three = _seqs(sampler.sample(prompt, 3, _params(seed=7)).result())
+    again = _seqs(sampler.sample(prompt, 3, _params(seed=7)).result())
+    first = three[0]["tokens"]
+    stop_token = first[2]
+    stopped = _seqs(sampler.sample(prompt, 1, _params(seed=7, stop=[stop_token])).result())
+    named = client.save_weights_for_sampler("after-3-steps").result().path
+    by_path = service.create_sampling_client(model_path=named).result()
+    by_path_seqs = _seqs(by_path.sample(prompt, 1, _params(seed=7)).result())
+    base = service.create_sampling_client(base_model="tiny").result()
+    base_seqs = _seqs(base.sample(prompt, 1, _params(seed=7)).result())
+    try:
+        sampler.sample(prompt, 1, _params(seed=7), include_prompt_logprobs=True).result()
+        refused = None
+    except tinker.RequestFailedError as exc:
+        refused = {"message": exc.message, "category": str(exc.category)}
+    return {
+        "three": three,
+        "three_policy": _policy_logprobs(client, three),
+        "again": again,
+        "stop_token": stop_token,
+        "stopped": stopped,
+        "named_path": named,
+        "by_path": by_path_seqs,
+        "base": base_seqs,
+        "base_policy": _policy_logprobs(client, base_seqs),
+        "prompt_logprobs_refused": refused,
+    }
+
+
+async def _sample_async(url: str) -> dict:
+    service = tinker.ServiceClient(base_url=url)
+    client = await service.create_lora_training_client(base_model="tiny", rank=4, seed=3)
+    await client.forward_backward([_supervised()], "cross_entropy")
+    await client.optim_step(types.AdamParams(learning_rate=0.05))
+    sampler = await client.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(PROMPT)
+    answers = await asyncio.gather(
+        *(sampler.sample(prompt, 2, _params(seed=seed)) for seed in (10, 20, 30))
+    )
+    seqs = [s for answer in answers for s in _seqs(answer)]
+    scored = await client.forward([_scored(s["tokens"]) for s in seqs], "cross_entropy")
+    policy = [o["logprobs"].tolist()[len(PROMPT) - 1 :] for o in scored.loss_fn_outputs]
+    return {"seqs": seqs, "policy": policy}
+
+
+def sample_async(url: str) -> dict:
+    return asyncio.run(_sample_async(url))
