@@ -3,9 +3,11 @@ unchanged): a LoRA client trained a few steps, then its sampling clients. Never 
 trainer; prints nothing (sdk_client.py prints the JSON).
 
 ``sample`` (the sync API): ``save_weights_and_get_sampling_client`` and samples of it (three
-at once, seeded; the same again; a stop token; a prompt-logprobs request), each sampled
-sequence scored by the training client's ``forward``; a named ``save_weights_for_sampler``
-sampled through ``create_sampling_client(model_path=...)``; the base model's sampler.
+at once, seeded; the same again; a stop token; prompt logprobs, ``compute_logprobs``), each
+sampled sequence scored by the training client's ``forward``; a named
+``save_weights_for_sampler`` sampled through ``create_sampling_client(model_path=...)``; the
+base model's sampler (with top-k prompt logprobs); a request not served; eight more saves,
+after which the first sampler's weights are unloaded.
 ``sample_async``: a sampler save and samples through ``await``, several at once.
 """
 
@@ -39,8 +41,8 @@ def _scored(tokens: list[int]) -> types.Datum:
     )
 
 
-def _params(seed: int, **kwargs: object) -> types.SamplingParams:
-    return types.SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=seed, **kwargs)
+def _params(seed: int, temperature: float = 1.0, **kwargs: object) -> types.SamplingParams:
+    return types.SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed, **kwargs)
 
 
 def _seqs(response: types.SampleResponse) -> list[dict]:
@@ -50,10 +52,14 @@ def _seqs(response: types.SampleResponse) -> list[dict]:
     ]
 
 
-def _policy_logprobs(client: tinker.TrainingClient, seqs: list[dict]) -> list[list[float]]:
-    """The trained policy's logprob of each sampled token, by the training client's forward."""
+def _policy_logprobs(
+    client: tinker.TrainingClient, seqs: list[dict], *, prompt_only: bool = False
+) -> list[list[float]]:
+    """The trained policy's logprob of each sampled token (``prompt_only``: of each prompt
+    token but the first), by the training client's forward."""
     out = client.forward([_scored(s["tokens"]) for s in seqs], "cross_entropy").result()
-    return [o["logprobs"].tolist()[len(PROMPT) - 1 :] for o in out.loss_fn_outputs]
+    start = 0 if prompt_only else len(PROMPT) - 1
+    return [o["logprobs"].tolist()[start:] for o in out.loss_fn_outputs]
 
 
 def sample(url: str) -> dict:
@@ -74,11 +80,25 @@ def sample(url: str) -> dict:
     by_path_seqs = _seqs(by_path.sample(prompt, 1, _params(seed=7)).result())
     base = service.create_sampling_client(base_model="tiny").result()
     base_seqs = _seqs(base.sample(prompt, 1, _params(seed=7)).result())
+    with_prompt = sampler.sample(
+        prompt, 1, _params(seed=7, temperature=0.7), include_prompt_logprobs=True
+    ).result()
+    base_prompt = base.sample(
+        prompt, 1, _params(seed=7), include_prompt_logprobs=True, topk_prompt_logprobs=2
+    ).result()
+    last_two = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=2).result()
     try:
-        sampler.sample(prompt, 1, _params(seed=7), include_prompt_logprobs=True).result()
+        sampler.sample(prompt, 1, _params(seed=7), topk_sample_logprobs=2).result()
         refused = None
     except tinker.RequestFailedError as exc:
         refused = {"message": exc.message, "category": str(exc.category)}
+    for _ in range(8):  # nine unnamed saves in all: the first one's weights are unloaded
+        client.save_weights_and_get_sampling_client().result()
+    try:
+        sampler.sample(prompt, 1, _params(seed=7)).result()
+        dropped = None
+    except tinker.RequestFailedError as exc:
+        dropped = exc.message
     return {
         "three": three,
         "three_policy": _policy_logprobs(client, three),
@@ -87,9 +107,16 @@ def sample(url: str) -> dict:
         "stopped": stopped,
         "named_path": named,
         "by_path": by_path_seqs,
+        "by_path_later": _seqs(by_path.sample(prompt, 1, _params(seed=7)).result()),
         "base": base_seqs,
         "base_policy": _policy_logprobs(client, base_seqs),
-        "prompt_logprobs_refused": refused,
+        "prompt_logprobs": with_prompt.prompt_logprobs,
+        "prompt_policy": _policy_logprobs(client, [{"tokens": []}], prompt_only=True)[0],
+        "last_two": last_two,
+        "base_prompt_logprobs": base_prompt.prompt_logprobs,
+        "base_topk": base_prompt.topk_prompt_logprobs,
+        "not_served": refused,
+        "dropped": dropped,
     }
 
 

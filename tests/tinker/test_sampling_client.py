@@ -5,6 +5,8 @@ each sampled token's logprob checked against the trained policy's (the training 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -52,32 +54,64 @@ def test_a_named_save_samples_the_same_weights_through_its_path(sampled: dict) -
     assert sampled["by_path"] == sampled["three"][:1]  # the same weights, the same seed
 
 
-def base_logprobs(tokens: list[int]) -> list[float]:
-    """The tiny base model's logprob of each of ``tokens`` after PROMPT, in torch."""
+@functools.cache
+def tiny_model() -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     from engines.models import resolve_model_path
 
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32)
-    full = PROMPT + tokens
+    return AutoModelForCausalLM.from_pretrained(resolve_model_path(None), dtype=torch.float32)
+
+
+def base_rows(tokens: list[int]) -> torch.Tensor:
+    """The tiny base model's next-token logprobs after each of PROMPT + ``tokens``, in torch."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([full[:-1]])).logits[0]
-    logprobs = torch.log_softmax(logits.double(), -1)
-    return [float(logprobs[len(PROMPT) - 1 + i, t]) for i, t in enumerate(tokens)]
+        logits = tiny_model()(input_ids=torch.tensor([PROMPT + tokens])).logits[0]
+    return torch.log_softmax(logits.double(), -1)
 
 
 def test_the_base_models_sampler_samples_the_base_model(sampled: dict) -> None:
     (base,) = sampled["base"]
-    expected = base_logprobs(base["tokens"])
+    rows = base_rows(base["tokens"])
+    start = len(PROMPT) - 1
+    expected = [float(rows[start + i, t]) for i, t in enumerate(base["tokens"])]
     assert _max_diff([base], [expected]) <= ATOL
     # the trained policy scores the same tokens otherwise: the adapter is not the base
     assert _max_diff([base], sampled["base_policy"]) > 0.05
 
 
-def test_prompt_logprobs_are_refused_saying_so(sampled: dict) -> None:
-    refused = sampled["prompt_logprobs_refused"]
+def test_prompt_logprobs_are_the_models_own_at_any_temperature(sampled: dict) -> None:
+    got = sampled["prompt_logprobs"]  # sampled at T=0.7: the raw logits' still
+    assert got[0] is None and len(got) == len(PROMPT)
+    policy = sampled["prompt_policy"]
+    assert max(abs(a - b) for a, b in zip(got[1:], policy)) <= ATOL
+    # compute_logprobs(prompt_logprobs_last_n=2): the last two, None before them
+    last_two = sampled["last_two"]
+    assert last_two[:-2] == [None] * (len(PROMPT) - 2)
+    assert max(abs(a - b) for a, b in zip(last_two[-2:], policy[-2:])) <= ATOL
+
+
+def test_top_k_prompt_logprobs_are_the_base_models_best(sampled: dict) -> None:
+    rows = base_rows([])
+    plain, topk = sampled["base_prompt_logprobs"], sampled["base_topk"]
+    assert plain[0] is None and topk[0] is None
+    for i, tok in enumerate(PROMPT[1:]):
+        row = rows[i]
+        assert plain[i + 1] == pytest.approx(float(row[tok]), abs=ATOL)
+        values, ids = torch.topk(row, 2)
+        assert [t for t, _ in topk[i + 1]] == ids.tolist()
+        assert [lp for _, lp in topk[i + 1]] == pytest.approx(values.tolist(), abs=ATOL)
+
+
+def test_a_request_not_served_is_refused_saying_so(sampled: dict) -> None:
+    refused = sampled["not_served"]
     assert refused["category"] == "user"
-    assert "prompt_logprobs is not served by this service yet" in refused["message"]
+    assert "topk_sample_logprobs is not served by this service yet" in refused["message"]
+
+
+def test_old_unnamed_samplers_are_unloaded_and_named_ones_kept(sampled: dict) -> None:
+    assert "weights were unloaded: the service keeps the last 8 unnamed" in sampled["dropped"]
+    assert sampled["by_path_later"] == sampled["by_path"]
 
 
 def test_the_async_api_samples_the_trained_policy(service: Service) -> None:

@@ -8,7 +8,8 @@ its ordered operations), ``_futures`` (the futures ``retrieve_future`` answers),
 (the protobuf messages of ``forward_backward``, read and written by hand), ``_sampling``
 (sampler saves through the trainer's verified adapter sync, sampling sessions, samples),
 ``_engine`` (the sampling engines: a reference-engine server per base model, started on first
-use, stopped with the service), ``_sample_proto`` (the protobuf ``SampleResponse``).
+use, stopped with the service), ``_sample_io`` (a ``SampleRequest`` read, the protobuf
+``SampleResponse`` written).
 """
 
 from trainer.serve._app import API as API

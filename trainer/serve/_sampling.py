@@ -33,7 +33,6 @@ import attrs
 import trio
 
 from engines.local.http import Request, Response
-from engines.types import SamplingParams
 from sync.bracket import Bracket
 from sync.transports import LoraAdapterTransport
 from sync.verify import verify_sync
@@ -42,7 +41,7 @@ from trainer.errors import InferenceServerError, WeightSyncTimeoutError
 from trainer.serve._engine import SamplerEngine, SamplerEngines
 from trainer.serve._futures import PROTOBUF, Answer, FutureStore, failed
 from trainer.serve._models import ModelState
-from trainer.serve._sample_proto import SequenceOut, encode_sample_response
+from trainer.serve._sample_io import SampleAsk, encode_sample_response, read_sample_request
 from trainer.vocabulary import step_deadline
 from trainer.workers.service_model import ServiceModel
 
@@ -52,22 +51,10 @@ log = logging.getLogger(__name__)
 
 #: Unnamed sampler saves of a model that stay loaded (an RL loop saves one per step).
 KEPT_UNNAMED = 8
-#: ``max_tokens`` of a request that sets none (vLLM's default for completions).
-DEFAULT_MAX_TOKENS = 16
 #: The probe ``sync.verify`` samples (as the trainer's: fixed ids any vocabulary has).
 PROBE_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 #: A sampler save's name: what a ``tinker://`` path segment holds.
 NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-#: ``SampleRequest`` fields this service does not serve, with the value meaning "off".
-NOT_SERVED_OFF: dict[str, tuple[object, ...]] = {
-    "prompt_logprobs": (None, False),
-    "topk_prompt_logprobs": (None, 0),
-    "topk_sample_logprobs": (None, 0),
-    "target_prompt_logprobs": (None,),
-    "prompt_alt_tokens_k": (None, 0),
-    "prompt_logprobs_last_n": (None,),
-    "record_stability_info": (None, False),
-}
 
 
 @attrs.define(eq=False)
@@ -209,11 +196,11 @@ class SamplingRoutes:
             return _error(exc.status, exc.message)
         request_id = self.futures.new()
         try:
-            prompt, params = _sample_inputs(body)
-        except _Refused as exc:
-            self.futures.resolve(request_id, _failed(f"sample: {exc.message}"))
+            ask = read_sample_request(body)
+        except ValueError as exc:
+            self.futures.resolve(request_id, _failed(f"sample: {exc}"))
         else:
-            self.nursery.start_soon(self._sample, sampler, prompt, params, n, request_id)
+            self.nursery.start_soon(self._sample, sampler, ask, n, request_id)
         ids = [f"{request_id}-{i}" for i in range(n)]
         return _json({"request_id": request_id, "sample_sequence_ids": ids})
 
@@ -276,20 +263,16 @@ class SamplingRoutes:
             directory = self.engines.adapter_dir / old.adapter
             await trio.to_thread.run_sync(functools.partial(shutil.rmtree, directory, True))
 
-    async def _sample(
-        self, sampler: Sampler, prompt: list[int], params: SamplingParams, n: int, request_id: str
-    ) -> None:
+    async def _sample(self, sampler: Sampler, ask: SampleAsk, n: int, request_id: str) -> None:
         answer = _failed(
             f"sample did not finish within serve.request_timeout_s={self.timeout_s:g}s",
             category="server",
         )
         with trio.move_on_after(self.timeout_s):
-            answer = await self._sampled(sampler, prompt, params, n)
+            answer = await self._sampled(sampler, ask, n)
         self.futures.resolve(request_id, answer)
 
-    async def _sampled(
-        self, sampler: Sampler, prompt: list[int], params: SamplingParams, n: int
-    ) -> Answer:
+    async def _sampled(self, sampler: Sampler, ask: SampleAsk, n: int) -> Answer:
         snapshot = sampler.snapshot
         if snapshot is not None and snapshot.dropped is not None:
             return _failed(
@@ -300,22 +283,17 @@ class SamplingRoutes:
                 sampler.base_model, self.base_models[sampler.base_model]
             )
             client = engine.client(snapshot.adapter if snapshot is not None else None)
-            completions = await client.generate_n(prompt, params, n)
+            completions = await client.generate_n(ask.prompt, ask.params, n)
         except InferenceServerError as exc:
             category = "user" if exc.status == 400 else "server"
             return _failed(f"sample: {exc}", category=category)
         except Exception as exc:
             log.exception("sample on %s failed", sampler.sampler_id)
             return _failed(f"sample: {type(exc).__name__}: {exc}", category="server")
-        sequences = []
-        for c in completions:
-            if c.finish_reason not in ("stop", "length"):
-                return _failed(
-                    f"sample: the engine ended a sequence with {c.finish_reason!r}",
-                    category="server",
-                )
-            sequences.append(SequenceOut(c.token_ids, c.logprobs, c.finish_reason))
-        return Answer(encode_sample_response(sequences), PROTOBUF)
+        ended = [c.finish_reason for c in completions if c.finish_reason not in ("stop", "length")]
+        if ended:
+            return _failed(f"sample: the engine ended a sequence with {ended[0]!r}", "server")
+        return Answer(encode_sample_response(ask, completions), PROTOBUF)
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -351,69 +329,6 @@ class SamplingRoutes:
         return self._new_sampler(base_model, None)
 
 
-def _sample_inputs(body: dict[str, Any]) -> tuple[list[int], SamplingParams]:
-    """A ``SampleRequest``'s prompt tokens and sampling; :class:`_Refused` for what is not
-    served, one sentence each."""
-    for field, off in NOT_SERVED_OFF.items():
-        if body.get(field) not in off:
-            raise _Refused(400, f"{field} is not served by this service yet (docs/tinker.md)")
-    chunks = (body.get("prompt") or {}).get("chunks")
-    if not isinstance(chunks, list):
-        raise _Refused(400, "prompt must be a ModelInput (chunks)")
-    prompt: list[int] = []
-    for chunk in chunks:
-        if not isinstance(chunk, dict) or chunk.get("type", "encoded_text") != "encoded_text":
-            kind = chunk.get("type") if isinstance(chunk, dict) else chunk
-            raise _Refused(400, f"a prompt chunk of type {kind!r}: only token chunks are served")
-        tokens = chunk.get("tokens")
-        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
-            raise _Refused(400, "a prompt chunk's tokens must be integers")
-        prompt.extend(tokens)
-    if not prompt:
-        raise _Refused(400, "the prompt has no tokens")
-    sp = body.get("sampling_params")
-    if not isinstance(sp, dict):
-        raise _Refused(400, "sampling_params must be an object")
-    top_k = sp.get("top_k", -1)
-    if top_k not in (-1, 0, None):
-        raise _Refused(
-            400, f"top_k={top_k} is not served (the reference engine samples without it)"
-        )
-    max_tokens = sp.get("max_tokens")
-    seed = sp.get("seed")
-    try:
-        params = SamplingParams(
-            temperature=float(sp.get("temperature", 1.0)),
-            top_p=float(sp.get("top_p", 1.0)),
-            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else int(max_tokens),
-            seed=None if seed is None else int(seed),
-            **_stop(sp.get("stop")),
-        )
-    except (TypeError, ValueError):
-        raise _Refused(400, f"sampling_params {json.dumps(sp)[:200]} are not numbers") from None
-    return prompt, params
-
-
-def _stop(stop: object) -> dict[str, Any]:
-    """The SDK's ``stop``: None, EOS alone; ``[]``, not even EOS; strings or token ids."""
-    if stop is None:
-        return {}
-    if isinstance(stop, str):
-        return {"stop": (stop,)}
-    if isinstance(stop, list):
-        if not stop:
-            return {"ignore_eos": True}
-        if all(isinstance(s, str) for s in stop):
-            return {"stop": tuple(stop)}
-        if all(_is_int(s) for s in stop):
-            return {"stop_token_ids": tuple(stop), "ignore_eos": False}
-    raise _Refused(400, "stop must be a string, a list of strings or a list of token ids")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _body(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(request.body or b"{}")
@@ -439,5 +354,5 @@ def _error(status: int, message: str) -> Response:
     return _json(failed(message), status)
 
 
-def _failed(message: str, *, category: str = "user") -> Answer:
+def _failed(message: str, category: str = "user") -> Answer:
     return Answer(json.dumps(failed(message, category=category)).encode())
