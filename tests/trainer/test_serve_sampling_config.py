@@ -27,5 +27,18 @@ def test_an_engine_backend_the_service_cannot_sample_on_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("TRAINER_SERVE_API_KEY", "tml-test")
-    with pytest.raises(ConfigError, match=r"engine.backend='vllm' does not sample .* yet"):
-        spec_of(load_config(None, ["engine.backend=vllm"]))
+    with pytest.raises(ConfigError, match=r"engine.backend='inprocess' does not sample for"):
+        spec_of(load_config(None, ["engine.backend=inprocess"]))
+
+
+def test_vllm_samples_with_lora_and_no_weight_transfer_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``engine.backend=vllm``: the run plan's ``vllm serve`` settings, LoRA on (adapters go
+    by route, ``--max-lora-rank`` 64), no weight-transfer engine."""
+    monkeypatch.setenv("TRAINER_SERVE_API_KEY", "tml-test")
+    vllm = spec_of(load_config(None, ["engine.backend=vllm"])).sampling.vllm
+    assert vllm is not None
+    assert (vllm.max_lora_rank, vllm.weight_transfer_backend) == (64, None)
+    assert vllm.logprobs_mode == ROLLOUT_LOGPROBS_MODE
+    assert spec_of(load_config(None, [])).sampling.vllm is None  # the reference engine

@@ -15,12 +15,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import attrs
 import trio
 
 from trainer.config import ROLLOUT_LOGPROBS_MODE, TINY_MODEL_NAME, Config, load_config
 from trainer.errors import ConfigError
 from trainer.serve._app import ServiceApp, ServiceSpec
-from trainer.serve._engine import SamplerSettings, open_sampler_engines
+from trainer.serve._engine import VLLM_MAX_LORA_RANK, SamplerSettings, open_sampler_engines
 
 __all__ = ["READY_PREFIX", "serve", "serve_main"]
 
@@ -79,14 +80,20 @@ def spec_of(cfg: Config) -> ServiceSpec:
 
 
 def _sampler_settings(cfg: Config) -> SamplerSettings:
-    """The sampling engines' settings: ``engine.*`` (the reference engine's servers, as a
-    run starts them) and ``sync.*`` (the sampler saves' sync and its check)."""
-    if cfg.engine.backend != "local":
+    """The sampling engines' settings: ``engine.*`` (the reference engine's servers, or
+    ``vllm serve``'s, as a run starts them) and ``sync.*`` (the sampler saves' sync and its
+    check)."""
+    if cfg.engine.backend not in ("local", "vllm"):
         raise ConfigError(
-            f"serve: engine.backend={cfg.engine.backend!r} does not sample for the service yet: "
-            "use engine.backend=local (the reference engine; docs/tinker.md)"
+            f"serve: engine.backend={cfg.engine.backend!r} does not sample for the service: "
+            "use engine.backend=local (the reference engine) or vllm (docs/tinker.md)"
         )
     plan = cfg.plan
+    vllm = None
+    if plan.vllm is not None:  # adapters go by route: LoRA on, no weight-transfer engine
+        vllm = attrs.evolve(
+            plan.vllm, max_lora_rank=VLLM_MAX_LORA_RANK, weight_transfer_backend=None
+        )
     return SamplerSettings(
         seed=cfg.trainer.seed,
         startup_timeout_s=plan.timeouts.engine_startup_s,
@@ -97,6 +104,7 @@ def _sampler_settings(cfg: Config) -> SamplerSettings:
         pause_mode=cfg.engine.pause_mode,
         num_threads=None if plan.threads is None else plan.threads.server,
         logprobs_mode=ROLLOUT_LOGPROBS_MODE,
+        vllm=vllm,
     )
 
 

@@ -1,7 +1,8 @@
-"""The service's sampling engines: one reference-engine server per base model, started as the
-trainer starts its engines (:func:`engines.launch.open_engine_processes`, ``--enable-lora``,
-the trainer's ``--logprobs-mode``), the first time a client samples that model, and stopped
-when the service stops.
+"""The service's sampling engines: one server per base model (the reference engine's, or
+``vllm serve`` with ``engine.backend=vllm``), started as the trainer starts its engines
+(:func:`engines.launch.open_engine_processes`, ``--enable-lora``, the trainer's
+``--logprobs-mode``), the first time a client samples that model, and stopped when the
+service stops.
 
 A sampler's weights are a LoRA adapter that the engine serves by name (a completion whose
 ``model`` is the name samples through it, any other through the base weights): each sampler
@@ -28,16 +29,27 @@ import trio
 
 from engines.client import InferenceClient
 from engines.launch import ReferenceServers, new_api_key, open_engine_processes
-from engines.vllm.flags import MAX_LORA_RANKS
+from engines.vllm.flags import MAX_LORA_RANKS, VllmSettings
+from engines.vllm.serve import VllmServers
 from sync.transfer import TRANSFER_GRACE_S
 
-__all__ = ["SamplerEngine", "SamplerEngines", "SamplerSettings", "open_sampler_engines"]
+__all__ = [
+    "MAX_SERVED_RANK",
+    "VLLM_MAX_LORA_RANK",
+    "SamplerEngine",
+    "SamplerEngines",
+    "SamplerSettings",
+    "open_sampler_engines",
+]
 
 log = logging.getLogger(__name__)
 
-#: ``--max-lora-rank`` of the service's engines: vLLM's largest, so every adapter a client can
+#: ``--max-lora-rank`` of the reference engine: vLLM's largest, so every adapter a client can
 #: train is served (the reference engine's cost is the adapter's own size).
 MAX_SERVED_RANK = MAX_LORA_RANKS[-1]
+#: ``--max-lora-rank`` of ``vllm serve``, whose LoRA buffers grow with it: Tinker's default
+#: rank is 32; a save of a higher rank is refused by the engine, saying so.
+VLLM_MAX_LORA_RANK = 64
 
 
 @attrs.frozen
@@ -62,6 +74,9 @@ class SamplerSettings:
     num_threads: int | None = None
     #: ``logprobs_mode`` of the engines (the trainer's: the sampling distribution's).
     logprobs_mode: str | None = None
+    #: ``engine.backend=vllm``: the run plan's ``vllm serve`` settings (LoRA on, no weight
+    #: transfer: adapters go by route); None: the reference engine.
+    vllm: VllmSettings | None = None
 
 
 @attrs.define(eq=False)
@@ -132,13 +147,15 @@ class SamplerEngines:
         self, base_model: str, model_dir: Path, *, task_status: trio.TaskStatus[SamplerEngine]
     ) -> None:
         s = self.settings
-        servers = ReferenceServers(
+        servers: ReferenceServers | VllmServers = ReferenceServers(
             str(model_dir),
             s.seed,
             num_threads=s.num_threads,
             max_lora_rank=MAX_SERVED_RANK,
             logprobs_mode=s.logprobs_mode,
         )
+        if s.vllm is not None:
+            servers = VllmServers(attrs.evolve(s.vllm, model=str(model_dir)))
         log_dir = self.work_dir / "engines" / re.sub(r"[^A-Za-z0-9._-]", "_", base_model)
         api_key = new_api_key()
         async with open_engine_processes(
@@ -157,7 +174,14 @@ class SamplerEngines:
                 engine = SamplerEngine(
                     base_model, base, api_key, processes[0].log_path, s.control_plane_timeout_s
                 )
-                log.info("engine of %s up: %s, log %s", base_model, base.urls[0], engine.log_path)
+                kind = "vllm serve" if s.vllm is not None else "reference engine"
+                log.info(
+                    "engine of %s up (%s): %s, log %s",
+                    base_model,
+                    kind,
+                    base.urls[0],
+                    engine.log_path,
+                )
                 try:
                     task_status.started(engine)
                     await trio.sleep_forever()
