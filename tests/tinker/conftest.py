@@ -66,10 +66,11 @@ def open_service(
     *overrides: str,
     python: Path = Path(sys.executable),
     start_timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
 ) -> Iterator[Service]:
-    """``python -m trainer serve serve.port=0 OVERRIDES`` in ``python`` (its output in ``log``),
-    until the block exits (SIGTERM: it stops its engines)."""
-    env = os.environ | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
+    """``python -m trainer serve serve.port=0 OVERRIDES`` in ``python`` (its output in ``log``;
+    ``env`` on top of this process's), until the block exits (SIGTERM: it stops its engines)."""
+    env = os.environ | (env or {}) | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:  # a file: a pipe nobody reads fills
         process = subprocess.Popen(
             [str(python), "-m", "trainer", "serve", "serve.port=0", *overrides],

@@ -4,7 +4,8 @@ client on the service at argv[1] and prints one JSON object of what it saw.
 ``python sdk_client.py URL SCENARIO`` with TINKER_API_KEY set; SCENARIO is ``train`` (forward,
 forward_backward with cross_entropy, optim_step, forward again; importance_sampling's forward;
 a refused loss), ``sample`` (train, then sampling clients: sdk_sampling.py), ``sample_async``
-(the same through the async API) or ``wrong_key``. Never imports the trainer.
+(the same through the async API), ``mismatch`` (a save ``sync.verify`` refuses) or
+``wrong_key``. Never imports the trainer.
 """
 
 from __future__ import annotations
@@ -93,9 +94,9 @@ def wrong_key(url: str) -> dict:
 
 
 if __name__ == "__main__":
-    from sdk_sampling import sample, sample_async
+    from sdk_sampling import mismatch, sample, sample_async
 
     url, scenario = sys.argv[1], sys.argv[2]
     scenarios = {"train": train, "wrong_key": wrong_key, "sample": sample}
-    scenarios["sample_async"] = sample_async
+    scenarios |= {"sample_async": sample_async, "mismatch": mismatch}
     print(json.dumps(scenarios[scenario](url)))

@@ -9,6 +9,7 @@ sampled sequence scored by the training client's ``forward``; a named
 base model's sampler (with top-k prompt logprobs); a request not served; eight more saves,
 after which the first sampler's weights are unloaded.
 ``sample_async``: a sampler save and samples through ``await``, several at once.
+``mismatch``: a sampler save after five steps, which the tier's engine serves wrong.
 """
 
 from __future__ import annotations
@@ -138,3 +139,19 @@ async def _sample_async(url: str) -> dict:
 
 def sample_async(url: str) -> dict:
     return asyncio.run(_sample_async(url))
+
+
+def mismatch(url: str) -> dict:
+    """A sampler save after five optim_steps (the step the tier's engine skews)."""
+    client = tinker.ServiceClient(base_url=url).create_lora_training_client(
+        base_model="tiny", rank=4, seed=5
+    )
+    client = client.result()
+    for _ in range(5):
+        client.forward_backward([_supervised()], "cross_entropy").result()
+        client.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    try:
+        client.save_weights_and_get_sampling_client().result()
+        return {"failed": None}
+    except tinker.RequestFailedError as exc:
+        return {"failed": {"message": exc.message, "category": str(exc.category)}}

@@ -6,16 +6,30 @@ each sampled token's logprob checked against the trained policy's (the training 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from tests.tinker.conftest import Service
+from tests.tinker.conftest import Service, open_service
 
 PROMPT = [3, 17, 5, 22, 9]  # as sdk_sampling.py
 #: The engine reports the sampling distribution's logprobs (temperature 1: the model's own),
 #: in float32 like the policy's forward.
 ATOL = 1e-4
+
+
+#: The engine rounds its logits to bfloat16 (and says nothing) for requests of a model's step 5
+#: alone: the probe of a sampler save after five optim_steps (sdk_sampling.py's ``mismatch``;
+#: no other scenario saves there), which ``sync.verify`` must catch.
+FAULTS = "generate:bf16_logits@5"
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open_service(log, env={"TRAINER_FAULTS": FAULTS}) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +134,13 @@ def test_the_async_api_samples_the_trained_policy(service: Service) -> None:
     assert len(seqs) == 6  # three samples at once, two sequences each
     assert len({tuple(s["tokens"]) for s in seqs}) == 6
     assert _max_diff(seqs, out["policy"]) <= ATOL
+
+
+def test_a_sampler_save_the_engine_serves_wrong_is_caught_by_sync_verify(
+    service: Service,
+) -> None:
+    """The engine skews the probe of the save after step 5 (:data:`FAULTS`): the save fails,
+    in the SDK's error shape, with the check's own error naming the probe's position."""
+    failed = service.sdk("mismatch")["failed"]
+    assert failed["category"] == "server"
+    assert "save_weights_for_sampler: WeightSyncMismatchError" in failed["message"]
