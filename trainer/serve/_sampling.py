@@ -107,8 +107,9 @@ class _Rank0:
 
 
 class SamplingRoutes:
-    """The sampling half of the service (module docstring); ``models`` and ``sessions`` are the
-    service's own, ``model_dir(base)`` a base model's directory (blocking)."""
+    """The sampling half of the service (module docstring); ``models``, ``sessions`` and
+    ``futures`` are the service's own; ``base_models[name]()`` is a base model's directory
+    (blocking)."""
 
     def __init__(
         self,
