@@ -51,7 +51,7 @@ from engines.client._requests import (
     send,
 )
 from engines.client._rotation import is_engine_failure
-from engines.types import Completion, SamplingParams
+from engines.types import Completion, PromptLogprob, SamplingParams
 from trainer.errors import InferenceServerError
 from trainer.vocabulary import fire_fault, operation
 
@@ -173,6 +173,8 @@ class InferenceClient(ControlPlane):
         }
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        if sampling.prompt_logprobs is not None:
+            body["prompt_logprobs"] = sampling.prompt_logprobs
         if self.model is not None:
             body["model"] = self.model
         with operation("generate"):
@@ -212,10 +214,14 @@ class InferenceClient(ControlPlane):
             retry_on=RETRYABLE_ERRORS,
             json_body=body,
         )
-        return _completions(url, path, decode_json(url, path, response), prompt_ids, n)
+        k = body.get("prompt_logprobs")
+        data = decode_json(url, path, response)
+        return _completions(url, path, data, prompt_ids, n, k if isinstance(k, int) else 0)
 
 
-def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) -> list[Completion]:
+def _completions(
+    url: str, path: str, data: Any, prompt_ids: list[int], n: int, prompt_k: int = 0
+) -> list[Completion]:
     """The ``n`` completions of a ``/v1/completions`` answer, by choice index;
     ``InferenceServerError`` if it holds anything else."""
     try:
@@ -223,7 +229,7 @@ def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) 
         indexed = sorted((int(c.get("index", i)), i, c) for i, c in enumerate(data["choices"]))
         if [index for index, _, _ in indexed] != list(range(n)):
             raise ValueError(f"choice indices {[i for i, _, _ in indexed]}, expected 0..{n - 1}")
-        return [_completion(choice, prompt_ids) for _, _, choice in indexed]
+        return [_completion(choice, prompt_ids, prompt_k) for _, _, choice in indexed]
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         excerpt = json.dumps(data)[:BODY_EXCERPT_CHARS]
         raise InferenceServerError(
@@ -231,8 +237,9 @@ def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) 
         ) from None
 
 
-def _completion(choice: Any, prompt_ids: list[int]) -> Completion:
-    """One choice as a ``Completion``; KeyError, TypeError or ValueError when malformed."""
+def _completion(choice: Any, prompt_ids: list[int], prompt_k: int = 0) -> Completion:
+    """One choice as a ``Completion`` (``prompt_k``: the ``prompt_logprobs`` asked for);
+    KeyError, TypeError or ValueError when malformed."""
     token_ids = [int(t) for t in choice["token_ids"]]
     logprobs = [float(lp) for lp in choice["logprobs"]["token_logprobs"]]
     finish_reason = choice["finish_reason"]
@@ -241,10 +248,31 @@ def _completion(choice: Any, prompt_ids: list[int]) -> Completion:
         raise ValueError(
             f"finish_reason={finish_reason!r}, {len(logprobs)} logprobs for {len(token_ids)} tokens"
         )
+    prompt = [int(t) for t in prompt]
+    scored = choice.get("prompt_logprobs")
     return Completion(
         token_ids,
         logprobs,
         finish_reason,
-        [int(t) for t in prompt],
+        prompt,
         stop_reason=choice.get("stop_reason"),
+        prompt_logprobs=[] if scored is None else _prompt_logprobs(scored, prompt, prompt_k),
     )
+
+
+def _prompt_logprobs(scored: Any, prompt: list[int], k: int) -> list[PromptLogprob | None]:
+    """A choice's ``prompt_logprobs`` (vLLM's: per prompt token None, or token id -> its
+    ``logprob`` and ``rank``: the prompt token's and the ``k`` best); KeyError, TypeError or
+    ValueError when malformed."""
+    if len(scored) != len(prompt):
+        raise ValueError(f"{len(scored)} prompt logprobs for {len(prompt)} prompt tokens")
+    out: list[PromptLogprob | None] = []
+    for tok, position in zip(prompt, scored):
+        if position is None:
+            out.append(None)
+            continue
+        own = position[str(tok)]
+        entries = sorted((int(e["rank"]), int(t), float(e["logprob"])) for t, e in position.items())
+        top = [(t, lp) for rank, t, lp in entries if rank <= k]
+        out.append(PromptLogprob(float(own["logprob"]), int(own["rank"]), top))
+    return out

@@ -8,6 +8,7 @@ Every test of the tier is skipped, saying how to get it, where ``.venv-tinker`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -59,20 +60,27 @@ class Service:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    env = os.environ | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
-    log = tmp_path_factory.mktemp("serve") / "serve.log"  # a file: a pipe nobody reads fills
-    with log.open("wb") as out:
+@contextlib.contextmanager
+def open_service(
+    log: Path,
+    *overrides: str,
+    python: Path = Path(sys.executable),
+    start_timeout_s: float = START_TIMEOUT_S,
+    env: dict[str, str] | None = None,
+) -> Iterator[Service]:
+    """``python -m trainer serve serve.port=0 OVERRIDES`` in ``python`` (its output in ``log``;
+    ``env`` on top of this process's), until the block exits (SIGTERM: it stops its engines)."""
+    env = os.environ | (env or {}) | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
+    with log.open("wb") as out:  # a file: a pipe nobody reads fills
         process = subprocess.Popen(
-            [sys.executable, "-m", "trainer", "serve", "serve.port=0"],
+            [str(python), "-m", "trainer", "serve", "serve.port=0", *overrides],
             cwd=ROOT,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     url = None
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + start_timeout_s
     while url is None and time.monotonic() < deadline and process.poll() is None:
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith("TRAINER_SERVE_READY "):
@@ -91,3 +99,9 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with open_service(tmp_path_factory.mktemp("serve") / "serve.log") as running:
+        yield running

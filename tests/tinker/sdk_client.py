@@ -3,7 +3,9 @@ client on the service at argv[1] and prints one JSON object of what it saw.
 
 ``python sdk_client.py URL SCENARIO`` with TINKER_API_KEY set; SCENARIO is ``train`` (forward,
 forward_backward with cross_entropy, optim_step, forward again; importance_sampling's forward;
-a refused loss) or ``wrong_key``. Never imports the trainer.
+a refused loss), ``sample`` (train, then sampling clients: sdk_sampling.py), ``sample_async``
+(the same through the async API), ``mismatch`` (a save ``sync.verify`` refuses) or
+``wrong_key``. Never imports the trainer.
 """
 
 from __future__ import annotations
@@ -92,5 +94,9 @@ def wrong_key(url: str) -> dict:
 
 
 if __name__ == "__main__":
+    from sdk_sampling import mismatch, sample, sample_async
+
     url, scenario = sys.argv[1], sys.argv[2]
-    print(json.dumps({"train": train, "wrong_key": wrong_key}[scenario](url)))
+    scenarios = {"train": train, "wrong_key": wrong_key, "sample": sample}
+    scenarios |= {"sample_async": sample_async, "mismatch": mismatch}
+    print(json.dumps(scenarios[scenario](url)))

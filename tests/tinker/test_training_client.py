@@ -75,14 +75,13 @@ def test_a_wrong_key_is_refused_with_401(service: Service) -> None:
 
 
 def test_a_route_not_served_says_so(service: Service) -> None:
-    r = httpx.post(
-        f"{service.url}/api/v1/save_weights_for_sampler", headers={"X-API-Key": KEY}, json={}
-    )
+    r = httpx.post(f"{service.url}/api/v1/create_custom_loss", headers={"X-API-Key": KEY}, json={})
     assert r.status_code == 404
     assert r.json() == {
-        "error": "/api/v1/save_weights_for_sampler is not served by this trainer's Tinker "
+        "error": "/api/v1/create_custom_loss is not served by this trainer's Tinker "
         "service yet (it serves training clients: create_model, forward, forward_backward, "
-        "optim_step; see docs/tinker.md)",
+        "optim_step; sampling clients: save_weights_for_sampler, create_sampling_session, "
+        "asample; see docs/tinker.md)",
         "category": "user",
     }
     assert httpx.get(f"{service.url}/api/v1/healthz").json() == {"status": "ok"}

@@ -3,8 +3,10 @@ as an ASGI app on hypercorn + trio, like the reference engine's server.
 
 Routes served: ``healthz``, ``client/config``, ``client/dynamic_config``, ``telemetry``,
 ``create_session``, ``session_heartbeat``, ``get_server_capabilities``, ``create_model``,
-``get_info``, ``forward_backward`` (``forward`` is its ``forward_only``), ``optim_step`` and
-``retrieve_future``. Every other path is a 404 whose body says, in the SDK's error shape
+``get_info``, ``forward_backward`` (``forward`` is its ``forward_only``), ``optim_step``,
+``retrieve_future``, and the sampling clients' ``save_weights_for_sampler``,
+``create_sampling_session``, ``asample`` and ``samplers/{id}`` (:mod:`trainer.serve._sampling`).
+Every other path is a 404 whose body says, in the SDK's error shape
 (``{"error": ..., "category": "user"}``), that this service does not serve it yet.
 
 Every route but ``healthz`` needs the key (``X-API-Key``, what the SDK sends from
@@ -27,9 +29,11 @@ import attrs
 import trio
 
 from engines.local.http import MAX_BODY_BYTES, Request, Response, answer_lifespan
+from trainer.serve._engine import SamplerEngines, SamplerSettings
 from trainer.serve._futures import FutureStore, failed
 from trainer.serve._models import ModelState
 from trainer.serve._proto import ProtoError, decode_forward_backward, encode_forward_backward_output
+from trainer.serve._sampling import SamplingRoutes
 from trainer.workers.service_model import AdamStep, ServiceModel
 
 if TYPE_CHECKING:
@@ -43,7 +47,8 @@ API = "/api/v1"
 #: The answer to a route of the SDK this slice does not serve.
 NOT_SERVED = (
     "{path} is not served by this trainer's Tinker service yet (it serves training clients: "
-    "create_model, forward, forward_backward, optim_step; see docs/tinker.md)"
+    "create_model, forward, forward_backward, optim_step; sampling clients: "
+    "save_weights_for_sampler, create_sampling_session, asample; see docs/tinker.md)"
 )
 #: Query for the attention and MLP projections of Llama-like models (Qwen2, SmolLM2).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -69,6 +74,8 @@ class ServiceSpec:
     available: dict[str, bool]
     timeout_s: float
     api_key: str
+    #: The sampling engines' settings and the sampler saves' (``engine.*``, ``sync.*``).
+    sampling: SamplerSettings = attrs.Factory(SamplerSettings)
 
 
 @attrs.define(eq=False)
@@ -84,7 +91,7 @@ Handler = Callable[["ServiceApp", Request], Awaitable[Response]]
 class ServiceApp:
     """The ASGI app over the service's state; ``nursery`` owns each model's runner task."""
 
-    def __init__(self, spec: ServiceSpec, nursery: trio.Nursery) -> None:
+    def __init__(self, spec: ServiceSpec, nursery: trio.Nursery, engines: SamplerEngines) -> None:
         self.spec = spec
         self.nursery = nursery
         self.futures = FutureStore()
@@ -92,6 +99,16 @@ class ServiceApp:
         self.models: dict[str, ModelState] = {}
         self._key_digest = hashlib.sha256(spec.api_key.encode()).digest()
         self._model_dirs: dict[str, Any] = {}
+        self.sampling = SamplingRoutes(
+            engines=engines,
+            futures=self.futures,
+            models=self.models,
+            sessions=self.sessions,
+            base_models=spec.base_models,
+            available=spec.available,
+            nursery=nursery,
+            timeout_s=spec.timeout_s,
+        )
 
     # -- ASGI -------------------------------------------------------------------------------------
 
@@ -133,10 +150,10 @@ class ServiceApp:
         request = Request(
             method=scope["method"], path=path, query={}, headers=headers, body=bytes(body)
         )
-        handler = ROUTES.get(path)
+        handler = ROUTES.get(path) or _prefix_route(path)
         if handler is None:
             return _error(404, NOT_SERVED.format(path=path))
-        if request.method != "POST" and path not in GET_PATHS:
+        if request.method != "POST" and path in ROUTES and path not in GET_PATHS:
             return _error(405, f"{request.method} {path}: POST only")
         with trio.move_on_after(self.spec.timeout_s):
             try:
@@ -194,7 +211,7 @@ class ServiceApp:
 
     async def get_server_capabilities(self, request: Request) -> Response:
         models = [
-            {"model_name": name, "trainable": self.spec.available[name], "sampleable": False}
+            {"model_name": name, "trainable": self.spec.available[name], "sampleable": True}
             for name in self.spec.base_models
         ]
         return _json({"supported_models": models})
@@ -411,6 +428,18 @@ ROUTES: dict[str, Handler] = {
     f"{API}/forward_backward": ServiceApp.forward_backward,
     f"{API}/optim_step": ServiceApp.optim_step,
     f"{API}/retrieve_future": ServiceApp.retrieve_future,
+    f"{API}/save_weights_for_sampler": lambda app, r: app.sampling.save_weights_for_sampler(r),
+    f"{API}/create_sampling_session": lambda app, r: app.sampling.create_sampling_session(r),
+    f"{API}/asample": lambda app, r: app.sampling.asample(r),
 }
 #: Routes the SDK reads with GET (the rest are POSTs).
 GET_PATHS = frozenset({f"{API}/healthz", f"{API}/get_server_capabilities"})
+#: Routes of a path with an id at its end (GET), by the path before it.
+PREFIX_ROUTES: dict[str, Handler] = {
+    f"{API}/samplers/": lambda app, request: app.sampling.get_sampler(request),
+}
+
+
+def _prefix_route(path: str) -> Handler | None:
+    prefix, _, tail = path.rpartition("/")
+    return PREFIX_ROUTES.get(prefix + "/") if tail else None

@@ -15,11 +15,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import attrs
 import trio
 
-from trainer.config import TINY_MODEL_NAME, Config, load_config
+from trainer.config import ROLLOUT_LOGPROBS_MODE, TINY_MODEL_NAME, Config, load_config
 from trainer.errors import ConfigError
 from trainer.serve._app import ServiceApp, ServiceSpec
+from trainer.serve._engine import VLLM_MAX_LORA_RANK, SamplerSettings, open_sampler_engines
 
 __all__ = ["READY_PREFIX", "serve", "serve_main"]
 
@@ -73,12 +75,43 @@ def spec_of(cfg: Config) -> ServiceSpec:
         available={name: _available(name) for name in names},
         timeout_s=serve_cfg.request_timeout_s,
         api_key=serve_cfg.api_key,
+        sampling=_sampler_settings(cfg),
+    )
+
+
+def _sampler_settings(cfg: Config) -> SamplerSettings:
+    """The sampling engines' settings: ``engine.*`` (the reference engine's servers, or
+    ``vllm serve``'s, as a run starts them) and ``sync.*`` (the sampler saves' sync and its
+    check)."""
+    if cfg.engine.backend not in ("local", "vllm"):
+        raise ConfigError(
+            f"serve: engine.backend={cfg.engine.backend!r} does not sample for the service: "
+            "use engine.backend=local (the reference engine) or vllm (docs/tinker.md)"
+        )
+    plan = cfg.plan
+    vllm = None
+    if plan.vllm is not None:  # adapters go by route: LoRA on, no weight-transfer engine
+        vllm = attrs.evolve(
+            plan.vllm, max_lora_rank=VLLM_MAX_LORA_RANK, weight_transfer_backend=None
+        )
+    return SamplerSettings(
+        seed=cfg.trainer.seed,
+        startup_timeout_s=plan.timeouts.engine_startup_s,
+        control_plane_timeout_s=plan.timeouts.control_plane_s,
+        verify=cfg.sync.verify,
+        verify_tolerance=cfg.sync.verify_tolerance,
+        transfer_grace_s=cfg.sync.transfer_grace_s,
+        pause_mode=cfg.engine.pause_mode,
+        num_threads=None if plan.threads is None else plan.threads.server,
+        logprobs_mode=ROLLOUT_LOGPROBS_MODE,
+        vllm=vllm,
     )
 
 
 async def serve(cfg: Config, spec: ServiceSpec) -> None:
     """Serve until SIGINT or SIGTERM. Every task (the HTTP server, each model's runner) is
-    owned by one nursery, cancelled when the server has stopped."""
+    owned by one nursery, cancelled when the server has stopped; the sampling engines are
+    stopped after it."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve as hypercorn_serve
 
@@ -90,9 +123,9 @@ async def serve(cfg: Config, spec: ServiceSpec) -> None:
     config.keep_alive_timeout = KEEP_ALIVE_TIMEOUT_S
     config.accesslog = None
     config.errorlog = logging.getLogger("hypercorn.error")
-    async with trio.open_nursery() as nursery:
+    async with open_sampler_engines(spec.sampling) as engines, trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, shutdown)
-        app = ServiceApp(spec, nursery)
+        app = ServiceApp(spec, nursery, engines)
         async with trio.open_nursery() as server:  # returns when hypercorn has shut down
             binds = await server.start(
                 partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]

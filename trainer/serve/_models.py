@@ -29,6 +29,9 @@ from trainer.workers.service_model import ServiceModel
 __all__ = ["ModelState", "Operation"]
 
 log = logging.getLogger(__name__)
+#: An awaiting operation bounds itself by ``serve.request_timeout_s`` (a typed error naming
+#: where it waited); the queue's own bound is this much later, a backstop.
+AWAITS_BACKSTOP_S = 30.0
 
 
 @attrs.frozen
@@ -41,6 +44,9 @@ class Operation:
     run: Callable[[ServiceModel], Any]
     #: The answer's body from ``run``'s result: JSON-able, or protobuf bytes.
     protobuf: bool = False
+    #: ``run`` returns an awaitable, awaited on the trio thread (an operation that talks to
+    #: an engine, and runs its torch parts in threads itself: a sampler save).
+    awaits: bool = False
 
 
 @attrs.define(eq=False)
@@ -62,7 +68,13 @@ class ModelState:
     broken: str | None = None
 
     def submit(
-        self, seq_id: int, name: str, run: Callable[[ServiceModel], Any], *, protobuf: bool = False
+        self,
+        seq_id: int,
+        name: str,
+        run: Callable[[ServiceModel], Any],
+        *,
+        protobuf: bool = False,
+        awaits: bool = False,
     ) -> str:
         """Queue operation number ``seq_id``; its request id (the earlier one for a resend)."""
         if seq_id in self._taken:
@@ -75,7 +87,7 @@ class ModelState:
                 _json(failed(f"{name} seq_id {seq_id} comes after seq_id {self._next_seq - 1}")),
             )
             return request_id
-        self._pending[seq_id] = Operation(name, request_id, run, protobuf)
+        self._pending[seq_id] = Operation(name, request_id, run, protobuf, awaits)
         self._arrived.set()
         return request_id
 
@@ -93,9 +105,15 @@ class ModelState:
         if self.broken is not None:
             return _json(failed(self.broken, category="server"))
         result: Any = None
-        with trio.move_on_after(self.timeout_s) as scope:
+        backstop = AWAITS_BACKSTOP_S if op.awaits else 0.0
+        with trio.move_on_after(self.timeout_s + backstop) as scope:
             try:
-                result = await trio.to_thread.run_sync(op.run, self.model, abandon_on_cancel=True)
+                if op.awaits:
+                    result = await op.run(self.model)
+                else:
+                    result = await trio.to_thread.run_sync(
+                        op.run, self.model, abandon_on_cancel=True
+                    )
             except ValueError as exc:  # the request was wrong: the client's error
                 return _json(failed(f"{op.name}: {exc}"))
             except Exception as exc:

@@ -28,6 +28,8 @@ __all__ = [
     "ProtoError",
     "decode_forward_backward",
     "encode_forward_backward_output",
+    "put_field",
+    "put_varint_field",
 ]
 
 #: ``tinker_public.DType``.
@@ -293,3 +295,8 @@ def encode_forward_backward_output(
         entry = _put(1, key.encode()) + _put_varint(2 << 3 | _FIXED64) + struct.pack("<d", value)
         out += _put(3, entry)
     return out
+
+
+#: The wire format's writers, for the other messages of the package (``_sample_io``).
+put_field = _put
+put_varint_field = _put_int

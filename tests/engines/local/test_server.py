@@ -117,6 +117,34 @@ async def test_n_samples_in_one_request_equal_n_requests_seeded_one_apart(
     assert shared_steps == 6  # the four decoded together: one step per token
 
 
+async def test_the_client_reads_prompt_logprobs_back_as_the_model_scores_them(
+    engine_urls: EngineUrls, model_dir
+) -> None:
+    """``SamplingParams.prompt_logprobs`` over HTTP: each prompt token's logprob, rank and the
+    k best, as a forward of the prompt scores them (vLLM's shape read back by the client)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt, k = [5, 17, 3, 22, 9], 2
+    async with InferenceClient(engine_urls, api_key=engine_urls.api_key) as client:
+        (scored,) = await client.generate_n(
+            prompt, SamplingParams(max_tokens=1, prompt_logprobs=k), 1
+        )
+        plain = await client.generate(prompt, SamplingParams(max_tokens=1))
+    assert plain.prompt_logprobs == []  # not asked for: none
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        rows = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert len(scored.prompt_logprobs) == len(prompt) and scored.prompt_logprobs[0] is None
+    for row, tok, score in zip(rows, prompt[1:], scored.prompt_logprobs[1:]):
+        assert score is not None
+        assert score.logprob == pytest.approx(float(row[tok]), abs=1e-5)
+        assert score.rank == int((row >= row[tok]).sum())
+        values, ids = torch.topk(row, k)
+        assert [t for t, _ in score.top] == ids.tolist()
+        assert [lp for _, lp in score.top] == pytest.approx(values.tolist(), abs=1e-5)
+
+
 async def test_a_generate_fault_fires_in_the_client_before_the_request(
     engine_urls: EngineUrls,
 ) -> None:
