@@ -39,6 +39,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 )
 
 
+def torch_site() -> str:
+    """The trainer environment's site-packages, where torch is (.venv-tinker has none)."""
+    import torch
+
+    return str(Path(torch.__file__).resolve().parents[1])
+
+
 @attrs.frozen
 class Service:
     url: str
@@ -46,7 +53,10 @@ class Service:
 
     def sdk(self, scenario: str, key: str = KEY, timeout_s: float = 300) -> dict:
         """``sdk_client.py SCENARIO`` in .venv-tinker against this service: its JSON."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TINKER_API_KEY": key}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+            "TINKER_API_KEY": key,
+            "SDK_CLIENT_TORCH_SITE": str(Path(torch_site()).resolve()),
+        }
         done = subprocess.run(
             [str(SDK_PYTHON), str(CLIENT), self.url, scenario],
             capture_output=True,

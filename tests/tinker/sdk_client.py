@@ -9,9 +9,18 @@ a refused loss) or ``wrong_key``. Never imports the trainer.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-import tinker
+try:
+    import torch
+except ImportError:  # .venv-tinker has no torch: forward_backward_custom needs it (the SDK's
+    # own requirement, checked when tinker is imported), so borrow the trainer environment's,
+    # after the SDK's own packages
+    sys.path.append(os.environ["SDK_CLIENT_TORCH_SITE"])
+    import torch
+
+import tinker  # after torch: the SDK looks for it once, when imported
 from tinker import types
 
 TOKENS = [3, 17, 5, 22, 9, 41, 12, 30]
@@ -56,7 +65,7 @@ def train(url: str) -> dict:
     )
     is_out = client.forward([is_datum], "importance_sampling").result()
     try:
-        client.forward([is_datum], "cispo").result()
+        client.forward([is_datum], "stable_reinforce").result()
         refused = None
     except tinker.RequestFailedError as exc:
         refused = {
@@ -91,6 +100,68 @@ def wrong_key(url: str) -> dict:
     return {"status": None}
 
 
+SAMPLING = [-1.0, -2.0, -0.5, -3.0, -1.5, -2.5, -0.25]
+ADVANTAGES = [0.0, 0.0, 1.0, -0.5, 2.0, 1.0, -1.0]
+MASK = [0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+#: Each policy loss and the loss_fn_config it is called with.
+LOSS_CONFIGS: dict[str, dict[str, float]] = {
+    "ppo": {},
+    "cispo": {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0},
+    "dro": {"beta": 0.05},
+    "gspo": {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1},
+}
+
+
+def losses(url: str) -> dict:
+    """Each policy loss's forward (its value on the base model), a bad loss_fn_config, and
+    forward_backward_custom against cross_entropy on two models of the same seed."""
+    service = tinker.ServiceClient(base_url=url)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=3).result()
+    inputs = {"target_tokens": TOKENS[1:], "logprobs": SAMPLING, "advantages": ADVANTAGES}
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TOKENS[:-1]),
+        loss_fn_inputs=inputs | {"sequence_ratio_mask": MASK},
+    )
+    out: dict = {"sampling": SAMPLING, "advantages": ADVANTAGES, "mask": MASK, "losses": {}}
+    for name, config in LOSS_CONFIGS.items():
+        result = client.forward([datum], name, config or None).result()
+        out["losses"][name] = {
+            "loss": result.metrics["loss:sum"],
+            "logprobs": _lists(result)[0],
+            "config": config,
+        }
+    try:
+        client.forward([datum], "dro").result()
+        out["dro_without_beta"] = None
+    except tinker.RequestFailedError as exc:
+        out["dro_without_beta"] = {"message": exc.message, "category": str(exc.category)}
+    # the same supervised step two ways: the built-in loss, and a custom one of the same value
+    sft = _datum()
+    weights = torch.tensor(WEIGHTS)
+    builtin = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    custom = service.create_lora_training_client(base_model="tiny", rank=4, seed=5).result()
+    fb = builtin.forward_backward([sft], "cross_entropy")
+    builtin.optim_step(types.AdamParams(learning_rate=0.05)).result()
+
+    def weighted_nll(data: list, logprobs: list) -> tuple:
+        loss = -(logprobs[0] * weights).sum()
+        return loss, {"custom_nll": float(loss.detach())}
+
+    cfb = custom.forward_backward_custom([sft], weighted_nll)
+    custom.optim_step(types.AdamParams(learning_rate=0.05)).result()
+    cres = cfb.result()
+    out["custom"] = {
+        "builtin_loss": fb.result().metrics["loss:sum"],
+        "custom_loss": cres.metrics["loss:sum"],
+        "custom_metric": cres.metrics["custom_nll"],
+        "builtin_after": _lists(builtin.forward([sft], "cross_entropy").result()),
+        "custom_after": _lists(custom.forward([sft], "cross_entropy").result()),
+    }
+    return out
+
+
+SCENARIOS = {"train": train, "wrong_key": wrong_key, "losses": losses}
+
 if __name__ == "__main__":
     url, scenario = sys.argv[1], sys.argv[2]
-    print(json.dumps({"train": train, "wrong_key": wrong_key}[scenario](url)))
+    print(json.dumps(SCENARIOS[scenario](url)))

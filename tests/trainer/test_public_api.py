@@ -46,6 +46,7 @@ PUBLIC = {
         "VALUE_LOSS_METRICS",
         "aggregate",
         "compute_advantages",
+        "datum_loss_config",
         "explained_variance",
         "fold_mismatch_sums",
         "gae_advantages_and_returns",

@@ -311,13 +311,11 @@ class ServiceApp:
         name = "forward" if fb.forward_only else "forward_backward"
 
         def run(model: ServiceModel) -> bytes:
-            if fb.loss_fn_config:
-                raise ValueError(f"loss_fn_config {sorted(fb.loss_fn_config)} is not served yet")
             if fb.loss_fn not in _datum_losses():
-                raise ValueError(
-                    f"loss_fn {fb.loss_fn!r} is not served yet; served: {', '.join(_datum_losses())}"
-                )
-            out = model.forward_backward(data, fb.loss_fn, backward=not fb.forward_only)
+                raise ValueError(_not_served_loss(fb.loss_fn))
+            out = model.forward_backward(
+                data, fb.loss_fn, backward=not fb.forward_only, loss_fn_config=fb.loss_fn_config
+            )
             outputs = [{"logprobs": lp} for lp in out.logprobs]
             return encode_forward_backward_output(outputs, out.metrics)
 
@@ -359,6 +357,19 @@ def _datum_losses() -> tuple[str, ...]:
     from trainer.algorithms import DATUM_LOSSES
 
     return DATUM_LOSSES.names
+
+
+#: Why a loss of the SDK is not served, where there is more to say than its absence.
+REFUSED_LOSSES = {
+    "stable_reinforce": "the Tinker docs this service follows do not define it",
+    "custom": "server-side custom losses (create_custom_loss) are not served; "
+    "forward_backward_custom with a Python function works (it needs no server loss)",
+}
+
+
+def _not_served_loss(loss_fn: str) -> str:
+    why = REFUSED_LOSSES.get(loss_fn, "unknown loss")
+    return f"loss_fn {loss_fn!r} is not served ({why}); served: {', '.join(_datum_losses())}"
 
 
 def _targets(lora: dict[str, Any]) -> tuple[str, ...]:

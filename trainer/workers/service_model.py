@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from trainer import algorithms
+from trainer.vocabulary import fire_fault_sync
 from trainer.workers.lora import LoraSpec
 from trainer.workers.policy import PolicyWorker
 
@@ -91,12 +92,20 @@ class ServiceModel:
         loss_fn: str,
         *,
         backward: bool,
+        loss_fn_config: Mapping[str, float | str] | None = None,
     ) -> DatumOutput:
         """Each datum's target logprobs and the summed loss ``loss_fn`` over the datums
-        (``(tokens, loss_fn_inputs)`` pairs); with ``backward`` its gradient is added to the
-        adapter's. ``ValueError`` for an unknown loss or inputs it cannot read."""
+        (``(tokens, loss_fn_inputs)`` pairs), with ``loss_fn_config``'s keywords; with
+        ``backward`` its gradient is added to the adapter's. ``ValueError`` for an unknown
+        loss, a bad config or inputs it cannot read.
+
+        The fault point of the operation (``forward`` or ``forward_backward``, DESIGN 4.5)
+        fires first, here in the thread that runs it, at step ``optim_steps + 1``: a ``hang``
+        really blocks this thread."""
         loss_of = algorithms.DATUM_LOSSES.get(loss_fn)
+        config = algorithms.datum_loss_config(loss_fn, loss_fn_config)
         needs = ("target_tokens", *algorithms.DATUM_LOSS_INPUTS[loss_fn])
+        fire_fault_sync("forward_backward" if backward else "forward", step=self.optim_steps + 1)
         model = self.worker.model
         model.train(backward)
         total = 0.0
@@ -107,7 +116,7 @@ class ServiceModel:
                 ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.worker.device)
                 logits = model(input_ids=ids).logits[0]
                 logprobs = algorithms.token_logprobs(logits, targets).float()
-                loss = loss_of(logprobs, extra)
+                loss = loss_of(logprobs, extra, **config)
                 if backward:
                     loss.backward()
                 total += float(loss.detach())
