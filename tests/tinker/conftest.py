@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
@@ -50,15 +51,16 @@ def torch_site() -> str:
 class Service:
     url: str
     process: subprocess.Popen[bytes]
+    log: Path
 
-    def sdk(self, scenario: str, key: str = KEY, timeout_s: float = 300) -> dict:
-        """``sdk_client.py SCENARIO`` in .venv-tinker against this service: its JSON."""
+    def sdk(self, scenario: str, *args: str, key: str = KEY, timeout_s: float = 300) -> dict:
+        """``sdk_client.py SCENARIO ARGS`` in .venv-tinker against this service: its JSON."""
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
             "TINKER_API_KEY": key,
             "SDK_CLIENT_TORCH_SITE": str(Path(torch_site()).resolve()),
         }
         done = subprocess.run(
-            [str(SDK_PYTHON), str(CLIENT), self.url, scenario],
+            [str(SDK_PYTHON), str(CLIENT), self.url, scenario, *args],
             capture_output=True,
             text=True,
             env=env,
@@ -69,13 +71,16 @@ class Service:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+@contextmanager
+def running_service(workdir: Path, *overrides: str) -> Iterator[Service]:
+    """``python -m trainer serve serve.port=0 OVERRIDES`` with its checkpoints and log under
+    ``workdir``, stopped (SIGTERM) on exit."""
     env = os.environ | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
-    log = tmp_path_factory.mktemp("serve") / "serve.log"  # a file: a pipe nobody reads fills
-    with log.open("wb") as out:
+    log = workdir / "serve.log"  # a file: a pipe nobody reads fills
+    args = ["serve.port=0", f"serve.checkpoint_dir={workdir / 'checkpoints'}", *overrides]
+    with log.open("ab") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "trainer", "serve", "serve.port=0"],
+            [sys.executable, "-m", "trainer", "serve", *args],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -84,20 +89,36 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     url = None
     deadline = time.monotonic() + START_TIMEOUT_S
     while url is None and time.monotonic() < deadline and process.poll() is None:
-        for line in log.read_text(errors="replace").splitlines():
+        for line in log.read_text(errors="replace").splitlines()[::-1]:
             if line.startswith("TRAINER_SERVE_READY "):
                 url = line.split("url=", 1)[1].strip()
+                break
         time.sleep(0.2)  # polling a file for a line, not waiting on a race
     if url is None:
         process.kill()
         process.wait()
         pytest.fail("the service printed no ready line:\n" + log.read_text()[-3000:])
     try:
-        yield Service(url, process)
+        yield Service(url, process, log)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30) -> float:
+    """SIGTERM, then the seconds until it exited (SIGKILL past ``timeout_s``)."""
+    if process.poll() is not None:
+        return 0.0
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    with running_service(tmp_path_factory.mktemp("serve")) as running:
+        yield running

@@ -160,8 +160,80 @@ def losses(url: str) -> dict:
     return out
 
 
-SCENARIOS = {"train": train, "wrong_key": wrong_key, "losses": losses}
+def _steps(client, n: int) -> dict:
+    """``n`` supervised steps (Adam's moments matter: lr 0.05), then the datum's logprobs."""
+    losses = []
+    for _ in range(n):
+        fb = client.forward_backward([_datum()], "cross_entropy")
+        client.optim_step(types.AdamParams(learning_rate=0.05)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    return {"losses": losses, "after": _lists(client.forward([_datum()], "cross_entropy").result())}
+
+
+def _refused(call) -> dict | None:
+    try:
+        call()
+    except tinker.RequestFailedError as exc:
+        return {"message": exc.message, "category": str(exc.category)}
+    except tinker.APIStatusError as exc:
+        return {"message": str(exc.body), "status": exc.status_code}
+    return None
+
+
+def ckpt_save(url: str) -> dict:
+    """Two steps, save_state, two more (the uninterrupted client); then load_state_with_optimizer
+    on the same client and the same two steps again; the checkpoint routes around them."""
+    service = tinker.ServiceClient(base_url=url)
+    rest = tinker.RestClient(base_url=url)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=7).result()
+    first = _steps(client, 2)
+    path = client.save_state("mid", user_metadata={"note": "after 2 steps"}).result().path
+    uninterrupted = _steps(client, 2)
+    client.load_state_with_optimizer(path).result()
+    reloaded = _steps(client, 2)
+    scratch = client.save_state("scratch").result().path
+    listed = rest.list_checkpoints(client.model_id).result()
+    rest.delete_checkpoint_from_tinker_path(scratch).result()
+    after_delete = rest.list_checkpoints(client.model_id).result()
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    runs = rest.list_training_runs().result()
+    return {
+        "model_id": client.model_id,
+        "path": path,
+        "first": first,
+        "uninterrupted": uninterrupted,
+        "reloaded": reloaded,
+        "listed": [(c.checkpoint_id, c.tinker_path, c.user_metadata) for c in listed.checkpoints],
+        "after_delete": [c.checkpoint_id for c in after_delete.checkpoints],
+        "info": {"base_model": info.base_model, "lora_rank": info.lora_rank},
+        "runs": [r.training_run_id for r in runs.training_runs],
+        "save_again": _refused(lambda: client.save_state("mid").result()),
+        "escape": _refused(lambda: client.load_state("tinker://../weights/mid").result()),
+        "escape_deeper": _refused(lambda: client.load_state("tinker://../../weights/x").result()),
+        "escape_dots": _refused(
+            lambda: client.load_state(f"tinker://{client.model_id}/weights/..").result()
+        ),
+        "missing": _refused(
+            lambda: client.load_state(f"tinker://{client.model_id}/weights/nope").result()
+        ),
+    }
+
+
+def ckpt_resume(url: str, path: str) -> dict:
+    """A new client from ``path`` with its optimizer, and the same two steps."""
+    service = tinker.ServiceClient(base_url=url)
+    client = service.create_training_client_from_state_with_optimizer(path).result()
+    return {"model_id": client.model_id, "resumed": _steps(client, 2)}
+
+
+SCENARIOS = {
+    "train": train,
+    "wrong_key": wrong_key,
+    "losses": losses,
+    "ckpt_save": ckpt_save,
+    "ckpt_resume": ckpt_resume,
+}
 
 if __name__ == "__main__":
-    url, scenario = sys.argv[1], sys.argv[2]
-    print(json.dumps(SCENARIOS[scenario](url)))
+    url, scenario, *args = sys.argv[1:]
+    print(json.dumps(SCENARIOS[scenario](url, *args)))

@@ -21,7 +21,9 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import attrs
 import trio
@@ -69,6 +71,8 @@ class ServiceSpec:
     available: dict[str, bool]
     timeout_s: float
     api_key: str
+    #: Root of the ``tinker://`` checkpoints (``serve.checkpoint_dir``).
+    checkpoint_dir: Path = Path("runs/serve/checkpoints")
 
 
 @attrs.define(eq=False)
@@ -130,13 +134,14 @@ class ServiceApp:
                 return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
             if not message.get("more_body", False):
                 break
+        query = parse_qs(scope["query_string"].decode("latin-1"))
         request = Request(
-            method=scope["method"], path=path, query={}, headers=headers, body=bytes(body)
+            method=scope["method"], path=path, query=query, headers=headers, body=bytes(body)
         )
-        handler = ROUTES.get(path)
+        handler = ROUTES.get(path) or _prefix_route(path)
         if handler is None:
             return _error(404, NOT_SERVED.format(path=path))
-        if request.method != "POST" and path not in GET_PATHS:
+        if request.method != "POST" and path not in GET_PATHS and handler not in MULTI_METHOD:
             return _error(405, f"{request.method} {path}: POST only")
         with trio.move_on_after(self.spec.timeout_s):
             try:
@@ -198,6 +203,19 @@ class ServiceApp:
             for name in self.spec.base_models
         ]
         return _json({"supported_models": models})
+
+    def add_model(self, state: ModelState) -> None:
+        """Serve ``state``: its runner task starts in the service's nursery."""
+        self.models[state.model_id] = state
+        self.nursery.start_soon(state.run_operations)
+
+    def model_state(self, model_id: Any) -> ModelState:
+        """The model ``model_id``; ``RequestError`` (404) for an unknown one."""
+        return self._model(model_id)
+
+    def session_of(self, session_id: Any) -> _Session:
+        """The session ``session_id``; ``RequestError`` (404) for an unknown one."""
+        return self._session(session_id)
 
     def _session(self, session_id: Any) -> _Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -273,8 +291,7 @@ class ServiceApp:
             state = ModelState(
                 model_id, session.session_id, base, model, self.futures, self.spec.timeout_s
             )
-            self.models[model_id] = state
-            self.nursery.start_soon(state.run_operations)
+            self.add_model(state)
             body = {"model_id": model_id, "type": "create_model"}
             self.futures.resolve(request_id, Answer(json.dumps(body).encode()))
             return
@@ -425,3 +442,23 @@ ROUTES: dict[str, Handler] = {
 }
 #: Routes the SDK reads with GET (the rest are POSTs).
 GET_PATHS = frozenset({f"{API}/healthz", f"{API}/get_server_capabilities"})
+
+from trainer.serve import _checkpoints  # noqa: E402 (it imports this module's helpers)
+
+ROUTES |= {
+    f"{API}/save_weights": _checkpoints.save_weights,
+    f"{API}/load_weights": _checkpoints.load_weights,
+    f"{API}/weights_info": _checkpoints.weights_info,
+    f"{API}/training_runs": _checkpoints.training_runs,
+    f"{API}/checkpoints": _checkpoints.user_checkpoints,
+}
+GET_PATHS |= {f"{API}/training_runs", f"{API}/checkpoints"}
+#: Routes by path prefix (a path with ids in it), each checking its own methods.
+PREFIX_ROUTES: dict[str, Handler] = {
+    f"{API}/training_runs/": _checkpoints.training_run_paths,
+}
+MULTI_METHOD = frozenset(PREFIX_ROUTES.values())
+
+
+def _prefix_route(path: str) -> Handler | None:
+    return next((h for prefix, h in PREFIX_ROUTES.items() if path.startswith(prefix)), None)

@@ -73,6 +73,7 @@ def spec_of(cfg: Config) -> ServiceSpec:
         available={name: _available(name) for name in names},
         timeout_s=serve_cfg.request_timeout_s,
         api_key=serve_cfg.api_key,
+        checkpoint_dir=Path(serve_cfg.checkpoint_dir).expanduser(),
     )
 
 

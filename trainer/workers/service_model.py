@@ -80,6 +80,9 @@ class ServiceModel:
             lr=AdamStep().learning_rate,
         )
         self.rank = rank
+        self.alpha = alpha
+        self.target_modules = target_modules
+        self.seed = seed
         self.optim_steps = 0
 
     @property
@@ -179,3 +182,35 @@ class ServiceModel:
         optimizer.zero_grad(set_to_none=True)
         self.optim_steps += 1
         return {"grad_norm": norm}
+
+    def save_state(self, directory: Path) -> None:
+        """The adapter, the optimizer's state (AdamW's moments and step counts), the
+        scheduler's, the RNG's and :attr:`optim_steps` into ``directory`` (a new folder: the
+        caller makes the write atomic)."""
+        self.worker.save_checkpoint(directory)
+        torch.save({"optim_steps": self.optim_steps}, directory / _SERVICE_STATE_FILE)
+
+    def load_state(self, directory: Path, *, optimizer: bool) -> None:
+        """The adapter of ``directory`` (saved by :meth:`save_state` on the same base, rank and
+        layers; ``ValueError`` otherwise), and with ``optimizer`` the optimizer's state too, so
+        the same steps continue exactly as the client that saved it. Without ``optimizer`` the
+        optimizer starts afresh. Accumulated gradients are dropped either way."""
+        from trainer.errors import CheckpointError
+
+        optimizer_obj = self.worker.optimizer
+        try:
+            self.worker.load_checkpoint(directory)
+        except CheckpointError as exc:
+            raise ValueError(str(exc)) from None
+        optimizer_obj.zero_grad(set_to_none=True)
+        if optimizer:
+            self.optim_steps = int(
+                torch.load(directory / _SERVICE_STATE_FILE, weights_only=True)["optim_steps"]
+            )
+        else:
+            optimizer_obj.state.clear()
+            self.optim_steps = 0
+
+
+#: What :meth:`ServiceModel.save_state` adds to the worker's checkpoint files.
+_SERVICE_STATE_FILE = "service_model.pt"
