@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tinker.conftest import Service, running_service
+from tests.tinker.conftest import running_service
 
 
 @pytest.fixture(scope="module")

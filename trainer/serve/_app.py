@@ -73,6 +73,10 @@ class ServiceSpec:
     api_key: str
     #: Root of the ``tinker://`` checkpoints (``serve.checkpoint_dir``).
     checkpoint_dir: Path = Path("runs/serve/checkpoints")
+    #: A session without a heartbeat this long is ended (``serve.session_timeout_s``).
+    session_timeout_s: float = 180.0
+    #: Answered futures are forgotten this long after their answer (``serve.future_ttl_s``).
+    future_ttl_s: float = 600.0
 
 
 @attrs.define(eq=False)
@@ -94,6 +98,8 @@ class ServiceApp:
         self.futures = FutureStore()
         self.sessions: dict[str, _Session] = {}
         self.models: dict[str, ModelState] = {}
+        #: Why each ended session ended (the latest ones; :mod:`trainer.serve._sessions`).
+        self.ended: dict[str, str] = {}
         self._key_digest = hashlib.sha256(spec.api_key.encode()).digest()
         self._model_dirs: dict[str, Any] = {}
 
@@ -193,7 +199,10 @@ class ServiceApp:
         return _json({"type": "create_session", "session_id": session_id})
 
     async def session_heartbeat(self, request: Request) -> Response:
-        session = self._session(_body(request).get("session_id"))
+        session_id = _body(request).get("session_id")
+        if session_id in self.ended:  # the SDK stops its heartbeats on a 410
+            raise RequestError(410, self.ended[session_id])
+        session = self._session(session_id)
         session.last_heartbeat = trio.current_time()
         return _json({"type": "session_heartbeat"})
 

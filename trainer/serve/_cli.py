@@ -20,6 +20,7 @@ import trio
 from trainer.config import TINY_MODEL_NAME, Config, load_config
 from trainer.errors import ConfigError
 from trainer.serve._app import ServiceApp, ServiceSpec
+from trainer.serve._sessions import end_idle_sessions_forever
 
 __all__ = ["READY_PREFIX", "serve", "serve_main"]
 
@@ -74,6 +75,8 @@ def spec_of(cfg: Config) -> ServiceSpec:
         timeout_s=serve_cfg.request_timeout_s,
         api_key=serve_cfg.api_key,
         checkpoint_dir=Path(serve_cfg.checkpoint_dir).expanduser(),
+        session_timeout_s=serve_cfg.session_timeout_s,
+        future_ttl_s=serve_cfg.future_ttl_s,
     )
 
 
@@ -94,6 +97,7 @@ async def serve(cfg: Config, spec: ServiceSpec) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, shutdown)
         app = ServiceApp(spec, nursery)
+        nursery.start_soon(end_idle_sessions_forever, app)
         async with trio.open_nursery() as server:  # returns when hypercorn has shut down
             binds = await server.start(
                 partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
