@@ -226,7 +226,31 @@ def ckpt_resume(url: str, path: str) -> dict:
     return {"model_id": client.model_id, "resumed": _steps(client, 2)}
 
 
+def hang(url: str) -> dict:
+    """A step, then a forward_backward the service's fault hangs (step 2): the failed-request
+    answer and its seconds; then what the broken model and a second model answer."""
+    import time
+
+    service = tinker.ServiceClient(base_url=url)
+    client = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    first = _steps(client, 1)
+    start = time.monotonic()
+    hung = _refused(lambda: client.forward_backward([_datum()], "cross_entropy").result())
+    seconds = time.monotonic() - start
+    after = _refused(lambda: client.optim_step(types.AdamParams(learning_rate=0.05)).result())
+    other = service.create_lora_training_client(base_model="tiny", rank=4, seed=1).result()
+    return {
+        "first": first,
+        "hung": hung,
+        "seconds": seconds,
+        "after": after,
+        "model_id": client.model_id,
+        "other": _steps(other, 1),
+    }
+
+
 SCENARIOS = {
+    "hang": hang,
     "train": train,
     "wrong_key": wrong_key,
     "losses": losses,

@@ -4,6 +4,13 @@ It reads the same configuration as training (``serve.*`` keys; ``--help`` lists 
 refuses a bad one in one line per problem (exit 2), binds ``serve.host:serve.port`` (loopback
 by default), prints one ready line, ``TRAINER_SERVE_READY url=http://HOST:PORT``, and serves
 until SIGINT or SIGTERM, when in-flight requests get :data:`GRACEFUL_TIMEOUT_S` to finish.
+
+How the exit is bounded when an operation hangs: the operation's request answered at its
+deadline already, and its model is broken; the thread still blocked in it was abandoned by
+trio (``abandon_on_cancel``), and trio's worker threads are daemon threads, so neither the
+nursery (cancelled once hypercorn has stopped) nor the interpreter's exit waits for it. The
+exit takes the graceful timeout at most, plus unwinding: measured in
+``tests/tinker/test_hang.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from trainer.config import TINY_MODEL_NAME, Config, load_config
 from trainer.errors import ConfigError
 from trainer.serve._app import ServiceApp, ServiceSpec
 from trainer.serve._sessions import end_idle_sessions_forever
+from trainer.vocabulary import install_faults
 
 __all__ = ["READY_PREFIX", "serve", "serve_main"]
 
@@ -137,5 +145,10 @@ def serve_main(argv: list[str]) -> int:
         print(f"ConfigError: {headline}{suffix}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the operations' fault points (forward, forward_backward) fire where they run: rehearse a
+    # hang with faults=forward_backward:hang (DESIGN 4.5)
+    install_faults(cfg.faults)
     trio.run(serve, cfg, spec)
+    # an operation's thread abandoned past its deadline is a daemon thread (trio's): the
+    # interpreter exits without joining it, so a hung one cannot hold the exit
     return 0
