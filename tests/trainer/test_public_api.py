@@ -76,10 +76,12 @@ PUBLIC = {
         "ckpt_main",
         "load_model",
         "load_state",
+        "remove_folder_atomically",
         "rng_state",
         "save_model",
         "save_state",
         "set_rng_state",
+        "write_folder_atomically",
     ],
     "trainer.checkpoint.format": [
         "ADAPTER_WEIGHTS",

@@ -15,8 +15,9 @@ import trio
 import trio.testing
 
 from engines.local.http import Request
-from trainer.serve._app import RequestError, ServiceApp, ServiceSpec
+from trainer.serve._app import ServiceApp, ServiceSpec
 from trainer.serve._futures import Answer
+from trainer.serve._http import RequestError
 from trainer.serve._models import ModelState
 from trainer.serve._sessions import check_period_s, end_idle_sessions_forever
 

@@ -4,7 +4,9 @@ as an ASGI app on hypercorn + trio, like the reference engine's server.
 Routes served: ``healthz``, ``client/config``, ``client/dynamic_config``, ``telemetry``,
 ``create_session``, ``session_heartbeat``, ``get_server_capabilities``, ``create_model``,
 ``get_info``, ``forward_backward`` (``forward`` is its ``forward_only``), ``optim_step`` and
-``retrieve_future``. Every other path is a 404 whose body says, in the SDK's error shape
+``retrieve_future``; the checkpoint routes of :mod:`trainer.serve._checkpoints`
+(``save_weights``, ``load_weights``, ``weights_info``, ``training_runs``, ``checkpoints``).
+Every other path is a 404 whose body says, in the SDK's error shape
 (``{"error": ..., "category": "user"}``), that this service does not serve it yet.
 
 Every route but ``healthz`` needs the key (``X-API-Key``, what the SDK sends from
@@ -29,7 +31,12 @@ import attrs
 import trio
 
 from engines.local.http import MAX_BODY_BYTES, Request, Response, answer_lifespan
+from trainer.serve import _checkpoints
 from trainer.serve._futures import FutureStore, failed
+from trainer.serve._http import API, RequestError
+from trainer.serve._http import int_field as _int
+from trainer.serve._http import json_body as _body
+from trainer.serve._http import json_response as _json
 from trainer.serve._models import ModelState
 from trainer.serve._proto import ProtoError, decode_forward_backward, encode_forward_backward_output
 from trainer.workers.service_model import AdamStep, ServiceModel
@@ -41,7 +48,6 @@ __all__ = ["API", "NOT_SERVED", "ServiceApp", "ServiceSpec"]
 
 log = logging.getLogger(__name__)
 
-API = "/api/v1"
 #: The answer to a route of the SDK this slice does not serve.
 NOT_SERVED = (
     "{path} is not served by this trainer's Tinker service yet (it serves training clients: "
@@ -50,15 +56,6 @@ NOT_SERVED = (
 #: Query for the attention and MLP projections of Llama-like models (Qwen2, SmolLM2).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-
-
-class RequestError(Exception):
-    """A request this service refuses: its HTTP status and one sentence."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(status, message)
-        self.status = status
-        self.message = message
 
 
 @attrs.frozen
@@ -409,27 +406,6 @@ def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
     return ATTN_MODULES if attn else MLP_MODULES
 
 
-def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body or b"{}")
-    except ValueError:
-        raise RequestError(400, f"{request.path}: the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, f"{request.path}: the body is not a JSON object")
-    return body
-
-
-def _int(body: dict[str, Any], key: str) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(400, f"{key} must be an integer, not {value!r}")
-    return value
-
-
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(status, json.dumps(payload).encode())
-
-
 def _error(status: int, message: str, *, category: str = "user") -> Response:
     """The SDK's error shape (``RequestFailedResponse``) with HTTP ``status``."""
     return _json(failed(message, category=category), status)
@@ -451,8 +427,6 @@ ROUTES: dict[str, Handler] = {
 }
 #: Routes the SDK reads with GET (the rest are POSTs).
 GET_PATHS = frozenset({f"{API}/healthz", f"{API}/get_server_capabilities"})
-
-from trainer.serve import _checkpoints  # noqa: E402 (it imports this module's helpers)
 
 ROUTES |= {
     f"{API}/save_weights": _checkpoints.save_weights,

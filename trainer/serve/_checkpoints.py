@@ -18,33 +18,60 @@ client's order and under ``serve.request_timeout_s``; file work runs in threads.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import tempfile
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
 
 from engines.local.http import Request, Response
-from trainer.checkpoint._io import (
-    files_under,
-    fsync_dir,
-    make_private,
-    remove_path,
-    sha256_file,
-    write_text_synced,
-)
-from trainer.serve._app import RequestError, _body, _int, _json
+from trainer.checkpoint import remove_folder_atomically, write_folder_atomically
 from trainer.serve._futures import Answer, failed
+from trainer.serve._http import API, RequestError, int_field, json_body, json_response
 from trainer.serve._models import ModelState
 
 if TYPE_CHECKING:
-    from trainer.serve._app import ServiceApp
+    from trainer.serve._futures import FutureStore
     from trainer.workers.service_model import ServiceModel
+
+
+class _Spec(Protocol):
+    @property
+    def checkpoint_dir(self) -> Path: ...
+    @property
+    def base_models(self) -> dict[str, Callable[[], Any]]: ...
+    @property
+    def available(self) -> dict[str, bool]: ...
+    @property
+    def timeout_s(self) -> float: ...
+
+
+class _Session(Protocol):
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def model_seq_ids(self) -> dict[int, str]: ...
+
+
+class ServiceApp(Protocol):
+    """What the checkpoint routes use of the service's app (``trainer.serve._app``, which
+    imports this module: a protocol, not an import, keeps the two acyclic)."""
+
+    @property
+    def spec(self) -> _Spec: ...
+    @property
+    def models(self) -> dict[str, ModelState]: ...
+    @property
+    def futures(self) -> FutureStore: ...
+    @property
+    def nursery(self) -> trio.Nursery: ...
+    def model_state(self, model_id: Any) -> ModelState: ...
+    def session_of(self, session_id: Any) -> _Session: ...
+    def add_model(self, state: ModelState) -> None: ...
+
 
 __all__ = ["META_FILE", "CheckpointStore", "TinkerPath"]
 
@@ -118,38 +145,25 @@ class CheckpointStore:
 
     def save(self, path: TinkerPath, meta: dict[str, Any], write: Any, *, overwrite: bool) -> None:
         """``write(folder)`` then ``meta``, atomically at ``path``'s folder."""
-        final = self.folder(path)
-        if final.exists() and not overwrite:
-            raise ValueError(f"{path.uri} exists: save under another name or with overwrite")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP}{path.name}-", dir=final.parent))
-        old: Path | None = None
+
+        def write_all(folder: Path) -> None:
+            write(folder)
+            (folder / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
+
         try:
-            write(tmp)
-            write_text_synced(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
-            for file in files_under(tmp):
-                sha256_file(file, fsync=True)
-            make_private(tmp)
-            for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
-                fsync_dir(Path(dirpath))
-            if final.exists():
-                old = Path(tempfile.mkdtemp(prefix=f"{_TMP}old-", dir=final.parent))
-                os.replace(final, old / "x")
-            os.replace(tmp, final)
-            fsync_dir(final.parent)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old is not None:
-                remove_path(old)
+            write_folder_atomically(
+                self.folder(path), write_all, overwrite=overwrite, tmp_prefix=_TMP
+            )
+        except FileExistsError:
+            raise ValueError(
+                f"{path.uri} exists: save under another name or with overwrite"
+            ) from None
 
     def meta(self, path: TinkerPath) -> dict[str, Any]:
         return json.loads((self.existing(path) / META_FILE).read_text())
 
     def delete(self, path: TinkerPath) -> None:
-        folder = self.existing(path)
-        aside = Path(tempfile.mkdtemp(prefix=f"{_TMP}del-", dir=folder.parent))
-        os.replace(folder, aside / "x")
-        remove_path(aside)
+        remove_folder_atomically(self.existing(path), tmp_prefix=_TMP)
 
     def runs(self) -> list[str]:
         if not self.root.is_dir():
@@ -172,7 +186,9 @@ class CheckpointStore:
                     "checkpoint_type": "training",
                     "time": meta["time"],
                     "tinker_path": path.uri,
-                    "size_bytes": sum(f.stat().st_size for f in files_under(folder)),
+                    "size_bytes": sum(
+                        f.stat().st_size for f in (f for f in folder.rglob("*") if f.is_file())
+                    ),
                     "public": False,
                     "user_metadata": meta.get("user_metadata"),
                     "expires_at": None,
@@ -212,7 +228,7 @@ def _parse(path: Any) -> TinkerPath:
 
 
 async def save_weights(app: ServiceApp, request: Request) -> Response:
-    body = _body(request)
+    body = json_body(request)
     state = app.model_state(body.get("model_id"))
     store, overwrite = _store(app), bool(body.get("overwrite", False))
     user_metadata = body.get("user_metadata")
@@ -224,12 +240,12 @@ async def save_weights(app: ServiceApp, request: Request) -> Response:
         store.save(path, _meta(state, user_metadata), model.save_state, overwrite=overwrite)
         return {"path": path.uri, "type": "save_weights"}
 
-    request_id = state.submit(_int(body, "seq_id"), "save_weights", run)
-    return _json({"request_id": request_id, "model_id": state.model_id})
+    request_id = state.submit(int_field(body, "seq_id"), "save_weights", run)
+    return json_response({"request_id": request_id, "model_id": state.model_id})
 
 
 async def load_weights(app: ServiceApp, request: Request) -> Response:
-    body = _body(request)
+    body = json_body(request)
     optimizer = bool(body.get("optimizer", False))
     store = _store(app)
     if body.get("session_id") is not None:  # create-via-load: a new model, from the checkpoint
@@ -241,24 +257,24 @@ async def load_weights(app: ServiceApp, request: Request) -> Response:
         model.load_state(store.existing(path), optimizer=optimizer)
         return {"path": path.uri, "model_id": state.model_id, "type": "load_weights"}
 
-    request_id = state.submit(_int(body, "seq_id"), "load_weights", run)
-    return _json({"request_id": request_id, "model_id": state.model_id})
+    request_id = state.submit(int_field(body, "seq_id"), "load_weights", run)
+    return json_response({"request_id": request_id, "model_id": state.model_id})
 
 
 async def _create_from(
     app: ServiceApp, body: dict[str, Any], path: TinkerPath, optimizer: bool
 ) -> Response:
     session = app.session_of(body.get("session_id"))
-    seq = _int(body, "model_seq_id")
+    seq = int_field(body, "model_seq_id")
     if seq in session.model_seq_ids:
-        return _json({"request_id": session.model_seq_ids[seq]})
+        return json_response({"request_id": session.model_seq_ids[seq]})
     model_id = f"{session.session_id}:train:{seq}"  # the id the SDK derives
     request_id = app.futures.new()
     session.model_seq_ids[seq] = request_id
     app.nursery.start_soon(
         _load_new_model, app, session.session_id, model_id, path, optimizer, request_id
     )
-    return _json({"request_id": request_id, "model_id": model_id})
+    return json_response({"request_id": request_id, "model_id": model_id})
 
 
 async def _load_new_model(
@@ -309,9 +325,9 @@ async def _load_new_model(
 
 
 async def weights_info(app: ServiceApp, request: Request) -> Response:
-    path = _parse(_body(request).get("tinker_path"))
+    path = _parse(json_body(request).get("tinker_path"))
     meta = await _in_thread(_store(app).meta, path)
-    return _json(
+    return json_response(
         {
             "base_model": meta["base_model"],
             "optimizer_config": {"type": "adamw"},
@@ -334,27 +350,27 @@ async def training_runs(app: ServiceApp, request: Request) -> Response:
         raise RequestError(400, "training_runs: offset and limit must be integers") from None
     runs = [await _run(app, store, i) for i in ids[offset : offset + limit]]
     cursor = {"offset": offset, "limit": limit, "total_count": len(ids)}
-    return _json({"training_runs": runs, "cursor": cursor})
+    return json_response({"training_runs": runs, "cursor": cursor})
 
 
 async def training_run_paths(app: ServiceApp, request: Request) -> Response:
     """``training_runs/{id}``, ``.../checkpoints`` (GET) and ``.../checkpoints/weights/NAME``
     (DELETE)."""
-    rest = request.path.removeprefix(f"{_api()}/training_runs/").split("/")
+    rest = request.path.removeprefix(f"{API}/training_runs/").split("/")
     store = _store(app)
     run_id = rest[0]
     if request.method == "GET" and len(rest) == 1:
-        return _json(await _run(app, store, run_id))
+        return json_response(await _run(app, store, run_id))
     if request.method == "GET" and rest[1:] == ["checkpoints"]:
         try:
             listed = await trio.to_thread.run_sync(store.checkpoints, run_id)
         except ValueError as exc:
             raise RequestError(400, str(exc)) from None
-        return _json({"checkpoints": listed, "cursor": None})
+        return json_response({"checkpoints": listed, "cursor": None})
     if request.method == "DELETE" and rest[1:2] == ["checkpoints"] and len(rest) == 4:
         path = _parse(f"{SCHEME}{run_id}/{rest[2]}/{rest[3]}")
         await _in_thread(store.delete, path)
-        return _json({})
+        return json_response({})
     raise RequestError(404, f"{request.method} {request.path} is not served")
 
 
@@ -365,7 +381,7 @@ async def user_checkpoints(app: ServiceApp, request: Request) -> Response:
         return [c for run in store.runs() for c in store.checkpoints(run)]
 
     listed = await trio.to_thread.run_sync(every)
-    return _json(
+    return json_response(
         {
             "checkpoints": listed,
             "cursor": {"offset": 0, "limit": len(listed), "total_count": len(listed)},
@@ -409,9 +425,3 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
     except ValueError as exc:
         status = 404 if str(exc).startswith("no checkpoint") else 400
         raise RequestError(status, str(exc)) from None
-
-
-def _api() -> str:
-    from trainer.serve._app import API
-
-    return API
