@@ -50,4 +50,5 @@ def test_the_service_exits_promptly_with_the_thread_still_hung(
     service, _ = hanging
     seconds = stop(service.process, timeout_s=30)
     assert service.process.returncode == 0, service.log.read_text()[-2000:]
-    assert seconds < 10  # the graceful 2 s and unwinding; 30 s would have been a SIGKILL
+    # the graceful 2 s and unwinding (6.2 s measured at load 9 on 2 cores); 30 s: a SIGKILL
+    assert seconds < 20
