@@ -197,6 +197,7 @@ def ckpt_save(url: str) -> dict:
     after_delete = rest.list_checkpoints(client.model_id).result()
     info = rest.get_weights_info_by_tinker_path(path).result()
     runs = rest.list_training_runs().result()
+    run = rest.get_training_run(client.model_id).result()
     return {
         "model_id": client.model_id,
         "path": path,
@@ -207,6 +208,11 @@ def ckpt_save(url: str) -> dict:
         "after_delete": [c.checkpoint_id for c in after_delete.checkpoints],
         "info": {"base_model": info.base_model, "lora_rank": info.lora_rank},
         "runs": [r.training_run_id for r in runs.training_runs],
+        "run": {
+            "base_model": run.base_model,
+            "lora_rank": run.lora_rank,
+            "last_checkpoint": run.last_checkpoint.tinker_path if run.last_checkpoint else None,
+        },
         "save_again": _refused(lambda: client.save_state("mid").result()),
         "escape": _refused(lambda: client.load_state("tinker://../weights/mid").result()),
         "escape_deeper": _refused(lambda: client.load_state("tinker://../../weights/x").result()),

@@ -52,6 +52,7 @@ def test_checkpoints_are_folders_under_the_root_and_listed(saved: dict, workdir:
     assert not (folder.parent / "scratch").exists()
     assert saved["info"] == {"base_model": "tiny", "lora_rank": 4}
     assert run in saved["runs"]
+    assert saved["run"] == {"base_model": "tiny", "lora_rank": 4, "last_checkpoint": saved["path"]}
 
 
 def test_paths_that_leave_the_root_or_exist_are_refused(saved: dict) -> None:

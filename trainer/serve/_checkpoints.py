@@ -272,7 +272,14 @@ async def _create_from(
     request_id = app.futures.new()
     session.model_seq_ids[seq] = request_id
     app.nursery.start_soon(
-        _load_new_model, app, session.session_id, model_id, path, optimizer, request_id
+        _load_new_model,
+        app,
+        session.session_id,
+        model_id,
+        path,
+        optimizer,
+        body.get("base_model"),
+        request_id,
     )
     return json_response({"request_id": request_id, "model_id": model_id})
 
@@ -283,6 +290,7 @@ async def _load_new_model(
     model_id: str,
     path: TinkerPath,
     optimizer: bool,
+    base_override: Any,
     request_id: str,
 ) -> None:
     from trainer.workers.service_model import ServiceModel
@@ -292,6 +300,10 @@ async def _load_new_model(
     def build() -> tuple[str, ServiceModel]:
         meta = store.meta(path)
         base = meta["base_model"]
+        if base_override not in (None, base):
+            raise ValueError(
+                f"{path.uri} was trained on {base!r}: base_model {base_override!r} cannot load it"
+            )
         if base not in app.spec.base_models or not app.spec.available[base]:
             raise ValueError(f"{path.uri} was trained on {base!r}, which is not offered here")
         model = ServiceModel(
