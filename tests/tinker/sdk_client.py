@@ -1,9 +1,11 @@
 """Driven by the tests in .venv-tinker's Python (the official SDK, unchanged): trains a LoRA
 client on the service at argv[1] and prints one JSON object of what it saw.
 
-``python sdk_client.py URL SCENARIO`` with TINKER_API_KEY set; SCENARIO is ``train`` (forward,
-forward_backward with cross_entropy, optim_step, forward again; importance_sampling's forward;
-a refused loss) or ``wrong_key``. Never imports the trainer.
+``python sdk_client.py URL SCENARIO [ARGS]`` with TINKER_API_KEY set; SCENARIO is ``train``
+(forward, forward_backward with cross_entropy, optim_step, forward again; importance_sampling's
+forward; a refused loss), ``wrong_key``, ``losses`` (each policy loss, forward_backward_custom),
+``ckpt_save`` / ``ckpt_resume PATH`` (checkpoints) or ``hang`` (a hung forward_backward). Never
+imports the trainer (torch alone is borrowed from its environment, where .venv-tinker has none).
 """
 
 from __future__ import annotations

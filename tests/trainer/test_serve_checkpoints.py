@@ -83,11 +83,18 @@ def test_save_list_delete_and_a_failed_save_leaves_nothing(tmp_path: Path) -> No
         store.delete(path)
 
 
+def _file(name: str):
+    def write(folder: Path) -> None:
+        (folder / name).write_text(name)
+
+    return write
+
+
 def test_an_overwrite_replaces_the_folder_whole(tmp_path: Path) -> None:
     final = tmp_path / "x"
-    write_folder_atomically(final, lambda f: (f / "old").write_text("1"))
+    write_folder_atomically(final, _file("old"))
     with pytest.raises(FileExistsError):
-        write_folder_atomically(final, lambda f: (f / "new").write_text("2"))
-    write_folder_atomically(final, lambda f: (f / "new").write_text("2"), overwrite=True)
+        write_folder_atomically(final, _file("new"))
+    write_folder_atomically(final, _file("new"), overwrite=True)
     assert [p.name for p in final.iterdir()] == ["new"]
     assert [p.name for p in tmp_path.iterdir()] == ["x"]
