@@ -45,8 +45,10 @@ usage: python -m trainer serve [--config FILE.yaml] [key=value ...]
 
 The Tinker-protocol training service (docs/tinker.md): the official SDK's ServiceClient(
 base_url="http://127.0.0.1:8000") trains LoRA adapters on this machine. Keys: serve.host,
-serve.port, serve.base_models, serve.request_timeout_s; the key clients must send comes from
-TRAINER_SERVE_API_KEY (tml-...). `python -m trainer --help` lists every key.
+serve.port, serve.base_models, serve.request_timeout_s, serve.checkpoint_dir,
+serve.session_timeout_s, serve.future_ttl_s, and faults (e.g. faults=forward_backward:hang@2
+rehearses a hang); the key clients must send comes from TRAINER_SERVE_API_KEY (tml-...).
+`python -m trainer --help` lists every key.
 """
 
 
