@@ -8,7 +8,6 @@ Every test of the tier is skipped, saying how to get it, where ``.venv-tinker`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -16,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import attrs
@@ -40,16 +40,27 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 )
 
 
+def torch_site() -> str:
+    """The trainer environment's site-packages, where torch is (.venv-tinker has none)."""
+    import torch
+
+    return str(Path(torch.__file__).resolve().parents[1])
+
+
 @attrs.frozen
 class Service:
     url: str
     process: subprocess.Popen[bytes]
+    log: Path
 
-    def sdk(self, scenario: str, key: str = KEY, timeout_s: float = 300) -> dict:
-        """``sdk_client.py SCENARIO`` in .venv-tinker against this service: its JSON."""
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"TINKER_API_KEY": key}
+    def sdk(self, scenario: str, *args: str, key: str = KEY, timeout_s: float = 300) -> dict:
+        """``sdk_client.py SCENARIO ARGS`` in .venv-tinker against this service: its JSON."""
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {
+            "TINKER_API_KEY": key,
+            "SDK_CLIENT_TORCH_SITE": str(Path(torch_site()).resolve()),
+        }
         done = subprocess.run(
-            [str(SDK_PYTHON), str(CLIENT), self.url, scenario],
+            [str(SDK_PYTHON), str(CLIENT), self.url, scenario, *args],
             capture_output=True,
             text=True,
             env=env,
@@ -60,20 +71,23 @@ class Service:
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@contextlib.contextmanager
+@contextmanager
 def open_service(
-    log: Path,
+    workdir: Path,
     *overrides: str,
     python: Path = Path(sys.executable),
     start_timeout_s: float = START_TIMEOUT_S,
     env: dict[str, str] | None = None,
 ) -> Iterator[Service]:
-    """``python -m trainer serve serve.port=0 OVERRIDES`` in ``python`` (its output in ``log``;
-    ``env`` on top of this process's), until the block exits (SIGTERM: it stops its engines)."""
+    """``python -m trainer serve serve.port=0 OVERRIDES`` in ``python``, its checkpoints and log
+    (``serve.log``) under ``workdir`` (``env`` on top of this process's), until the block exits
+    (SIGTERM: it stops its engines)."""
     env = os.environ | (env or {}) | {"TRAINER_SERVE_API_KEY": KEY, "PYTHONPATH": str(ROOT)}
-    with log.open("wb") as out:  # a file: a pipe nobody reads fills
+    log = workdir / "serve.log"  # a file: a pipe nobody reads fills
+    args = ["serve.port=0", f"serve.checkpoint_dir={workdir / 'checkpoints'}", *overrides]
+    with log.open("ab") as out:
         process = subprocess.Popen(
-            [str(python), "-m", "trainer", "serve", "serve.port=0", *overrides],
+            [str(python), "-m", "trainer", "serve", *args],
             cwd=ROOT,
             env=env,
             stdout=out,
@@ -82,26 +96,36 @@ def open_service(
     url = None
     deadline = time.monotonic() + start_timeout_s
     while url is None and time.monotonic() < deadline and process.poll() is None:
-        for line in log.read_text(errors="replace").splitlines():
+        for line in log.read_text(errors="replace").splitlines()[::-1]:
             if line.startswith("TRAINER_SERVE_READY "):
                 url = line.split("url=", 1)[1].strip()
+                break
         time.sleep(0.2)  # polling a file for a line, not waiting on a race
     if url is None:
         process.kill()
         process.wait()
         pytest.fail("the service printed no ready line:\n" + log.read_text()[-3000:])
     try:
-        yield Service(url, process)
+        yield Service(url, process, log)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes], timeout_s: float = 30) -> float:
+    """SIGTERM, then the seconds until it exited (SIGKILL past ``timeout_s``)."""
+    if process.poll() is not None:
+        return 0.0
+    start = time.monotonic()
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+    return time.monotonic() - start
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    with open_service(tmp_path_factory.mktemp("serve") / "serve.log") as running:
+    with open_service(tmp_path_factory.mktemp("serve")) as running:
         yield running

@@ -27,8 +27,7 @@ FAULTS = "generate:bf16_logits@5"
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open_service(log, env={"TRAINER_FAULTS": FAULTS}) as running:
+    with open_service(tmp_path_factory.mktemp("serve"), env={"TRAINER_FAULTS": FAULTS}) as running:
         yield running
 
 

@@ -62,9 +62,9 @@ def test_a_loss_not_served_is_refused_in_the_sdks_error_shape(trained: dict) -> 
     assert refused["type"] == "RequestFailedError"
     assert refused["category"] == "user"
     assert (
-        "loss_fn 'cispo' is not served yet; served: cross_entropy, importance_sampling"
-        in (refused["message"])
-    )
+        "loss_fn 'stable_reinforce' is not served (the Tinker docs this service follows do not "
+        "define it); served: cross_entropy, importance_sampling, ppo, cispo, dro, gspo"
+    ) in refused["message"]
 
 
 def test_a_wrong_key_is_refused_with_401(service: Service) -> None:

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
         importance_weights_of,
         rejection_mask_of,
     )
-    from trainer.algorithms._datum_losses import DATUM_LOSS_INPUTS
+    from trainer.algorithms._datum_losses import DATUM_LOSS_INPUTS, datum_loss_config
     from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
@@ -116,6 +116,7 @@ __all__ = [
     "RolloutRsName",
     "aggregate",
     "compute_advantages",
+    "datum_loss_config",
     "explained_variance",
     "fold_mismatch_sums",
     "gae_advantages_and_returns",
@@ -140,6 +141,7 @@ _LAZY = {
     "gae_advantages_and_returns": "_advantages",
     "BatchCounts": "_aggregation",
     "DATUM_LOSS_INPUTS": "_datum_losses",
+    "datum_loss_config": "_datum_losses",
     "aggregate": "_aggregation",
     "CORRECTION_METRICS": "_corrections",
     "importance_weights_of": "_corrections",

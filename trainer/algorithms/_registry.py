@@ -87,7 +87,14 @@ POLICY_LOSSES = Registry(
 DATUM_LOSSES = Registry(
     "loss_fn",
     "trainer.algorithms._datum_losses",
-    {"cross_entropy": "cross_entropy", "importance_sampling": "importance_sampling"},
+    {
+        "cross_entropy": "cross_entropy",
+        "importance_sampling": "importance_sampling",
+        "ppo": "ppo",
+        "cispo": "cispo",
+        "dro": "dro",
+        "gspo": "gspo",
+    },
 )
 #: ``algorithm.loss_agg_mode``: how per-token losses become one scalar.
 LOSS_AGG_MODES = Registry(

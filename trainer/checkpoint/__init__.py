@@ -7,10 +7,12 @@ this face: which checkpoint is written and kept is the run's decision."""
 from trainer.checkpoint._cli import ckpt_main as ckpt_main
 from trainer.checkpoint._io import load_model as load_model
 from trainer.checkpoint._io import load_state as load_state
+from trainer.checkpoint._io import remove_folder_atomically as remove_folder_atomically
 from trainer.checkpoint._io import rng_state as rng_state
 from trainer.checkpoint._io import save_model as save_model
 from trainer.checkpoint._io import save_state as save_state
 from trainer.checkpoint._io import set_rng_state as set_rng_state
+from trainer.checkpoint._io import write_folder_atomically as write_folder_atomically
 from trainer.checkpoint._layout import LATEST_FILE as LATEST_FILE
 from trainer.checkpoint._layout import MANIFEST_FILE as MANIFEST_FILE
 from trainer.checkpoint._layout import STEP_DIR_PREFIX as STEP_DIR_PREFIX
@@ -32,8 +34,10 @@ __all__ = [
     "ckpt_main",
     "load_model",
     "load_state",
+    "remove_folder_atomically",
     "rng_state",
     "save_model",
     "save_state",
     "set_rng_state",
+    "write_folder_atomically",
 ]

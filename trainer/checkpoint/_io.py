@@ -18,6 +18,8 @@ import os
 import pickle
 import random
 import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,12 +34,14 @@ __all__ = [
     "load_model",
     "load_state",
     "make_private",
+    "remove_folder_atomically",
     "remove_path",
     "rng_state",
     "save_model",
     "save_state",
     "set_rng_state",
     "sha256_file",
+    "write_folder_atomically",
     "write_text_synced",
 ]
 
@@ -346,3 +350,52 @@ def set_rng_state(state: dict[str, Any]) -> None:
                 s["cached_gaussian"],
             )
         )
+
+
+# --------------------------------------------------------------------------- whole folders
+
+
+def write_folder_atomically(
+    final: Path,
+    write: Callable[[Path], None],
+    *,
+    overwrite: bool = False,
+    tmp_prefix: str = ".tmp-",
+) -> None:
+    """``write(folder)`` into a new folder that then appears at ``final`` complete or not at
+    all; blocking.
+
+    The folder is made beside ``final`` (named ``tmp_prefix...``), every file and folder in it
+    is fsynced and made private, then it is renamed to ``final`` and the parent fsynced. An
+    existing ``final`` is ``FileExistsError`` unless ``overwrite``, which moves it aside
+    before the rename and removes it after. A failed ``write`` leaves nothing behind.
+    """
+    if final.exists() and not overwrite:
+        raise FileExistsError(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix}{final.name}-", dir=final.parent))
+    old: Path | None = None
+    try:
+        write(tmp)
+        for file in files_under(tmp):
+            sha256_file(file, fsync=True)
+        make_private(tmp)
+        for dirpath, _dirs, _files in os.walk(tmp, topdown=False):
+            fsync_dir(Path(dirpath))
+        if final.exists():
+            old = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix}old-", dir=final.parent))
+            os.replace(final, old / final.name)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_folder_atomically(folder: Path, *, tmp_prefix: str = ".tmp-") -> None:
+    """Take ``folder`` away at once (a rename aside), then delete it; blocking."""
+    aside = Path(tempfile.mkdtemp(prefix=f"{tmp_prefix}del-", dir=folder.parent))
+    os.replace(folder, aside / folder.name)
+    fsync_dir(folder.parent)
+    shutil.rmtree(aside, ignore_errors=True)

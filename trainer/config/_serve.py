@@ -59,3 +59,21 @@ class ServeConfig:
         "past it fails, in the SDK's error shape, naming the operation.",
         check=positive,
     )
+    checkpoint_dir: str = _field(
+        "runs/serve/checkpoints",
+        "Folder of the service's checkpoints: tinker://RUN/weights/NAME is RUN/weights/NAME "
+        "under it (save_state, save_weights; load_state reads it back, in this service or a "
+        "later one). A path that would leave it is refused.",
+    )
+    session_timeout_s: float = _field(
+        180.0,
+        "A session without a heartbeat for this long is ended and its models freed (the SDK "
+        "sends one every 10 s and warns after 120 s without one).",
+        check=positive,
+    )
+    future_ttl_s: float = _field(
+        600.0,
+        "An answered future can be retrieved for this long after its answer, then it is "
+        "forgotten (the SDK polls at once; this covers a lost response).",
+        check=positive,
+    )

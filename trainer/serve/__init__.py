@@ -5,11 +5,12 @@ One trio process owns the sessions, the models and the futures; each model's ope
 the order its client numbered them, each under ``serve.request_timeout_s``, in a thread.
 Private modules: ``_cli`` (the subcommand), ``_app`` (the routes), ``_models`` (a model and
 its ordered operations), ``_futures`` (the futures ``retrieve_future`` answers), ``_proto``
-(the protobuf messages of ``forward_backward``, read and written by hand), ``_sampling``
-(sampler saves through the trainer's verified adapter sync, sampling sessions, samples),
-``_engine`` (the sampling engines: a reference-engine server per base model, started on first
-use, stopped with the service), ``_sample_io`` (a ``SampleRequest`` read, the protobuf
-``SampleResponse`` written).
+(the protobuf messages of ``forward_backward``, read and written by hand), ``_http`` (what
+every route shares), ``_checkpoints`` (``tinker://`` checkpoints), ``_sessions`` (sessions
+that end), ``_sampling`` (sampler saves through the trainer's verified adapter sync, sampling
+sessions, samples), ``_engine`` (the sampling engines: a reference-engine server per base
+model, started on first use, stopped with the service), ``_sample_io`` (a ``SampleRequest``
+read, the protobuf ``SampleResponse`` written).
 """
 
 from trainer.serve._app import API as API

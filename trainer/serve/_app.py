@@ -4,8 +4,10 @@ as an ASGI app on hypercorn + trio, like the reference engine's server.
 Routes served: ``healthz``, ``client/config``, ``client/dynamic_config``, ``telemetry``,
 ``create_session``, ``session_heartbeat``, ``get_server_capabilities``, ``create_model``,
 ``get_info``, ``forward_backward`` (``forward`` is its ``forward_only``), ``optim_step``,
-``retrieve_future``, and the sampling clients' ``save_weights_for_sampler``,
-``create_sampling_session``, ``asample`` and ``samplers/{id}`` (:mod:`trainer.serve._sampling`).
+``retrieve_future``; the sampling clients' ``save_weights_for_sampler``,
+``create_sampling_session``, ``asample`` and ``samplers/{id}`` (:mod:`trainer.serve._sampling`);
+the checkpoint routes of :mod:`trainer.serve._checkpoints` (``save_weights``, ``load_weights``,
+``weights_info``, ``training_runs``, ``checkpoints``).
 Every other path is a 404 whose body says, in the SDK's error shape
 (``{"error": ..., "category": "user"}``), that this service does not serve it yet.
 
@@ -23,14 +25,22 @@ import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
 
 import attrs
 import trio
 
 from engines.local.http import MAX_BODY_BYTES, Request, Response, answer_lifespan
+from trainer.serve import _checkpoints
 from trainer.serve._engine import SamplerEngines, SamplerSettings
 from trainer.serve._futures import FutureStore, failed
+from trainer.serve._http import API, RequestError
+from trainer.serve._http import error_response as _error
+from trainer.serve._http import int_field as _int
+from trainer.serve._http import json_body as _body
+from trainer.serve._http import json_response as _json
 from trainer.serve._models import ModelState
 from trainer.serve._proto import ProtoError, decode_forward_backward, encode_forward_backward_output
 from trainer.serve._sampling import SamplingRoutes
@@ -43,7 +53,6 @@ __all__ = ["API", "NOT_SERVED", "ServiceApp", "ServiceSpec"]
 
 log = logging.getLogger(__name__)
 
-API = "/api/v1"
 #: The answer to a route of the SDK this slice does not serve.
 NOT_SERVED = (
     "{path} is not served by this trainer's Tinker service yet (it serves training clients: "
@@ -53,15 +62,6 @@ NOT_SERVED = (
 #: Query for the attention and MLP projections of Llama-like models (Qwen2, SmolLM2).
 ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-
-
-class RequestError(Exception):
-    """A request this service refuses: its HTTP status and one sentence."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(status, message)
-        self.status = status
-        self.message = message
 
 
 @attrs.frozen
@@ -76,6 +76,12 @@ class ServiceSpec:
     api_key: str
     #: The sampling engines' settings and the sampler saves' (``engine.*``, ``sync.*``).
     sampling: SamplerSettings = attrs.Factory(SamplerSettings)
+    #: Root of the ``tinker://`` checkpoints (``serve.checkpoint_dir``).
+    checkpoint_dir: Path = Path("runs/serve/checkpoints")
+    #: A session without a heartbeat this long is ended (``serve.session_timeout_s``).
+    session_timeout_s: float = 180.0
+    #: Answered futures are forgotten this long after their answer (``serve.future_ttl_s``).
+    future_ttl_s: float = 600.0
 
 
 @attrs.define(eq=False)
@@ -97,6 +103,8 @@ class ServiceApp:
         self.futures = FutureStore()
         self.sessions: dict[str, _Session] = {}
         self.models: dict[str, ModelState] = {}
+        #: Why each ended session ended (the latest ones; :mod:`trainer.serve._sessions`).
+        self.ended: dict[str, str] = {}
         self._key_digest = hashlib.sha256(spec.api_key.encode()).digest()
         self._model_dirs: dict[str, Any] = {}
         self.sampling = SamplingRoutes(
@@ -147,8 +155,9 @@ class ServiceApp:
                 return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
             if not message.get("more_body", False):
                 break
+        query = parse_qs(scope["query_string"].decode("latin-1"))
         request = Request(
-            method=scope["method"], path=path, query={}, headers=headers, body=bytes(body)
+            method=scope["method"], path=path, query=query, headers=headers, body=bytes(body)
         )
         handler = ROUTES.get(path) or _prefix_route(path)
         if handler is None:
@@ -205,7 +214,10 @@ class ServiceApp:
         return _json({"type": "create_session", "session_id": session_id})
 
     async def session_heartbeat(self, request: Request) -> Response:
-        session = self._session(_body(request).get("session_id"))
+        session_id = _body(request).get("session_id")
+        if session_id in self.ended:  # the SDK stops its heartbeats on a 410
+            raise RequestError(410, self.ended[session_id])
+        session = self._session(session_id)
         session.last_heartbeat = trio.current_time()
         return _json({"type": "session_heartbeat"})
 
@@ -215,6 +227,19 @@ class ServiceApp:
             for name in self.spec.base_models
         ]
         return _json({"supported_models": models})
+
+    def add_model(self, state: ModelState) -> None:
+        """Serve ``state``: its runner task starts in the service's nursery."""
+        self.models[state.model_id] = state
+        self.nursery.start_soon(state.run_operations)
+
+    def model_state(self, model_id: Any) -> ModelState:
+        """The model ``model_id``; ``RequestError`` (404) for an unknown one."""
+        return self._model(model_id)
+
+    def session_of(self, session_id: Any) -> _Session:
+        """The session ``session_id``; ``RequestError`` (404) for an unknown one."""
+        return self._session(session_id)
 
     def _session(self, session_id: Any) -> _Session:
         session = self.sessions.get(session_id) if isinstance(session_id, str) else None
@@ -290,8 +315,7 @@ class ServiceApp:
             state = ModelState(
                 model_id, session.session_id, base, model, self.futures, self.spec.timeout_s
             )
-            self.models[model_id] = state
-            self.nursery.start_soon(state.run_operations)
+            self.add_model(state)
             body = {"model_id": model_id, "type": "create_model"}
             self.futures.resolve(request_id, Answer(json.dumps(body).encode()))
             return
@@ -328,13 +352,11 @@ class ServiceApp:
         name = "forward" if fb.forward_only else "forward_backward"
 
         def run(model: ServiceModel) -> bytes:
-            if fb.loss_fn_config:
-                raise ValueError(f"loss_fn_config {sorted(fb.loss_fn_config)} is not served yet")
             if fb.loss_fn not in _datum_losses():
-                raise ValueError(
-                    f"loss_fn {fb.loss_fn!r} is not served yet; served: {', '.join(_datum_losses())}"
-                )
-            out = model.forward_backward(data, fb.loss_fn, backward=not fb.forward_only)
+                raise ValueError(_not_served_loss(fb.loss_fn))
+            out = model.forward_backward(
+                data, fb.loss_fn, backward=not fb.forward_only, loss_fn_config=fb.loss_fn_config
+            )
             outputs = [{"logprobs": lp} for lp in out.logprobs]
             return encode_forward_backward_output(outputs, out.metrics)
 
@@ -378,6 +400,19 @@ def _datum_losses() -> tuple[str, ...]:
     return DATUM_LOSSES.names
 
 
+#: Why a loss of the SDK is not served, where there is more to say than its absence.
+REFUSED_LOSSES = {
+    "stable_reinforce": "the Tinker docs this service follows do not define it",
+    "custom": "server-side custom losses (create_custom_loss) are not served; "
+    "forward_backward_custom with a Python function works (it needs no server loss)",
+}
+
+
+def _not_served_loss(loss_fn: str) -> str:
+    why = REFUSED_LOSSES.get(loss_fn, "unknown loss")
+    return f"loss_fn {loss_fn!r} is not served ({why}); served: {', '.join(_datum_losses())}"
+
+
 def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
     """peft's target modules for the SDK's ``train_attn`` / ``train_mlp``; the LM head
     (``train_unembed``) is not adapted here."""
@@ -387,32 +422,6 @@ def _targets(lora: dict[str, Any]) -> tuple[str, ...]:
     if not (attn or mlp):
         raise RequestError(400, "train_attn and train_mlp both off: nothing to adapt here")
     return ATTN_MODULES if attn else MLP_MODULES
-
-
-def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body or b"{}")
-    except ValueError:
-        raise RequestError(400, f"{request.path}: the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError(400, f"{request.path}: the body is not a JSON object")
-    return body
-
-
-def _int(body: dict[str, Any], key: str) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestError(400, f"{key} must be an integer, not {value!r}")
-    return value
-
-
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(status, json.dumps(payload).encode())
-
-
-def _error(status: int, message: str, *, category: str = "user") -> Response:
-    """The SDK's error shape (``RequestFailedResponse``) with HTTP ``status``."""
-    return _json(failed(message, category=category), status)
 
 
 ROUTES: dict[str, Handler] = {
@@ -434,12 +443,21 @@ ROUTES: dict[str, Handler] = {
 }
 #: Routes the SDK reads with GET (the rest are POSTs).
 GET_PATHS = frozenset({f"{API}/healthz", f"{API}/get_server_capabilities"})
-#: Routes of a path with an id at its end (GET), by the path before it.
+
+ROUTES |= {
+    f"{API}/save_weights": _checkpoints.save_weights,
+    f"{API}/load_weights": _checkpoints.load_weights,
+    f"{API}/weights_info": _checkpoints.weights_info,
+    f"{API}/training_runs": _checkpoints.training_runs,
+    f"{API}/checkpoints": _checkpoints.user_checkpoints,
+}
+GET_PATHS |= {f"{API}/training_runs", f"{API}/checkpoints"}
+#: Routes by path prefix (a path with ids in it), each checking its own methods.
 PREFIX_ROUTES: dict[str, Handler] = {
+    f"{API}/training_runs/": _checkpoints.training_run_paths,
     f"{API}/samplers/": lambda app, request: app.sampling.get_sampler(request),
 }
 
 
 def _prefix_route(path: str) -> Handler | None:
-    prefix, _, tail = path.rpartition("/")
-    return PREFIX_ROUTES.get(prefix + "/") if tail else None
+    return next((h for prefix, h in PREFIX_ROUTES.items() if path.startswith(prefix)), None)

@@ -4,6 +4,13 @@ It reads the same configuration as training (``serve.*`` keys; ``--help`` lists 
 refuses a bad one in one line per problem (exit 2), binds ``serve.host:serve.port`` (loopback
 by default), prints one ready line, ``TRAINER_SERVE_READY url=http://HOST:PORT``, and serves
 until SIGINT or SIGTERM, when in-flight requests get :data:`GRACEFUL_TIMEOUT_S` to finish.
+
+How the exit is bounded when an operation hangs: the operation's request answered at its
+deadline already, and its model is broken; the thread still blocked in it was abandoned by
+trio (``abandon_on_cancel``), and trio's worker threads are daemon threads, so neither the
+nursery (cancelled once hypercorn has stopped) nor the interpreter's exit waits for it. The
+exit takes the graceful timeout at most, plus unwinding: measured in
+``tests/tinker/test_hang.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from trainer.config import ROLLOUT_LOGPROBS_MODE, TINY_MODEL_NAME, Config, load_
 from trainer.errors import ConfigError
 from trainer.serve._app import ServiceApp, ServiceSpec
 from trainer.serve._engine import VLLM_MAX_LORA_RANK, SamplerSettings, open_sampler_engines
+from trainer.serve._sessions import end_idle_sessions_forever
+from trainer.vocabulary import install_faults
 
 __all__ = ["READY_PREFIX", "serve", "serve_main"]
 
@@ -38,8 +47,10 @@ usage: python -m trainer serve [--config FILE.yaml] [key=value ...]
 
 The Tinker-protocol training service (docs/tinker.md): the official SDK's ServiceClient(
 base_url="http://127.0.0.1:8000") trains LoRA adapters on this machine. Keys: serve.host,
-serve.port, serve.base_models, serve.request_timeout_s; the key clients must send comes from
-TRAINER_SERVE_API_KEY (tml-...). `python -m trainer --help` lists every key.
+serve.port, serve.base_models, serve.request_timeout_s, serve.checkpoint_dir,
+serve.session_timeout_s, serve.future_ttl_s, and faults (e.g. faults=forward_backward:hang@2
+rehearses a hang); the key clients must send comes from TRAINER_SERVE_API_KEY (tml-...).
+`python -m trainer --help` lists every key.
 """
 
 
@@ -76,6 +87,9 @@ def spec_of(cfg: Config) -> ServiceSpec:
         timeout_s=serve_cfg.request_timeout_s,
         api_key=serve_cfg.api_key,
         sampling=_sampler_settings(cfg),
+        checkpoint_dir=Path(serve_cfg.checkpoint_dir).expanduser(),
+        session_timeout_s=serve_cfg.session_timeout_s,
+        future_ttl_s=serve_cfg.future_ttl_s,
     )
 
 
@@ -126,6 +140,7 @@ async def serve(cfg: Config, spec: ServiceSpec) -> None:
     async with open_sampler_engines(spec.sampling) as engines, trio.open_nursery() as nursery:
         nursery.start_soon(_watch_signals, shutdown)
         app = ServiceApp(spec, nursery, engines)
+        nursery.start_soon(end_idle_sessions_forever, app)
         async with trio.open_nursery() as server:  # returns when hypercorn has shut down
             binds = await server.start(
                 partial(hypercorn_serve, app, config, shutdown_trigger=shutdown.wait)  # type: ignore[arg-type]
@@ -165,5 +180,10 @@ def serve_main(argv: list[str]) -> int:
         print(f"ConfigError: {headline}{suffix}", file=sys.stderr, flush=True)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the operations' fault points (forward, forward_backward) fire where they run: rehearse a
+    # hang with faults=forward_backward:hang (DESIGN 4.5)
+    install_faults(cfg.faults)
     trio.run(serve, cfg, spec)
+    # an operation's thread abandoned past its deadline is a daemon thread (trio's): the
+    # interpreter exits without joining it, so a hung one cannot hold the exit
     return 0

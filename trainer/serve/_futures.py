@@ -2,8 +2,9 @@
 the client polls ``/api/v1/retrieve_future`` until the answer is there.
 
 A poll waits for the answer up to :data:`LONG_POLL_S` (the SDK's own request timeout is 45 s),
-then answers ``try_again`` and the SDK polls again. An answer stays retrievable for the life of
-the service (a client may poll again after a lost response); freeing answers is a later slice.
+then answers ``try_again`` and the SDK polls again. An answer stays retrievable for
+``serve.future_ttl_s`` after it was given (a client may poll again after a lost response):
+:meth:`FutureStore.expire` forgets older ones, and a poll for one is a 404.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def failed(message: str, *, category: str = "user") -> dict[str, str]:
 class _Future:
     done: trio.Event = attrs.Factory(trio.Event)
     answer: Answer | None = None
+    #: ``trio.current_time()`` when answered.
+    answered_at: float | None = None
 
 
 @attrs.define(eq=False)
@@ -55,9 +58,26 @@ class FutureStore:
         return request_id
 
     def resolve(self, request_id: str, answer: Answer) -> None:
-        future = self._futures[request_id]
+        future = self._futures.get(request_id)
+        if future is None or future.answer is not None:  # expired, or answered once already
+            return
         future.answer = answer
+        future.answered_at = trio.current_time()
         future.done.set()
+
+    def expire(self, before: float) -> int:
+        """Forget the futures answered before ``before`` (trio time); how many."""
+        old = [
+            rid
+            for rid, f in self._futures.items()
+            if f.answered_at is not None and f.answered_at < before
+        ]
+        for rid in old:
+            del self._futures[rid]
+        return len(old)
+
+    def __len__(self) -> int:
+        return len(self._futures)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._futures

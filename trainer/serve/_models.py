@@ -66,6 +66,9 @@ class ModelState:
     _arrived: trio.Event = attrs.Factory(trio.Event)
     #: Why the model serves no more operations (a thread that outlived its deadline).
     broken: str | None = None
+    #: Cancels the runner task when the model ends (:meth:`end`).
+    _runner: trio.CancelScope = attrs.Factory(trio.CancelScope)
+    _running: Operation | None = None
 
     def submit(
         self,
@@ -92,14 +95,27 @@ class ModelState:
         return request_id
 
     async def run_operations(self) -> None:
-        """Run the operations in ``seq_id`` order, forever (the service's nursery owns it)."""
-        while True:
-            while self._next_seq not in self._pending:
-                await self._arrived.wait()
-                self._arrived = trio.Event()
-            op = self._pending.pop(self._next_seq)
-            self._next_seq += 1
-            self.futures.resolve(op.request_id, await self._run(op))
+        """Run the operations in ``seq_id`` order until :meth:`end` (the service's nursery owns
+        it)."""
+        with self._runner:
+            while True:
+                while self._next_seq not in self._pending:
+                    await self._arrived.wait()
+                    self._arrived = trio.Event()
+                op = self._pending.pop(self._next_seq)
+                self._next_seq += 1
+                self._running = op
+                self.futures.resolve(op.request_id, await self._run(op))
+                self._running = None
+
+    def end(self, reason: str) -> None:
+        """Serve nothing more: the runner stops (an operation's thread, if one runs, is
+        abandoned and ends on its own), every queued operation fails with ``reason``."""
+        self.broken = reason
+        self._runner.cancel()
+        for op in [*self._pending.values(), *([self._running] if self._running else [])]:
+            self.futures.resolve(op.request_id, _json(failed(reason, category="server")))
+        self._pending.clear()
 
     async def _run(self, op: Operation) -> Answer:
         if self.broken is not None:

@@ -40,6 +40,11 @@ from sync.weights import sync_weights
 from trainer.errors import InferenceServerError, WeightSyncTimeoutError
 from trainer.serve._engine import SamplerEngine, SamplerEngines
 from trainer.serve._futures import PROTOBUF, Answer, FutureStore, failed
+from trainer.serve._http import RequestError
+from trainer.serve._http import error_response as _error
+from trainer.serve._http import int_field as _int
+from trainer.serve._http import json_body as _body
+from trainer.serve._http import json_response as _json
 from trainer.serve._models import ModelState
 from trainer.serve._sample_io import SampleAsk, encode_sample_response, read_sample_request
 from trainer.vocabulary import step_deadline
@@ -78,15 +83,6 @@ class Sampler:
     sampler_id: str
     base_model: str
     snapshot: Snapshot | None = None
-
-
-class _Refused(Exception):
-    """A request refused: its HTTP status and one sentence."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 class _Rank0:
@@ -147,8 +143,8 @@ class SamplingRoutes:
             seq_id = _int(body, "seq_id")
             name = body.get("path")
             if name is not None and (not isinstance(name, str) or not NAME.fullmatch(name)):
-                raise _Refused(400, f"path {name!r}: a name of letters, digits, '.', '_', '-'")
-        except _Refused as exc:
+                raise RequestError(400, f"path {name!r}: a name of letters, digits, '.', '_', '-'")
+        except RequestError as exc:
             return _error(exc.status, exc.message)
         path = f"tinker://{state.model_id}/sampler_weights/{name or uuid.uuid4().hex}"
         save = functools.partial(self._save, state, path, named=name is not None)
@@ -160,12 +156,12 @@ class SamplingRoutes:
             body = _body(request)
             session_id = body.get("session_id")
             if not isinstance(session_id, str) or session_id not in self.sessions:
-                raise _Refused(404, f"no session {session_id!r} (create_session first)")
+                raise RequestError(404, f"no session {session_id!r} (create_session first)")
             key = (session_id, _int(body, "sampling_session_seq_id"))
             if key not in self._session_seq:  # a resend gets the first one's
                 sampler = self._sampler_of(body.get("model_path"), body.get("base_model"))
                 self._session_seq[key] = sampler.sampler_id
-        except _Refused as exc:
+        except RequestError as exc:
             return _error(exc.status, exc.message)
         return _json(
             {"type": "create_sampling_session", "sampling_session_id": self._session_seq[key]}
@@ -187,13 +183,13 @@ class SamplingRoutes:
             if session is not None:
                 sampler = self.samplers.get(session) if isinstance(session, str) else None
                 if sampler is None:
-                    raise _Refused(404, f"no sampling session {session!r} on this service")
+                    raise RequestError(404, f"no sampling session {session!r} on this service")
             else:
                 sampler = self._sampler_of(body.get("model_path"), body.get("base_model"))
             n = _int(body, "num_samples") if "num_samples" in body else 1
             if n < 1:
-                raise _Refused(400, f"num_samples must be at least 1, not {n}")
-        except _Refused as exc:
+                raise RequestError(400, f"num_samples must be at least 1, not {n}")
+        except RequestError as exc:
             return _error(exc.status, exc.message)
         request_id = self.futures.new()
         try:
@@ -301,7 +297,7 @@ class SamplingRoutes:
     def _model(self, model_id: object) -> ModelState:
         model = self.models.get(model_id) if isinstance(model_id, str) else None
         if model is None:
-            raise _Refused(404, f"no model {model_id!r} on this service")
+            raise RequestError(404, f"no model {model_id!r} on this service")
         return model
 
     def _new_sampler(self, base_model: str, snapshot: Snapshot | None) -> Sampler:
@@ -314,7 +310,7 @@ class SamplingRoutes:
         if model_path is not None:
             snapshot = self.snapshots.get(model_path) if isinstance(model_path, str) else None
             if snapshot is None:
-                raise _Refused(
+                raise RequestError(
                     404,
                     f"no sampler weights at {model_path!r} on this service (a path that "
                     "save_weights_for_sampler answered: tinker://MODEL/sampler_weights/NAME)",
@@ -322,37 +318,12 @@ class SamplingRoutes:
             return self._new_sampler(snapshot.base_model, snapshot)
         if not isinstance(base_model, str) or base_model not in self.base_models:
             offered = ", ".join(self.base_models)
-            raise _Refused(
+            raise RequestError(
                 400, f"base_model {base_model!r} is not offered here; offered: {offered}"
             )
         if not self.available[base_model]:
-            raise _Refused(400, f"base_model {base_model!r} is offered but not installed here")
+            raise RequestError(400, f"base_model {base_model!r} is offered but not installed here")
         return self._new_sampler(base_model, None)
-
-
-def _body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(request.body or b"{}")
-    except ValueError:
-        raise _Refused(400, f"{request.path}: the body is not JSON") from None
-    if not isinstance(body, dict):
-        raise _Refused(400, f"{request.path}: the body is not a JSON object")
-    return body
-
-
-def _int(body: dict[str, Any], key: str) -> int:
-    value = body.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise _Refused(400, f"{key} must be an integer, not {value!r}")
-    return value
-
-
-def _json(payload: object, status: int = 200) -> Response:
-    return Response(status, json.dumps(payload).encode())
-
-
-def _error(status: int, message: str) -> Response:
-    return _json(failed(message), status)
 
 
 def _failed(message: str, category: str = "user") -> Answer:

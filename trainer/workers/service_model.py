@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from trainer import algorithms
+from trainer.vocabulary import fire_fault_sync
 from trainer.workers.lora import LoraSpec
 from trainer.workers.policy import PolicyWorker
 
@@ -79,6 +80,9 @@ class ServiceModel:
             lr=AdamStep().learning_rate,
         )
         self.rank = rank
+        self.alpha = alpha
+        self.target_modules = target_modules
+        self.seed = seed
         self.optim_steps = 0
 
     @property
@@ -91,12 +95,20 @@ class ServiceModel:
         loss_fn: str,
         *,
         backward: bool,
+        loss_fn_config: Mapping[str, float | str] | None = None,
     ) -> DatumOutput:
         """Each datum's target logprobs and the summed loss ``loss_fn`` over the datums
-        (``(tokens, loss_fn_inputs)`` pairs); with ``backward`` its gradient is added to the
-        adapter's. ``ValueError`` for an unknown loss or inputs it cannot read."""
+        (``(tokens, loss_fn_inputs)`` pairs), with ``loss_fn_config``'s keywords; with
+        ``backward`` its gradient is added to the adapter's. ``ValueError`` for an unknown
+        loss, a bad config or inputs it cannot read.
+
+        The fault point of the operation (``forward`` or ``forward_backward``, DESIGN 4.5)
+        fires first, here in the thread that runs it, at step ``optim_steps + 1``: a ``hang``
+        really blocks this thread."""
         loss_of = algorithms.DATUM_LOSSES.get(loss_fn)
+        config = algorithms.datum_loss_config(loss_fn, loss_fn_config)
         needs = ("target_tokens", *algorithms.DATUM_LOSS_INPUTS[loss_fn])
+        fire_fault_sync("forward_backward" if backward else "forward", step=self.optim_steps + 1)
         model = self.worker.model
         model.train(backward)
         total = 0.0
@@ -107,7 +119,7 @@ class ServiceModel:
                 ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.worker.device)
                 logits = model(input_ids=ids).logits[0]
                 logprobs = algorithms.token_logprobs(logits, targets).float()
-                loss = loss_of(logprobs, extra)
+                loss = loss_of(logprobs, extra, **config)
                 if backward:
                     loss.backward()
                 total += float(loss.detach())
@@ -170,3 +182,35 @@ class ServiceModel:
         optimizer.zero_grad(set_to_none=True)
         self.optim_steps += 1
         return {"grad_norm": norm}
+
+    def save_state(self, directory: Path) -> None:
+        """The adapter, the optimizer's state (AdamW's moments and step counts), the
+        scheduler's, the RNG's and :attr:`optim_steps` into ``directory`` (a new folder: the
+        caller makes the write atomic)."""
+        self.worker.save_checkpoint(directory)
+        torch.save({"optim_steps": self.optim_steps}, directory / _SERVICE_STATE_FILE)
+
+    def load_state(self, directory: Path, *, optimizer: bool) -> None:
+        """The adapter of ``directory`` (saved by :meth:`save_state` on the same base, rank and
+        layers; ``ValueError`` otherwise), and with ``optimizer`` the optimizer's state too, so
+        the same steps continue exactly as the client that saved it. Without ``optimizer`` the
+        optimizer starts afresh. Accumulated gradients are dropped either way."""
+        from trainer.errors import CheckpointError
+
+        optimizer_obj = self.worker.optimizer
+        try:
+            self.worker.load_checkpoint(directory)
+        except CheckpointError as exc:
+            raise ValueError(str(exc)) from None
+        optimizer_obj.zero_grad(set_to_none=True)
+        if optimizer:
+            self.optim_steps = int(
+                torch.load(directory / _SERVICE_STATE_FILE, weights_only=True)["optim_steps"]
+            )
+        else:
+            optimizer_obj.state.clear()
+            self.optim_steps = 0
+
+
+#: What :meth:`ServiceModel.save_state` adds to the worker's checkpoint files.
+_SERVICE_STATE_FILE = "service_model.pt"

@@ -25,7 +25,7 @@ def test_the_sdks_sampling_clients_on_real_vllm(tmp_path) -> None:
         pytest.skip(".venv-tinker is missing: bash setup.sh --tinker")
     log = tmp_path / "serve.log"
     with open_service(
-        log, "engine.backend=vllm", python=VLLM_PYTHON, start_timeout_s=START_TIMEOUT_S
+        tmp_path, "engine.backend=vllm", python=VLLM_PYTHON, start_timeout_s=START_TIMEOUT_S
     ) as service:
         sampled = service.sdk("sample", timeout_s=900)
     assert "engine of tiny up (vllm serve)" in log.read_text()
