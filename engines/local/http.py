@@ -16,12 +16,14 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_BODY_BYTES",
+    "BodyTooLarge",
     "Request",
     "Response",
     "StreamBody",
     "answer_lifespan",
     "error_response",
     "json_response",
+    "read_body",
 ]
 
 
@@ -39,6 +41,30 @@ async def answer_lifespan(receive: ASGIReceiveCallable, send: ASGISendCallable) 
 
 #: Largest request body accepted (413 beyond).
 MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+class BodyTooLarge(Exception):
+    """A request body past the limit :func:`read_body` was given (answer 413)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"request body over {limit} bytes")
+        self.limit = limit
+
+
+async def read_body(receive: ASGIReceiveCallable, limit: int = MAX_BODY_BYTES) -> bytes | None:
+    """An ASGI ``http`` request's whole body, read from its ``http.request`` messages; None
+    when the client disconnected first; :class:`BodyTooLarge` once it passes ``limit`` bytes
+    (what is left of it is not read)."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body += message.get("body", b"")
+        if len(body) > limit:
+            raise BodyTooLarge(limit)
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 @attrs.frozen

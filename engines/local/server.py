@@ -52,12 +52,13 @@ from engines.local.completion_routes import CompletionRoutes
 from engines.local.control_routes import CONTROL_ROUTES, ControlHandler
 from engines.local.engine import LocalEngine
 from engines.local.http import (
-    MAX_BODY_BYTES,
+    BodyTooLarge,
     Request,
     Response,
     answer_lifespan,
     error_response,
     json_response,
+    read_body,
 )
 from engines.local.lora_routes import LoraRoutes
 from engines.local.protocol import (
@@ -203,22 +204,18 @@ class ServerApp(CompletionRoutes, LoraRoutes):
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if scope["path"] not in PROBE_PATHS and not self._authorized(headers):
             return error_response(401, UNAUTHORIZED)  # before reading a stranger's body
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            if len(body) > MAX_BODY_BYTES:
-                return error_response(413, f"request body over {MAX_BODY_BYTES} bytes")
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await read_body(receive)
+        except BodyTooLarge as exc:
+            return error_response(413, str(exc))
+        if body is None:
+            return None
         request = Request(
             method=scope["method"],
             path=scope["path"],
             query=parse_qs(scope.get("query_string", b"").decode("latin-1")),
             headers=headers,
-            body=bytes(body),
+            body=body,
         )
         handler = self._route(request)
         if isinstance(handler, Response):

@@ -52,7 +52,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from engines.client import DATA_CONNECTIONS_PER_SERVER, InferenceClient
-from engines.local.http import answer_lifespan
+from engines.local.http import BodyTooLarge, answer_lifespan, read_body
 from engines.types import SamplingParams
 from trainer.generators.token_in import (
     TOKEN_IN_ROUTE,
@@ -156,14 +156,13 @@ class CaptureProxy:
             return
         if scope["type"] != "http":
             return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await read_body(receive)
+        except BodyTooLarge as exc:
+            await _send_json(send, 413, _error(413, str(exc)))
+            return
+        if body is None:
+            return
         parts = scope["path"].split("/", 3)  # "", "t", id, rest
         key = unquote(parts[2]) if len(parts) == 4 and parts[1] == "t" else None
         route = "/" + parts[3] if key is not None else ""

@@ -32,7 +32,7 @@ from urllib.parse import parse_qs
 import attrs
 import trio
 
-from engines.local.http import MAX_BODY_BYTES, Request, Response, answer_lifespan
+from engines.local.http import BodyTooLarge, Request, Response, answer_lifespan, read_body
 from trainer.serve import _checkpoints
 from trainer.serve._engine import SamplerEngines, SamplerSettings
 from trainer.serve._futures import FutureStore, failed
@@ -145,19 +145,15 @@ class ServiceApp:
             return _error(
                 401, "unauthorized: send this service's key as X-API-Key (TINKER_API_KEY)"
             )
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return None
-            body += message.get("body", b"")
-            if len(body) > MAX_BODY_BYTES:
-                return _error(413, f"request body over {MAX_BODY_BYTES} bytes")
-            if not message.get("more_body", False):
-                break
+        try:
+            body = await read_body(receive)
+        except BodyTooLarge as exc:
+            return _error(413, str(exc))
+        if body is None:
+            return None
         query = parse_qs(scope["query_string"].decode("latin-1"))
         request = Request(
-            method=scope["method"], path=path, query=query, headers=headers, body=bytes(body)
+            method=scope["method"], path=path, query=query, headers=headers, body=body
         )
         handler = ROUTES.get(path) or _prefix_route(path)
         if handler is None:
