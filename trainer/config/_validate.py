@@ -12,7 +12,7 @@ import sys
 import warnings
 from urllib.parse import urlsplit
 
-from engines.vllm.flags import flag_clashes
+from engines.vllm.flags import ENGINE_ARG_FLAGS, flag_clashes
 from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._config import Config
@@ -171,7 +171,17 @@ _ENGINE_FIELD_KEYS = {
     "seed": "trainer.seed",
     "enable_sleep_mode": "engine.colocated or engine.offload_kv_for_weight_sync",
     "weight_transfer_config": "sync.transport",
+    "enable_lora": "model.lora.enabled with sync.lora=adapter",
+    "max_lora_rank": "model.lora.rank, with sync.lora=adapter",
+    "max_loras": "model.lora.enabled with sync.lora=adapter",
 }
+# every flag the trainer sets has the key that sets it: a flag added to ENGINE_ARG_FLAGS without
+# one here fails at import, not as a KeyError in the middle of a user's config check
+if set(_ENGINE_FIELD_KEYS) != set(ENGINE_ARG_FLAGS):
+    raise RuntimeError(
+        "trainer.config._validate._ENGINE_FIELD_KEYS must name the config key of each field of "
+        f"engines.vllm.flags.ENGINE_ARG_FLAGS: {sorted(set(ENGINE_ARG_FLAGS) ^ set(_ENGINE_FIELD_KEYS))}"
+    )
 
 
 def _check_vllm(cfg: Config) -> None:

@@ -291,5 +291,12 @@ def test_vllm_extra_args_may_not_set_what_the_trainer_sets_from_its_own_keys() -
     with pytest.raises(ConfigError, match=r"weight_transfer_config \(sync.transport\)"):
         load_config(None, ["engine.backend=vllm_inprocess", "sync.transport=gloo",
                            "engine.extra_args=[--weight-transfer-config.backend=ipc]"])  # fmt: skip
+    # the LoRA flags too (a KeyError, not this line, until 2026-12-08)
+    with pytest.raises(
+        ConfigError, match=r"max_lora_rank \(model.lora.rank, with sync.lora=adapter\)"
+    ):
+        load_config(None, [*vllm, "engine.extra_args=[--max-lora-rank,8]"])
+    with pytest.raises(ConfigError, match=r"enable_lora \(.*\), max_loras \("):
+        load_config(None, [*vllm, "engine.extra_args=[--enable-lora,--max-loras,2]"])
     cfg = load_config(None, [*vllm, "engine.extra_args=[--max-model-len,4096]"])
     assert cfg.engine.extra_args == ("--max-model-len", "4096")
