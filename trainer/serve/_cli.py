@@ -97,12 +97,12 @@ def _sampler_settings(cfg: Config) -> SamplerSettings:
     """The sampling engines' settings: ``engine.*`` (the reference engine's servers, or
     ``vllm serve``'s, as a run starts them) and ``sync.*`` (the sampler saves' sync and its
     check)."""
-    if cfg.engine.backend not in ("local", "vllm"):
+    plan = cfg.plan
+    if not plan.engine_backend.starts_servers:  # the service starts its engines' servers
         raise ConfigError(
             f"serve: engine.backend={cfg.engine.backend!r} does not sample for the service: "
             "use engine.backend=local (the reference engine) or vllm (docs/tinker.md)"
         )
-    plan = cfg.plan
     vllm = None
     if plan.vllm is not None:  # adapters go by route: LoRA on, no weight-transfer engine
         vllm = attrs.evolve(
