@@ -15,6 +15,7 @@ __all__ = [
     "FinishReason",
     "JSONValue",
     "PauseMode",
+    "PromptLogprob",
     "QueryParams",
     "QueryValue",
     "SamplingParams",
@@ -61,6 +62,10 @@ class SamplingParams:
     #: logprob, the cheap path every training request takes). The reference engine reports
     #: them in ``Completion.top_logprobs``; ``InferenceClient`` does not ask servers for them.
     top_logprobs: int = 0
+    #: vLLM's ``prompt_logprobs``: None: none; k: each prompt token's logprob under the model
+    #: (raw logits, whatever the temperature; the first token has none) and the k most likely
+    #: tokens at its position, in ``Completion.prompt_logprobs``.
+    prompt_logprobs: int | None = None
 
 
 def nth_sample_params(sampling: SamplingParams, i: int) -> SamplingParams:
@@ -73,6 +78,20 @@ def nth_sample_params(sampling: SamplingParams, i: int) -> SamplingParams:
     if sampling.seed is None or i == 0:
         return sampling
     return attrs.evolve(sampling, seed=(sampling.seed + i) % 2**64)
+
+
+@attrs.frozen
+class PromptLogprob:
+    """One prompt token's logprob under the model given the tokens before it (vLLM's prompt
+    logprobs: of the raw logits, whatever the sampling temperature)."""
+
+    #: The prompt token's logprob.
+    logprob: float
+    #: Its 1-based rank in the vocabulary (how many tokens have a logprob at least its own).
+    rank: int
+    #: The ``SamplingParams.prompt_logprobs`` most likely ``(token id, logprob)`` at its
+    #: position, best first (rank ``i + 1`` at index ``i``).
+    top: list[tuple[int, float]] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -96,6 +115,9 @@ class Completion:
     #: Per sampled token, the trainer's weight version that produced it, where the trainer
     #: tracks it (``trainer.strategy=fully_async``); empty otherwise. Engines leave it empty.
     weight_versions: list[int] = attrs.field(factory=list)
+    #: With ``SamplingParams.prompt_logprobs``: one entry per prompt token, None for the first
+    #: (nothing precedes it); empty otherwise.
+    prompt_logprobs: list[PromptLogprob | None] = attrs.field(factory=list)
 
 
 class EngineClient(Protocol):

@@ -49,6 +49,7 @@ Renderer = Callable[[list[dict[str, object]], bool, dict[str, object]], list[int
 #: Chat fields the reference engine does not implement, with the values that mean "off".
 CHAT_UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
     **{k: v for k, v in UNSUPPORTED_DEFAULTS.items() if k not in ("best_of", "suffix")},
+    "prompt_logprobs": (None,),
     "continue_final_message": (False, None),
     "chat_template": (None,),
     "add_special_tokens": (False, None),

@@ -75,6 +75,7 @@ class CompletionRoutes:
             [done[i * req.n : (i + 1) * req.n] for i in range(len(req.prompts))],
             decode=self._decoder(req.options),
             convert_ids_to_tokens=tok.convert_ids_to_tokens,
+            decode_one=self._token_text,
         )
         return json_response(payload)
 
@@ -115,7 +116,7 @@ class CompletionRoutes:
         done = await self._generate_all(
             [(req.prompt_ids, req.params_for(j)) for j in range(req.n)], adapter
         )
-        return json_response(token_response(req, done))
+        return json_response(token_response(req, done, decode_one=self._token_text))
 
     def _decoder(self, options: GenerationOptions) -> Callable[[list[int]], str]:
         """Token ids to text as the request asked (``skip_special_tokens``)."""

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from engines.local.lora import Adapter, LoraLayers
-from engines.types import SamplingParams
+from engines.types import PromptLogprob, SamplingParams
 
 __all__ = [
     "LOGPROBS_MODES",
@@ -50,6 +50,7 @@ __all__ = [
     "StepResult",
     "decode_step",
     "exponential_noise",
+    "prompt_logprobs",
     "sample_tokens",
 ]
 
@@ -96,6 +97,9 @@ class DecodeRequest(Protocol):
     adapter: Adapter | None
     #: Round its logits to bfloat16 first, as a bf16 engine computes them (a fault).
     bf16_logits: bool
+    #: Its prompt's logprobs (``params.prompt_logprobs``), set by the prefill that first
+    #: computes them; None until then.
+    prompt_scores: list[PromptLogprob | None] | None
 
 
 def sample_tokens(
@@ -141,10 +145,37 @@ def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cast(Any, cache.layers)]
 
 
+def _wants_prompt_scores(r: DecodeRequest) -> bool:
+    return r.params.prompt_logprobs is not None and r.prompt_scores is None
+
+
+def prompt_logprobs(
+    logits: torch.Tensor, prompt_ids: Sequence[int], k: int, bf16: bool = False
+) -> list[PromptLogprob | None]:
+    """vLLM's prompt logprobs of ``prompt_ids`` from the logits at its positions (``[len,
+    vocab]``, row ``i`` predicting token ``i + 1``; the last row is not read): None for the
+    first token, then each token's logprob of the raw logits, its rank (how many tokens have
+    a logprob at least its own) and the ``k`` best ``(id, logprob)``."""
+    rows = logits[: len(prompt_ids) - 1].float().cpu()
+    if bf16:
+        rows = rows.bfloat16().float()
+    logprobs = torch.log_softmax(rows, dim=-1)
+    targets = torch.tensor(list(prompt_ids[1:]), dtype=torch.long)
+    picked = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs >= picked).sum(dim=-1)
+    tops = _top_alternatives(logprobs, [k] * len(targets)) if len(targets) else []
+    scores: list[PromptLogprob | None] = [None]
+    for i, (lp, rank) in enumerate(zip(picked.squeeze(1).tolist(), ranks.tolist())):
+        scores.append(PromptLogprob(lp, int(rank), tops[i]))
+    return scores
+
+
 def _prefill(
     model: Any, reqs: Sequence[DecodeRequest], pad_id: int, lora: LoraLayers | None
 ) -> torch.Tensor:
     seqs = [tuple(r.prompt_ids + r.out_ids) for r in reqs]
+    # prompt logprobs need every position's logits; a plain prefill only the last one's
+    scored = any(_wants_prompt_scores(r) for r in reqs)
     # one row per distinct (adapter, tokens): the same tokens through two adapters differ
     index: dict[tuple[int, tuple[int, ...]], int] = {}
     distinct: list[tuple[int, ...]] = []
@@ -172,10 +203,21 @@ def _prefill(
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if scored else 1,
             **{_cache_kwarg(model): cache},
         )
+    if scored:
+        for r, row in zip(reqs, source, strict=True):
+            if _wants_prompt_scores(r):
+                start = width - len(distinct[row])
+                r.prompt_scores = prompt_logprobs(
+                    out.logits[row, start:],
+                    r.prompt_ids,
+                    cast(int, r.params.prompt_logprobs),
+                    r.bf16_logits,
+                )
     logits = out.logits[:, -1, :].float().cpu()
+    del out
     layers = _layers(cache)
     if len(distinct) < len(seqs):  # copy the shared rows out to one row per request
         rows = torch.tensor(source)

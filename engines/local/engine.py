@@ -217,6 +217,7 @@ class LocalEngine(EngineStates):
             req.prompt_ids,
             stop_reason=req.stop_reason,
             top_logprobs=req.out_top if params.top_logprobs else [],
+            prompt_logprobs=req.prompt_scores or [],
         )
 
     async def load_weights(

@@ -31,7 +31,7 @@ from engines.local.validation import (
     parse_options,
     refuse_unsupported,
 )
-from engines.types import Completion, SamplingParams, nth_sample_params
+from engines.types import Completion, PromptLogprob, SamplingParams, nth_sample_params
 
 __all__ = [
     "CompletionLogprobs",
@@ -43,6 +43,8 @@ __all__ = [
     "parse_bool",
     "parse_completion_request",
     "parse_json_object",
+    "parse_prompt_logprobs",
+    "prompt_logprobs_json",
     "usage",
 ]
 
@@ -60,7 +62,6 @@ UNSUPPORTED_DEFAULTS: dict[str, tuple[object, ...]] = {
     "top_k": (None, 0, -1),
     "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
-    "prompt_logprobs": (None,),
     "suffix": (None, ""),
     "logit_bias": (None,),
     "response_format": (None,),
@@ -130,6 +131,8 @@ class CompletionRequest:
     options: GenerationOptions
     #: ``None``: no logprobs; N: the sampled token's and the N most likely alternatives.
     logprobs: int | None
+    #: vLLM's ``prompt_logprobs``: ``None``: none; k: each prompt token's and the k best.
+    prompt_logprobs: int | None = None
 
     @property
     def n(self) -> int:
@@ -166,14 +169,60 @@ def parse_completion_request(
     assert max_tokens is not None
     check_context(max(len(p) for p in prompts), max_tokens, max_model_len)
     logprobs = int_field(body, "logprobs", None, 0, MAX_LOGPROBS)
+    options = parse_options(
+        body, max_tokens=max_tokens, top_logprobs=logprobs or 0, prompts=len(prompts)
+    )
+    prompt_k = parse_prompt_logprobs(body, stream=options.stream)
     return CompletionRequest(
         model=served_model,
         prompts=prompts,
-        options=parse_options(
-            body, max_tokens=max_tokens, top_logprobs=logprobs or 0, prompts=len(prompts)
+        options=attrs.evolve(
+            options, params=attrs.evolve(options.params, prompt_logprobs=prompt_k)
         ),
         logprobs=logprobs,
+        prompt_logprobs=prompt_k,
     )
+
+
+def parse_prompt_logprobs(body: dict[str, object], *, stream: bool = False) -> int | None:
+    """vLLM's ``prompt_logprobs``: None, or k in ``[0, MAX_LOGPROBS]`` (vLLM's ``-1``, the
+    whole vocabulary, is past its default ``--max-logprobs`` too); k > 0 is refused with
+    ``stream`` as vLLM refuses it (a streamed answer carries no prompt logprobs)."""
+    k = int_field(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    if stream and k:
+        raise ProtocolError(
+            400, "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
+    return k
+
+
+#: What vLLM writes for a logprob of -inf (``clamp_prompt_logprobs``): JSON has no infinity.
+_NEG_INF_LOGPROB = -9999.0
+
+
+def prompt_logprobs_json(
+    scores: Sequence[PromptLogprob | None], decode_one: Callable[[int], str], prompt: Sequence[int]
+) -> list[dict[str, dict[str, object]] | None]:
+    """A choice's ``prompt_logprobs`` as vLLM writes them: per prompt token, None for the
+    first, else a dict from token id (a string, as JSON keys are) to ``{"logprob", "rank",
+    "decoded_token"}``: the prompt token first, then the k best (ranks 1..k; the prompt
+    token once when it is among them)."""
+    out: list[dict[str, dict[str, object]] | None] = []
+    for tok, score in zip(prompt, scores, strict=True):
+        if score is None:
+            out.append(None)
+            continue
+        entries = [(tok, score.logprob, score.rank)]
+        entries += [(t, lp, i + 1) for i, (t, lp) in enumerate(score.top)]
+        position: dict[str, dict[str, object]] = {}
+        for t, lp, rank in entries:
+            position[str(t)] = {
+                "logprob": max(lp, _NEG_INF_LOGPROB),
+                "rank": rank,
+                "decoded_token": decode_one(t),
+            }
+        out.append(position)
+    return out
 
 
 def check_context(prompt_len: int, max_tokens: int, max_model_len: int) -> None:
@@ -234,8 +283,10 @@ def completion_response(
     *,
     decode: Callable[[list[int]], str],
     convert_ids_to_tokens: Callable[[list[int]], list[str]],
+    decode_one: Callable[[int], str],
 ) -> dict[str, object]:
-    """The ``/v1/completions`` response: choice ``i * n + j`` is sample ``j`` of prompt ``i``."""
+    """The ``/v1/completions`` response: choice ``i * n + j`` is sample ``j`` of prompt ``i``.
+    ``decode_one``: one token id's text (a prompt logprob's ``decoded_token``)."""
     choices = []
     completion_tokens = 0
     opts = req.options
@@ -252,7 +303,9 @@ def completion_response(
                 ),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
-                "prompt_logprobs": None,
+                "prompt_logprobs": None
+                if req.prompt_logprobs is None
+                else prompt_logprobs_json(c.prompt_logprobs, decode_one, req.prompts[i]),
                 "token_ids": list(c.token_ids) if opts.return_token_ids else None,
                 "prompt_token_ids": list(req.prompts[i]) if opts.return_token_ids else None,
             }

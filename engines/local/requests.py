@@ -10,7 +10,7 @@ import trio
 
 from engines.local.decode import KVRef
 from engines.local.lora import Adapter
-from engines.types import FinishReason, SamplingParams
+from engines.types import FinishReason, PromptLogprob, SamplingParams
 
 __all__ = [
     "ENGINE_DEAD_MESSAGE",
@@ -63,6 +63,8 @@ class Request:
     adapter: Adapter | None = None
     #: Round the logits to bfloat16 before sampling and logprobs (the ``bf16_logits`` fault).
     bf16_logits: bool = False
+    #: Its prompt's logprobs (``params.prompt_logprobs``), once its first prefill computed them.
+    prompt_scores: list[PromptLogprob | None] | None = None
 
     def finish(self, reason: FinishReason) -> None:
         self.finish_reason = reason

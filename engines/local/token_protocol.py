@@ -26,8 +26,11 @@ token's 1-based rank where the reference knows it (it is among the alternatives 
 null otherwise; vLLM always knows it (no client of the trainer reads it). A choice's
 ``weight_versions`` is null (vLLM labels its weights ``default`` until an update names them).
 
+``sampling_params.prompt_logprobs`` (k) answers the top-level ``prompt_logprobs`` as the
+completions route does (:func:`~engines.local.protocol.prompt_logprobs_json`).
+
 What the reference does not do: ``stream`` (refused with a 400), ``output_mode`` ``text``
-(refused), multimodal fields, prompt logprobs, and the sampling fields of
+(refused), multimodal fields, and the sampling fields of
 :data:`~engines.local.protocol.UNSUPPORTED_DEFAULTS` set to anything but "off". Unknown
 fields are ignored, as vLLM ignores them. ``max_tokens`` absent or past the context is what
 fits (vLLM's ``get_max_tokens``); a prompt that fills the context is a 400.
@@ -41,11 +44,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
-from engines.local.protocol import UNSUPPORTED_DEFAULTS, usage
+from engines.local.protocol import (
+    UNSUPPORTED_DEFAULTS,
+    parse_prompt_logprobs,
+    prompt_logprobs_json,
+    usage,
+)
 from engines.local.validation import (
     MAX_CHOICES,
     MAX_LOGPROBS,
@@ -88,6 +96,9 @@ class TokenRequest:
     logprobs: int | None
     #: Whether the response carries ``prompt_token_ids``.
     return_token_ids: bool
+    #: vLLM's ``sampling_params.prompt_logprobs`` (None: none; k: each prompt token's and
+    #: the k best).
+    prompt_logprobs: int | None = None
 
     def params_for(self, i: int) -> SamplingParams:
         """Sampling params of the ``i``-th choice (distinct seeds)."""
@@ -130,6 +141,7 @@ def parse_token_request(
         max_tokens=min(asked, room),
         top_logprobs=logprobs or 0,
     )
+    prompt_k = parse_prompt_logprobs(sp)
     n = int_field(sp, "n", 1, 1, MAX_CHOICES)
     assert n is not None
     rid = body.get("request_id")
@@ -139,10 +151,11 @@ def parse_token_request(
         model=served_model,
         request_id=f"generate-tokens-{rid or uuid.uuid4().hex[:16]}",
         prompt_ids=list(ids),
-        params=options.params,
+        params=attrs.evolve(options.params, prompt_logprobs=prompt_k),
         n=n,
         logprobs=logprobs,
         return_token_ids=bool_field(body, "return_token_ids", False),
+        prompt_logprobs=prompt_k,
     )
 
 
@@ -162,8 +175,11 @@ def _logprob_entry(token: int, logprob: float, top: Sequence[tuple[int, float]],
     }
 
 
-def token_response(req: TokenRequest, done: Sequence[Completion]) -> dict[str, object]:
-    """The route's answer for ``req``'s ``n`` completions, as vLLM's ``GenerateTokensResponse``."""
+def token_response(
+    req: TokenRequest, done: Sequence[Completion], *, decode_one: Callable[[int], str]
+) -> dict[str, object]:
+    """The route's answer for ``req``'s ``n`` completions, as vLLM's ``GenerateTokensResponse``
+    (``decode_one``: one token id's text, a prompt logprob's ``decoded_token``)."""
     choices = []
     for i, c in enumerate(done):
         logprobs = None
@@ -197,7 +213,9 @@ def token_response(req: TokenRequest, done: Sequence[Completion]) -> dict[str, o
             "prompt_tokens_details": None,
             "completion_tokens_details": None,
         },
-        "prompt_logprobs": None,
+        "prompt_logprobs": None
+        if req.prompt_logprobs is None or not done
+        else prompt_logprobs_json(done[0].prompt_logprobs, decode_one, req.prompt_ids),
         "prompt_token_id_logprobs": None,
         "prompt_token_ids": list(req.prompt_ids) if req.return_token_ids else None,
         "mm_placeholders": None,

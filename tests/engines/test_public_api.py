@@ -125,6 +125,7 @@ PUBLIC_API: dict[str, list[str]] = {
         "FinishReason",
         "JSONValue",
         "PauseMode",
+        "PromptLogprob",
         "QueryParams",
         "QueryValue",
         "SamplingParams",

@@ -257,3 +257,35 @@ def test_schemas_file_names_the_vllm_it_was_dumped_from() -> None:
         "ChatCompletionStreamResponse",
         "CompletionStreamResponse",
     }
+
+
+def test_completion_prompt_logprobs_answer_in_vllms_shape(
+    engine_urls: EngineUrls, model: str
+) -> None:
+    url = engine_urls[0]
+    body = {"model": model, "prompt": [5, 17, 3, 22, 9], "max_tokens": 1, "n": 2}
+    with httpx.Client(timeout=120, headers=auth(engine_urls)) as http:
+        answer = http.post(url + "/v1/completions", json={**body, "prompt_logprobs": 2}).json()
+        conforms("CompletionResponse", answer)
+        streamed = http.post(
+            url + "/v1/completions", json={**body, "prompt_logprobs": 1, "stream": True}
+        )
+        too_many = http.post(url + "/v1/completions", json={**body, "prompt_logprobs": 21})
+        chat = http.post(
+            url + "/v1/chat/completions",
+            json={"model": model, "messages": MESSAGES, "prompt_logprobs": 1},
+        )
+    first, second = (c["prompt_logprobs"] for c in answer["choices"])
+    assert first == second  # every sample of a prompt carries its prompt's
+    assert first[0] is None and len(first) == 5
+    for tok, position in zip([17, 3, 22, 9], first[1:]):
+        keys = list(position)
+        assert keys[0] == str(tok)  # the prompt token first, then the best two
+        # ranks 1 and 2, and the prompt token's own when it is not among them
+        assert sorted(v["rank"] for v in position.values())[:2] == [1, 2]
+        assert len(position) == (2 if position[str(tok)]["rank"] <= 2 else 3)
+        assert all(isinstance(v["decoded_token"], str) for v in position.values())
+        assert position[str(tok)]["logprob"] <= max(v["logprob"] for v in position.values())
+    assert streamed.status_code == 400 and "stream=True" in streamed.text
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+    assert chat.status_code == 400 and "prompt_logprobs" in chat.text

@@ -120,3 +120,15 @@ def test_token_in_refuses_bad_requests_with_vllms_error_body(
     error = r.json()["error"]
     assert (error["code"], error["param"]) == (status, param)
     assert error["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
+
+
+def test_token_in_prompt_logprobs_equal_the_completions_routes(url: str, model: str) -> None:
+    answer = generate(url, model, max_tokens=1, prompt_logprobs=2)
+    with httpx.Client(timeout=120, headers=HEADERS) as http:
+        completion = http.post(
+            url + "/v1/completions",
+            json={"model": model, "prompt": PROMPT_IDS, "max_tokens": 1, "prompt_logprobs": 2},
+        ).json()
+    scores = answer["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == len(PROMPT_IDS)
+    assert scores == completion["choices"][0]["prompt_logprobs"]
