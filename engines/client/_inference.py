@@ -7,11 +7,12 @@
         completion = await client.generate(prompt_ids, SamplingParams(max_tokens=64),
                                            trajectory_id="prompt-7/sample-2")
         samples = await client.generate_n(prompt_ids, SamplingParams(seed=5), 8)  # vLLM's n
+        scores = await client.prompt_logprobs(token_ids)  # each token's logprob given those before
         await client.pause("keep")                    # every server, concurrently
         ...
         await client.resume()
 
-Data plane (``generate`` and ``generate_n``, here): each request goes to one server (the same one for the same
+Data plane (``generate``, ``generate_n`` and ``prompt_logprobs``, here): each request goes to one server (the same one for the same
 ``trajectory_id``, round-robin without one), at most ``max_concurrency`` in flight. Only
 transport errors are retried (bounded exponential backoff); an HTTP status never is. It is
 bounded by nothing but the caller's cancel scopes (the step deadline).
@@ -36,6 +37,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import httpx
 import trio
 
@@ -51,7 +53,7 @@ from engines.client._requests import (
     send,
 )
 from engines.client._rotation import is_engine_failure
-from engines.types import Completion, SamplingParams
+from engines.types import Completion, PromptLogprob, SamplingParams
 from trainer.errors import InferenceServerError
 from trainer.vocabulary import fire_fault, operation
 
@@ -182,8 +184,45 @@ class InferenceClient(ControlPlane):
                     return await self._complete(url.rstrip("/"), body, prompt_ids, n)
                 return await self._complete_on_a_live_server(trajectory_id, body, prompt_ids, n)
 
+    async def prompt_logprobs(
+        self, token_ids: list[int], k: int = 0, *, trajectory_id: str | None = None
+    ) -> list[PromptLogprob | None]:
+        """What the model makes of ``token_ids`` (vLLM's ``prompt_logprobs=k`` on the
+        completions route, with one greedy token sampled, which vLLM needs): per token, None
+        for the first, then its logprob given the tokens before it (raw logits), its rank and
+        the ``k`` best. The caller names the operation (no ``generate`` fault fires here).
+        Errors, retries and failed servers as :meth:`generate`."""
+        body: dict[str, object] = {
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": k,
+            "return_token_ids": True,
+            "logprobs": 0,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        async with self._limiter:
+            (completion,) = await self._complete_on_a_live_server(
+                trajectory_id, body, token_ids, 1, prompt_logprobs=k
+            )
+        if len(completion.prompt_logprobs) != len(token_ids):
+            raise InferenceServerError(
+                self.rotation.urls[0],
+                "/v1/completions",
+                200,
+                f"{len(completion.prompt_logprobs)} prompt logprobs for {len(token_ids)} tokens",
+            )
+        return completion.prompt_logprobs
+
     async def _complete_on_a_live_server(
-        self, trajectory_id: str | None, body: dict[str, object], prompt_ids: list[int], n: int
+        self,
+        trajectory_id: str | None,
+        body: dict[str, object],
+        prompt_ids: list[int],
+        n: int,
+        *,
+        prompt_logprobs: int | None = None,
     ) -> list[Completion]:
         rotation = self.rotation
         while True:
@@ -191,7 +230,7 @@ class InferenceClient(ControlPlane):
             url = rotation.urls[index]
             with rotation.request(index):
                 try:
-                    return await self._complete(url, body, prompt_ids, n)
+                    return await self._complete(url, body, prompt_ids, n, prompt_logprobs)
                 except InferenceServerError as exc:
                     if rotation.on_failure is None or not is_engine_failure(exc):
                         raise
@@ -199,7 +238,12 @@ class InferenceClient(ControlPlane):
             # the server failed or was taken out under the request: send it again
 
     async def _complete(
-        self, url: str, body: dict[str, object], prompt_ids: list[int], n: int
+        self,
+        url: str,
+        body: dict[str, object],
+        prompt_ids: list[int],
+        n: int,
+        prompt_logprobs: int | None = None,
     ) -> list[Completion]:
         path = "/v1/completions"
         response = await send(
@@ -212,23 +256,54 @@ class InferenceClient(ControlPlane):
             retry_on=RETRYABLE_ERRORS,
             json_body=body,
         )
-        return _completions(url, path, decode_json(url, path, response), prompt_ids, n)
+        data = decode_json(url, path, response)
+        return _completions(url, path, data, prompt_ids, n, prompt_logprobs)
 
 
-def _completions(url: str, path: str, data: Any, prompt_ids: list[int], n: int) -> list[Completion]:
-    """The ``n`` completions of a ``/v1/completions`` answer, by choice index;
-    ``InferenceServerError`` if it holds anything else."""
+def _completions(
+    url: str,
+    path: str,
+    data: Any,
+    prompt_ids: list[int],
+    n: int,
+    prompt_logprobs: int | None = None,
+) -> list[Completion]:
+    """The ``n`` completions of a ``/v1/completions`` answer, by choice index (with their
+    prompt logprobs, ``prompt_logprobs`` best each, where asked); ``InferenceServerError`` if
+    it holds anything else."""
     try:
         # by "index" (vLLM always sends it; a choice without one keeps its place)
         indexed = sorted((int(c.get("index", i)), i, c) for i, c in enumerate(data["choices"]))
         if [index for index, _, _ in indexed] != list(range(n)):
             raise ValueError(f"choice indices {[i for i, _, _ in indexed]}, expected 0..{n - 1}")
-        return [_completion(choice, prompt_ids) for _, _, choice in indexed]
+        completions = [_completion(choice, prompt_ids) for _, _, choice in indexed]
+        if prompt_logprobs is not None:
+            scores = _prompt_logprobs(indexed[0][2]["prompt_logprobs"], prompt_ids, prompt_logprobs)
+            completions = [attrs.evolve(c, prompt_logprobs=scores) for c in completions]
+        return completions
     except (KeyError, IndexError, TypeError, ValueError) as exc:
         excerpt = json.dumps(data)[:BODY_EXCERPT_CHARS]
         raise InferenceServerError(
             url, path, 200, f"not a completion ({exc!r}): {excerpt}"
         ) from None
+
+
+def _prompt_logprobs(positions: Any, prompt_ids: list[int], k: int) -> list[PromptLogprob | None]:
+    """vLLM's ``prompt_logprobs`` of a choice (per token None, or token id string to
+    ``{"logprob", "rank", ...}``) as values; KeyError, TypeError or ValueError when malformed."""
+    if len(positions) != len(prompt_ids) or positions[0] is not None:
+        raise ValueError(f"{len(positions)} prompt logprobs for {len(prompt_ids)} prompt tokens")
+    scores: list[PromptLogprob | None] = [None]
+    for tok, position in zip(prompt_ids[1:], positions[1:], strict=True):
+        own = position[str(tok)]
+        ranked = sorted(
+            ((int(v["rank"]), int(t), float(v["logprob"])) for t, v in position.items()),
+            key=lambda entry: entry[0],
+        )
+        top = [(t, lp) for _, t, lp in ranked[:k]]
+        rank = own.get("rank")
+        scores.append(PromptLogprob(float(own["logprob"]), int(rank) if rank else 0, top))
+    return scores
 
 
 def _completion(choice: Any, prompt_ids: list[int]) -> Completion:
