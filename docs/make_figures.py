@@ -19,9 +19,12 @@ from pathlib import Path
 
 from trainer.vocabulary import STAGES as ALL_STAGES
 
-#: The stages of a synchronous step, in step order (eval and the fully-async stages left out).
+#: The stages of a synchronous step, in step order (eval, the fully-async stages and
+#: distillation's teacher_logprobs left out).
 STAGES = tuple(
-    s for s in ALL_STAGES if s not in ("eval", "wait_for_generation_buffer", "run_training")
+    s
+    for s in ALL_STAGES
+    if s not in ("eval", "wait_for_generation_buffer", "run_training", "teacher_logprobs")
 )
 COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2")
 FONT = 'font-family="sans-serif" font-size="12"'
