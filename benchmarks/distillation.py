@@ -109,6 +109,7 @@ def smollm2(steps: int, teacher_steps: int, teacher_run: Path | None, extra: lis
             "examples/smollm2_addition.yaml",
             f"trainer.max_steps={teacher_steps}",
             f"trainer.ckpt_interval={teacher_steps}",
+            f"trainer.eval_interval={max(1, teacher_steps // 2)}",
             "trainer.max_ckpts_to_keep=1",
             "trainer.progress=false",
             f"trainer.run_dir={teacher_run}",
@@ -138,7 +139,7 @@ def main() -> None:
     parser.add_argument("--teacher-run", type=Path, default=None)
     parser.add_argument("--teacher-steps", type=int, default=25)
     parser.add_argument("extra", nargs="*", help="key=value overrides of the student's run")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()
     if args.which == "tiny":
         tiny(args.steps or 12, args.extra)
     else:
