@@ -19,11 +19,12 @@ from pathlib import Path
 
 from trainer.vocabulary import STAGES as ALL_STAGES
 
-#: The stages of a synchronous step, in step order (eval and the fully-async stages left out).
+#: The stages of a synchronous step, in step order (eval and the fully-async stages left out;
+#: teacher_logprobs is drawn where a distillation run timed it).
 STAGES = tuple(
     s for s in ALL_STAGES if s not in ("eval", "wait_for_generation_buffer", "run_training")
 )
-COLORS = ("#4c78a8", "#f58518", "#54a24b", "#e45756", "#b279a2", "#72b7b2")
+COLORS = ("#4c78a8", "#f58518", "#9d755d", "#54a24b", "#e45756", "#b279a2", "#72b7b2")
 FONT = 'font-family="sans-serif" font-size="12"'
 
 
@@ -65,6 +66,7 @@ def stage_means(rows: list[dict]) -> dict[str, float]:
 OPERATIONS = {
     "generate": "generate, env_step (your generator's rollouts)",
     "fwd_logprobs_values_reward": "forward (old and reference logprobs)",
+    "teacher_logprobs": "teacher_logprobs (algorithm.distillation)",
     "compute_advantages": "(no named operation)",
     "train_critic_and_policy": "forward_backward, optim_step",
     "save_checkpoints": "save_checkpoint (with trainer.ckpt_interval)",

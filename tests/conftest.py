@@ -120,6 +120,7 @@ SLOW_FILES = (
     "tests/engines/test_weight_transfer_messages.py",  # 12
     "tests/sync/test_disk_transport.py",  # 10
     "tests/trainer/run/test_interrupt.py",  # 10
+    "tests/trainer/run/test_distillation_run.py",  # 23-26 at load 6 (2026-12-08): one run + teacher
 )
 
 

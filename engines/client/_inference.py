@@ -7,11 +7,12 @@
         completion = await client.generate(prompt_ids, SamplingParams(max_tokens=64),
                                            trajectory_id="prompt-7/sample-2")
         samples = await client.generate_n(prompt_ids, SamplingParams(seed=5), 8)  # vLLM's n
+        scores = await client.prompt_logprobs(token_ids)  # each token's logprob given those before
         await client.pause("keep")                    # every server, concurrently
         ...
         await client.resume()
 
-Data plane (``generate`` and ``generate_n``, here): each request goes to one server (the same one for the same
+Data plane (``generate``, ``generate_n`` and ``prompt_logprobs``, here): each request goes to one server (the same one for the same
 ``trajectory_id``, round-robin without one), at most ``max_concurrency`` in flight. Only
 transport errors are retried (bounded exponential backoff); an HTTP status never is. It is
 bounded by nothing but the caller's cancel scopes (the step deadline).
@@ -183,6 +184,35 @@ class InferenceClient(ControlPlane):
                 if url is not None:
                     return await self._complete(url.rstrip("/"), body, prompt_ids, n)
                 return await self._complete_on_a_live_server(trajectory_id, body, prompt_ids, n)
+
+    async def prompt_logprobs(
+        self, token_ids: list[int], k: int = 0, *, trajectory_id: str | None = None
+    ) -> list[PromptLogprob | None]:
+        """What the model makes of ``token_ids`` (vLLM's ``prompt_logprobs=k`` on the
+        completions route, with one greedy token sampled, which vLLM needs): per token, None
+        for the first, then its logprob given the tokens before it (raw logits), its rank and
+        the ``k`` best. The caller names the operation (no ``generate`` fault fires here).
+        Errors, retries and failed servers as :meth:`generate`."""
+        body: dict[str, object] = {
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": k,
+            "return_token_ids": True,
+            "logprobs": 0,
+        }
+        if self.model is not None:
+            body["model"] = self.model
+        async with self._limiter:
+            (completion,) = await self._complete_on_a_live_server(trajectory_id, body, token_ids, 1)
+        if len(completion.prompt_logprobs) != len(token_ids):
+            raise InferenceServerError(
+                self.rotation.urls[0],
+                "/v1/completions",
+                200,
+                f"{len(completion.prompt_logprobs)} prompt logprobs for {len(token_ids)} tokens",
+            )
+        return completion.prompt_logprobs
 
     async def _complete_on_a_live_server(
         self, trajectory_id: str | None, body: dict[str, object], prompt_ids: list[int], n: int

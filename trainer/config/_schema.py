@@ -25,6 +25,7 @@ from trainer.algorithms import (
 from trainer.config._corrections import RolloutCorrectionConfig
 from trainer.config._cov import ClipCovConfig, KlCovConfig
 from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
+from trainer.config._distillation import DistillationConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
@@ -455,6 +456,12 @@ class AlgorithmConfig:
     mismatch: MismatchConfig = _section(
         MismatchConfig,
         "When the mismatch diagnostics (mismatch/*) warn: their thresholds.",
+    )
+    distillation: DistillationConfig = _section(
+        DistillationConfig,
+        "On-policy distillation: a teacher scores the sampled tokens, the advantage is the "
+        "negative reverse KL.",
+        switch="algorithm.distillation.teacher_path=DIR (the teacher model)",
     )
     overlong_buffer: OverlongBufferConfig = _section(
         OverlongBufferConfig,

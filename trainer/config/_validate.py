@@ -17,6 +17,7 @@ from sync.registry import TRANSPORTS
 from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._config import Config
 from trainer.config._cov import check_cov
+from trainer.config._distillation import check_distillation
 from trainer.config._models import CriticConfig
 from trainer.config._plan import EngineBackend, RunPlan, Strategy, WorkerBackend
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -357,6 +358,7 @@ def validate_cfg(cfg: Config) -> None:
     _check_pickle_exposure(cfg)
     _check_fork_server(cfg)
     _check_algorithm(cfg)
+    check_distillation(cfg)
     if cfg.sync.transport != "disk" and cfg.engine.backend == "inprocess":
         raise ConfigError(
             f"config: sync.transport={cfg.sync.transport!r} sends weights to engine servers, but "

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Protocol
 import attrs
 import trio
 
-from engines.types import EngineClient
+from engines.types import EngineClient, PromptLogprob
 from sync.transports import WeightTransport
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
@@ -26,7 +26,7 @@ from trainer.loop._versions import WeightVersions
 from trainer.metrics import MetricsLogger, StepProgress, TrackerSink, end_step
 from trainer.workers.group import WorkerGroup
 
-__all__ = ["SLOW_STALL_MS", "RunContext", "StepFn", "Strategy"]
+__all__ = ["SLOW_STALL_MS", "RunContext", "StepFn", "Strategy", "Teacher"]
 
 log = logging.getLogger("trainer.run")
 #: A step whose longest event-loop stall exceeds this logs the task that caused it.
@@ -63,6 +63,16 @@ class Strategy(Protocol):
         ...
 
 
+class Teacher(Protocol):
+    """The engine serving ``algorithm.distillation``'s teacher (``engines.client.InferenceClient``)."""
+
+    async def prompt_logprobs(
+        self, token_ids: list[int], k: int = 0, *, trajectory_id: str | None = None
+    ) -> list[PromptLogprob | None]:
+        """Per token of ``token_ids``, None for the first, then its logprob given those before."""
+        ...
+
+
 @attrs.define(eq=False)
 class RunContext:
     """Config, data, generators, engine, transport, workers, checkpoints and loggers of a run."""
@@ -95,6 +105,8 @@ class RunContext:
     eval_sampled_generator: Generator | None = None
     #: Restarts failed engines (``engine.max_restarts``); None where recovery does not apply.
     recovery: EngineRecovery | None = None
+    #: ``algorithm.distillation``'s teacher; None when the run distills nothing.
+    teacher: Teacher | None = None
     #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
     #: so never reads a policy mid-update); the recovery's own lock when there is one.
     weights_lock: trio.Lock = attrs.field(

@@ -19,6 +19,7 @@ from trainer.errors import WeightSyncTimeoutError
 from trainer.generators import GeneratorOutput
 from trainer.loop import _stages as stages
 from trainer.loop._context import RunContext
+from trainer.loop._distillation import distill, teacher_logprobs
 from trainer.loop._dynamic_sampling import generate_filtered
 from trainer.loop._engine_logs import engine_logs_on_unusable
 from trainer.loop._mismatch import batch_mismatch_sums, finish_mismatch
@@ -103,9 +104,16 @@ async def train_on(
         batch.ref_logprobs = await ctx.workers.compute_ref_logprobs(batch)
         batch.values = await ctx.workers.compute_values(batch)  # None without a critic
         metrics |= stages.rollout_metrics(prompts, rollouts)
+    teacher = None
+    if ctx.teacher is not None:  # algorithm.distillation
+        with Timer("teacher_logprobs", timings):
+            teacher = await teacher_logprobs(ctx.teacher, rollouts.trajectories)
     with Timer("compute_advantages", timings):
         batch.advantages, batch.returns, more = stages.advantages_for(ctx, rollouts, batch)
         metrics |= more
+        if teacher is not None:  # the negative reverse KL, plus the task's share
+            batch.advantages, more = distill(ctx, batch, teacher, batch.advantages)
+            metrics |= more
     with Timer("train_critic_and_policy", timings):
         metrics |= await stages.train_critic_and_policy(
             ctx, step, batch, [t.group_id for t in rollouts.trajectories]

@@ -21,6 +21,7 @@ import attrs
 import torch
 import trio
 
+from engines.client import InferenceClient
 from engines.types import EngineClient, SamplingParams
 from engines.vllm.serve import require_vllm
 from sync.transports import WeightTransport
@@ -54,6 +55,7 @@ from trainer.run._interrupt import stop_on_interrupt
 from trainer.run._parts import open_ray_cluster, open_transport, open_workers
 from trainer.run._prepare import Prepared, prepare, record_config
 from trainer.run._prompt_budget import check_context
+from trainer.run._teacher import open_teacher
 from trainer.vocabulary import install_faults, open_owner_nursery, unfired_faults
 from trainer.workers.group import WorkerGroup
 from trainer.workers.policy import preload_model_code
@@ -260,6 +262,8 @@ class _Parts:
     engines: Engines
     workers: WorkerGroup
     transport: WeightTransport
+    #: ``algorithm.distillation``'s teacher engine; None when the run distills nothing.
+    teacher: InferenceClient | None = None
 
 
 async def _open_parts(
@@ -283,6 +287,11 @@ async def _open_parts(
         max_tokens = cfg.generator.sampling.max_tokens
         check_context(await engines.client.max_model_len(), prepared.fitted, max_tokens)
         _announce(progress, engines.started)
+    if cfg.algorithm.distillation.enabled:
+        with progress.phase("teacher"):
+            teacher = await stack.enter_async_context(open_teacher(cfg, run_dir))
+    else:
+        teacher = None
     dumper.engine_urls = tuple(getattr(engines.client, "urls", ()))
     dumper.engine_api_key = engines.api_key
     with progress.phase("workers"):
@@ -291,7 +300,7 @@ async def _open_parts(
         transport = await stack.enter_async_context(
             open_transport(cfg, run_dir, engines.client, workers)
         )
-    return _Parts(reward_fn, trackers, engines, workers, transport)
+    return _Parts(reward_fn, trackers, engines, workers, transport, teacher)
 
 
 def _announce(progress: StepProgress, lines: tuple[str, ...]) -> None:
@@ -368,6 +377,7 @@ async def _open_run_context(
         trackers=parts.trackers,
         eval_sampled_generator=eval_sampled_generator,
         recovery=recovery,
+        teacher=parts.teacher,
     )
 
 

@@ -14,6 +14,8 @@ __all__ = ["OPERATIONS", "STAGES", "Operation", "Stage"]
 Stage = Literal[
     "generate",
     "fwd_logprobs_values_reward",
+    # algorithm.distillation only: the teacher scores the sampled tokens
+    "teacher_logprobs",
     "compute_advantages",
     "train_critic_and_policy",
     "save_checkpoints",
@@ -27,6 +29,8 @@ Stage = Literal[
 Operation = Literal[
     "generate",
     "env_step",
+    # algorithm.distillation only: one sequence's prompt logprobs from the teacher's engine
+    "teacher_logprobs",
     "forward",
     "forward_backward",
     "optim_step",

@@ -248,3 +248,31 @@ async def test_the_client_survives_vllms_connection_reset_after_a_500(vllm_serve
         assert info.value.status == 500
         for _ in range(3):
             assert await client.is_paused() == [False]
+
+
+async def test_prompt_logprobs_answer_in_the_reference_engines_shape_and_values(vllm_server):
+    """vLLM's ``prompt_logprobs`` (what the distillation teacher scores with) against the
+    reference engine's of the same model: the same JSON shape, key for key, and the same
+    values (float32 on both, 1e-4), through the client the teacher uses."""
+    from engines.local.engine import open_local_engine
+
+    ids = [5, 17, 3, 22, 9, 40, 41]
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 2}
+    async with httpx.AsyncClient(timeout=120, headers=vllm_server.headers) as http:
+        raw = (await http.post(f"{vllm_server.url}/v1/completions", json=body)).json()
+    positions = raw["choices"][0]["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(ids)
+    for tok, position in zip(ids[1:], positions[1:]):
+        assert next(iter(position)) == str(tok)  # the prompt token first, then the best
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for v in position.values())
+    async with InferenceClient([vllm_server.url], api_key=vllm_server.api_key) as client:
+        vllm = await client.prompt_logprobs(ids, k=2)
+    async with open_local_engine(vllm_server.model_dir, dtype="float32") as engine:
+        done = await engine.generate(ids, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    reference = done.prompt_logprobs
+    assert vllm[0] is None and reference[0] is None
+    for got, want in zip(vllm[1:], reference[1:]):
+        assert got is not None and want is not None
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.rank == want.rank
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]

@@ -39,6 +39,7 @@ def test_the_engines_logprobs_are_the_sampling_distributions(tmp_path, backend):
 class _Params:
     def __init__(self, temperature: float) -> None:
         self.temperature, self.top_p, self.top_logprobs = temperature, 1.0, 0
+        self.prompt_logprobs = None
 
 
 class _Request:
@@ -51,6 +52,7 @@ class _Request:
             False,
         )
         self.generator = torch.Generator().manual_seed(0)
+        self.prompt_scores = None
 
 
 def test_processed_logprobs_are_the_tempered_softmax_and_raw_ones_are_not():

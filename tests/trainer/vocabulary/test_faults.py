@@ -29,10 +29,12 @@ from trainer.vocabulary import (
 
 def test_operations_are_those_of_design_4_3():
     # plus issue 17's wait_for_batch (fully-async's wait for a batch of rollouts) and issue
-    # 28's two points inside a transfer (fired on the trainer's side, so against real vLLM)
+    # 28's two points inside a transfer (fired on the trainer's side, so against real vLLM),
+    # and issue 61's teacher_logprobs (a distillation teacher's scoring of one sequence)
     assert OPERATIONS == (
         "generate",
         "env_step",
+        "teacher_logprobs",
         "forward",
         "forward_backward",
         "optim_step",
