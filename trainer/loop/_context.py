@@ -15,6 +15,7 @@ import trio
 
 from engines.types import EngineClient
 from sync.transports import WeightTransport
+from trainer.algorithms import KlController
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
 from trainer.data import Example, PromptLoader
@@ -95,6 +96,9 @@ class RunContext:
     eval_sampled_generator: Generator | None = None
     #: Restarts failed engines (``engine.max_restarts``); None where recovery does not apply.
     recovery: EngineRecovery | None = None
+    #: The KL in the reward's coefficient (``algorithm.use_kl_in_reward``; None: off): the
+    #: run's state, kept by its checkpoints.
+    kl_ctrl: KlController | None = None
     #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
     #: so never reads a policy mid-update); the recovery's own lock when there is one.
     weights_lock: trio.Lock = attrs.field(

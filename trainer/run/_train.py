@@ -32,6 +32,7 @@ from trainer.errors import ConfigError
 from trainer.generators import Generator
 from trainer.loop import (
     RunContext,
+    kl_controller,
     open_engine_recovery,
     run_training,
 )
@@ -368,6 +369,7 @@ async def _open_run_context(
         trackers=parts.trackers,
         eval_sampled_generator=eval_sampled_generator,
         recovery=recovery,
+        kl_ctrl=kl_controller(cfg, prepared.state),
     )
 
 
