@@ -52,3 +52,11 @@ def test_the_entropy_coefficient_reaches_the_policy_worker():
     assert (
         policy_kwargs(load_config(None, ["algorithm.entropy_coeff=0.01"]))["entropy_coeff"] == 0.01
     )
+
+
+def test_verls_names_of_the_estimator_are_answered_with_ours():
+    with pytest.raises(
+        ConfigError, match=r"'low_var_kl' is verl's value: write algorithm\.kl_penalty=k3"
+    ):
+        load_config(None, [KL, "algorithm.kl_penalty=low_var_kl"])
+    assert load_config(None, [KL, "algorithm.kl_penalty=k3"]).algorithm.kl_penalty == "k3"
