@@ -72,6 +72,11 @@ RECIPES: dict[str, list[str]] = {
         "algorithm.kl_ctrl.horizon=1000",
     ],
     "DRO": ["algorithm.policy_loss=dro"],
+    "REINFORCE++, KL in reward": [
+        "algorithm.advantage_estimator=reinforce_plus_plus",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.kl_coef=0.01",
+    ],
 }
 #: The metrics of a feature the table's runs print at their last step, where a run has them.
 FEATURE_METRICS = ("policy/entropy", "reward/kl_penalty", "reward/kl_coef", "policy/dro_penalty")

@@ -24,6 +24,7 @@ from trainer.algorithms import (
 )
 from trainer.config._corrections import RolloutCorrectionConfig
 from trainer.config._cov import ClipCovConfig, DroConfig, KlCovConfig
+from trainer.config._dapo import DynamicSamplingConfig, OverlongBufferConfig
 from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
@@ -334,37 +335,6 @@ class GeneratorConfig:
         if self.max_turns == 1:
             return min(self.max_response_tokens, self.sampling.max_tokens)
         return self.max_response_tokens
-
-
-@attrs.define
-class OverlongBufferConfig:
-    len: int = _field(
-        0,
-        "DAPO's soft overlong punishment: the last this-many tokens of the response budget "
-        "(generator.max_response_tokens; with one turn at most generator.sampling.max_tokens) are a buffer where a response's reward falls linearly, "
-        "by up to overlong_buffer.penalty at the budget (0: off). docs/algorithms.md.",
-        check=at_least(0),
-    )
-    penalty: float = _field(
-        1.0, "The punishment of a response that fills its whole budget.", check=at_least(0)
-    )
-
-
-@attrs.define
-class DynamicSamplingConfig:
-    type: Literal["none", "filter"] = _field(
-        "none",
-        "'filter' (DAPO's dynamic sampling): a step trains only on groups whose rewards (after "
-        "algorithm.overlong_buffer) are not all equal, generating more prompts until it holds "
-        "trainer.train_batch_size of them. docs/algorithms.md#dynamic-sampling.",
-    )
-    max_rounds: int = _field(
-        10,
-        "type=filter: the most batches of prompts a step generates (fully_async: groups "
-        "taken, in batches); past it the step trains on the informative groups it has (or on "
-        "the last round's, where none were), with a warning and dynamic_sampling/exhausted=1.",
-        check=at_least(1),
-    )
 
 
 @attrs.define
