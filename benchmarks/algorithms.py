@@ -9,7 +9,9 @@ Runs ``python -m trainer`` (the default task and model, the local reference engi
 recipe below, back to back in one sitting, each in its own run directory, and prints one table
 (the one in docs/algorithms.md): the mean reward of the first and last 20% of steps
 (``summary.json``), whether it learned (last >= 2x first, the issue's bar), the mean step time,
-the batches of prompts generated per step (dynamic sampling's rounds)
+the batches of prompts generated per step (dynamic sampling's rounds), the first and last
+step's value of a feature's own metric (the entropy bonus's ``policy/entropy``, the KL in the
+reward's ``reward/kl_penalty`` and ``reward/kl_coef``, DRO's ``policy/dro_penalty``)
 and the time of the stages an algorithm changes (``timing/fwd_logprobs_values_reward``: the
 critic's values; ``timing/compute_advantages``; ``timing/train_critic_and_policy``), medians over the steps after the first 20%), each as a
 ratio to GRPO's in the same sitting: wall-clock times on a shared machine swing, ratios
@@ -60,7 +62,24 @@ RECIPES: dict[str, list[str]] = {
         "algorithm.overlong_buffer.len=2",
         "algorithm.dynamic_sampling.type=filter",
     ],
+    "Entropy bonus": ["algorithm.entropy_coeff=0.01"],
+    "KL in reward, fixed": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
+    "KL in reward, adaptive": [
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.01",
+        "algorithm.kl_ctrl.target_kl=0.1",
+        "algorithm.kl_ctrl.horizon=1000",
+    ],
+    "DRO": ["algorithm.policy_loss=dro"],
+    "REINFORCE++, KL in reward": [
+        "algorithm.advantage_estimator=reinforce_plus_plus",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.kl_coef=0.01",
+    ],
 }
+#: The metrics of a feature the table's runs print at their last step, where a run has them.
+FEATURE_METRICS = ("policy/entropy", "reward/kl_penalty", "reward/kl_coef", "policy/dro_penalty")
 STAGES = ("fwd_logprobs_values_reward", "compute_advantages", "train_critic_and_policy")
 
 
@@ -86,6 +105,10 @@ def run(overrides: list[str], steps: int, run_dir: Path) -> dict:
     steady = [r for r in rows if "timing/step" in r][max(1, steps // 5) :]
     for stage in STAGES:
         summary[stage] = statistics.median(r[f"timing/{stage}"] for r in steady)
+    trained = [r for r in rows if "timing/step" in r]
+    summary["features"] = {
+        key: (trained[0][key], trained[-1][key]) for key in FEATURE_METRICS if key in trained[-1]
+    }
     return summary
 
 
@@ -109,7 +132,8 @@ def main() -> None:
             r = results[name]
             print(
                 f"{name}: reward {r['reward/first_20pct']:.3f} -> {r['reward/last_20pct']:.3f}, "
-                f"{r['step_time_mean_s']:.3f} s/step",
+                f"{r['step_time_mean_s']:.3f} s/step"
+                + "".join(f", {k} {a:.4g} -> {b:.4g}" for k, (a, b) in r["features"].items()),
                 flush=True,
             )
     base = results.get("GRPO")

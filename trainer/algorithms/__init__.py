@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS as ADVANTAGE_ESTIMATORS
 from trainer.algorithms._registry import DATUM_LOSSES as DATUM_LOSSES
 from trainer.algorithms._registry import DEFAULT_RS_BOUNDS as DEFAULT_RS_BOUNDS
+from trainer.algorithms._registry import KL_CTRL_TYPES as KL_CTRL_TYPES
 from trainer.algorithms._registry import LOSS_AGG_MODES as LOSS_AGG_MODES
 from trainer.algorithms._registry import OFF_POLICY_CORRECTIONS as OFF_POLICY_CORRECTIONS
 from trainer.algorithms._registry import POLICY_LOSSES as POLICY_LOSSES
@@ -39,6 +40,7 @@ from trainer.algorithms._registry import ROLLOUT_IS as ROLLOUT_IS
 from trainer.algorithms._registry import ROLLOUT_RS as ROLLOUT_RS
 from trainer.algorithms._registry import VALUE_ESTIMATORS as VALUE_ESTIMATORS
 from trainer.algorithms._registry import AdvantageEstimatorName as AdvantageEstimatorName
+from trainer.algorithms._registry import KlCtrlTypeName as KlCtrlTypeName
 from trainer.algorithms._registry import LossAggModeName as LossAggModeName
 from trainer.algorithms._registry import OffPolicyCorrection as OffPolicyCorrection
 from trainer.algorithms._registry import PolicyLossName as PolicyLossName
@@ -57,7 +59,12 @@ if TYPE_CHECKING:
         rejection_mask_of,
     )
     from trainer.algorithms._datum_losses import DATUM_LOSS_INPUTS, datum_loss_config
-    from trainer.algorithms._logprobs import LOGPROB_CHUNK_ELEMENTS, head_token_logprobs
+    from trainer.algorithms._kl_reward import KlController, kl_reward_penalty
+    from trainer.algorithms._logprobs import (
+        LOGPROB_CHUNK_ELEMENTS,
+        head_token_logprobs,
+        head_token_logprobs_entropy,
+    )
     from trainer.algorithms._losses import (
         DEFAULT_CLIP_HIGH,
         DEFAULT_CLIP_LOW,
@@ -78,6 +85,7 @@ if TYPE_CHECKING:
         kl_penalty,
         masked_mean,
         masked_sum,
+        token_entropy,
         token_logprobs,
     )
     from trainer.algorithms._shaping import overlong_penalty
@@ -91,6 +99,7 @@ __all__ = [
     "DEFAULT_CLIP_HIGH",
     "DEFAULT_CLIP_LOW",
     "DEFAULT_RS_BOUNDS",
+    "KL_CTRL_TYPES",
     "KL_ESTIMATORS",
     "LOGPROB_CHUNK_ELEMENTS",
     "LOG_RATIO_CLAMP",
@@ -107,6 +116,8 @@ __all__ = [
     "VALUE_LOSS_METRICS",
     "AdvantageEstimatorName",
     "BatchCounts",
+    "KlController",
+    "KlCtrlTypeName",
     "LossAggModeName",
     "OffPolicyCorrection",
     "PolicyLossName",
@@ -121,8 +132,10 @@ __all__ = [
     "fold_mismatch_sums",
     "gae_advantages_and_returns",
     "head_token_logprobs",
+    "head_token_logprobs_entropy",
     "importance_weights_of",
     "kl_penalty",
+    "kl_reward_penalty",
     "masked_mean",
     "masked_sum",
     "mismatch_metrics",
@@ -131,6 +144,7 @@ __all__ = [
     "policy_loss",
     "rejection_mask_of",
     "resolve_loss_agg_mode",
+    "token_entropy",
     "token_logprobs",
     "value_loss",
 ]
@@ -143,6 +157,8 @@ _LAZY = {
     "DATUM_LOSS_INPUTS": "_datum_losses",
     "datum_loss_config": "_datum_losses",
     "aggregate": "_aggregation",
+    "KlController": "_kl_reward",
+    "kl_reward_penalty": "_kl_reward",
     "CORRECTION_METRICS": "_corrections",
     "importance_weights_of": "_corrections",
     "rejection_mask_of": "_corrections",
@@ -158,11 +174,13 @@ _LAZY = {
     "policy_loss": "_losses",
     "LOGPROB_CHUNK_ELEMENTS": "_logprobs",
     "head_token_logprobs": "_logprobs",
+    "head_token_logprobs_entropy": "_logprobs",
     "KL_ESTIMATORS": "_ops",
     "LOG_RATIO_CLAMP": "_ops",
     "kl_penalty": "_ops",
     "masked_mean": "_ops",
     "masked_sum": "_ops",
+    "token_entropy": "_ops",
     "token_logprobs": "_ops",
     "overlong_penalty": "_shaping",
     "VALUE_LOSS_METRICS": "_value",

@@ -5,7 +5,11 @@ Each estimator reads an :class:`AdvantageInputs` (the rewards, their groups: the
 one prompt, and the response tokens) and returns per-trajectory advantages ``[B]`` or per-token
 ones ``[B, T]`` (zero at masked tokens); :func:`compute_advantages` checks the inputs and calls
 the one named. The outcome reward of a trajectory is one scalar: the reward of its last trained
-token, every earlier token's being 0.
+token, every earlier token's being 0. Token-level rewards (``token_rewards``: the KL in the
+reward, ``algorithm.use_kl_in_reward``) add to each trained token's, as verl's
+``token_level_rewards``: the per-token estimators (:data:`TOKEN_REWARD_ESTIMATORS`) read them
+token by token, every other estimator the trajectory's sum (verl's ``scores =
+token_level_rewards.sum(-1)``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from trainer.algorithms._registry import ADVANTAGE_ESTIMATORS
 
 __all__ = [
+    "TOKEN_REWARD_ESTIMATORS",
     "WHITEN_EPS",
     "AdvantageInputs",
     "compute_advantages",
@@ -30,6 +35,8 @@ __all__ = [
     "rloo",
 ]
 
+#: The estimators that read token-level rewards token by token (the others, their sum).
+TOKEN_REWARD_ESTIMATORS = frozenset({"reinforce_plus_plus", "gae"})
 #: Added to the batch's variance before the square root when whitening (as verl's
 #: ``masked_whiten``).
 WHITEN_EPS = 1e-8
@@ -52,6 +59,9 @@ class AdvantageInputs:
     values: torch.Tensor | None = None
     #: GAE's lambda.
     lam: float = 1.0
+    #: ``[B, T]`` float64 rewards of the trained tokens besides the outcome (0 elsewhere), for
+    #: :data:`TOKEN_REWARD_ESTIMATORS`; None: the outcome alone.
+    token_rewards: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
@@ -105,6 +115,7 @@ def compute_advantages(
     eps: float = 1e-6,
     values: torch.Tensor | None = None,
     lam: float = 1.0,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages of ``B`` trajectories by the estimator named ``estimator``.
 
@@ -114,6 +125,9 @@ def compute_advantages(
     (``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``gae``). ``norm_by_std``: GRPO
     and pass@k divide by the group's std. ``gamma``: REINFORCE++'s and GAE's discount.
     ``values`` (``[B, T]`` like ``mask``) and ``lam``: GAE's critic values and lambda.
+    ``token_rewards`` (``[B, T]`` like ``mask``; only trained tokens' count): rewards added to
+    each token's, the outcome staying on the last; ``reinforce_plus_plus`` and ``gae`` read
+    them per token, the others each trajectory's outcome plus their sum.
 
     The result is ``[B]`` or ``[B, T]`` (see each estimator), in ``rewards``' dtype when
     floating, else the default dtype, on ``rewards``' device, without gradient.
@@ -144,6 +158,11 @@ def compute_advantages(
             f"mask must be [B, T] with B = {rewards.numel()} trajectories, "
             f"got shape {tuple(mask.shape)}"
         )
+    if token_rewards is not None and (mask is None or token_rewards.shape != mask.shape):
+        raise ValueError(
+            f"token_rewards must be [B, T] like mask, got shape {tuple(token_rewards.shape)} "
+            f"(mask: {None if mask is None else tuple(mask.shape)})"
+        )
     if values is not None and (mask is None or values.shape != mask.shape):
         raise ValueError(
             f"values must be [B, T] like mask, got shape {tuple(values.shape)} "
@@ -164,7 +183,14 @@ def compute_advantages(
     _, index = torch.unique(ids, return_inverse=True)
     valid = None if mask is None else mask.to(device=r.device) != 0
     v = None if values is None else values.detach().to(device=r.device, dtype=torch.float64)
-    inputs = AdvantageInputs(r, index, valid, norm_by_std, gamma, eps, v, lam)
+    per_token = None
+    if token_rewards is not None:
+        assert valid is not None
+        tr = token_rewards.detach().to(device=r.device, dtype=torch.float64)
+        per_token = torch.where(valid, tr, torch.zeros_like(tr))
+        if estimator not in TOKEN_REWARD_ESTIMATORS:  # verl: scores = token_level_rewards.sum(-1)
+            r, per_token = r + per_token.sum(-1), None
+    inputs = AdvantageInputs(r, index, valid, norm_by_std, gamma, eps, v, lam, per_token)
     return fn(inputs).to(out_dtype)
 
 
@@ -225,11 +251,29 @@ def grpo_passk(x: AdvantageInputs) -> torch.Tensor:
 
 def _discounted_returns(x: AdvantageInputs, mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]``: ``gamma ** k * r`` at each trained token, ``k`` the number of trained tokens
-    after it in its trajectory (the outcome reward sits on the last one); 0 elsewhere."""
+    after it in its trajectory (the outcome reward sits on the last one); 0 elsewhere. With
+    token-level rewards, each trained token's return is ``sum_j gamma ** j * r_(t+j)`` over
+    it and the trained tokens after it, ``r`` its own reward (the outcome added on the last)."""
+    if x.token_rewards is not None:
+        rewards = x.token_rewards + _outcome_on_last(x.rewards, mask)
+        running = torch.zeros_like(x.rewards)
+        returns = torch.zeros_like(rewards)
+        for t in reversed(range(mask.shape[1])):
+            running = torch.where(mask[:, t], rewards[:, t] + x.gamma * running, running)
+            returns[:, t] = torch.where(mask[:, t], running, torch.zeros_like(running))
+        return returns
     m = mask.to(torch.float64)
     after = m.flip(-1).cumsum(-1).flip(-1) - m
     returns = x.rewards[:, None] * torch.pow(torch.full_like(after, x.gamma), after)
     return torch.where(mask, returns, torch.zeros_like(returns))
+
+
+def _outcome_on_last(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float64: each trajectory's outcome reward on its last trained token, 0 on
+    every other."""
+    m = mask.to(torch.float64)
+    after = m.flip(-1).cumsum(-1).flip(-1) - m
+    return torch.where((after == 0) & mask, rewards[:, None], torch.zeros_like(m))
 
 
 def _whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -251,8 +295,10 @@ def reinforce_plus_plus(x: AdvantageInputs) -> torch.Tensor:
     ``gamma ** k * r`` (``k`` trained tokens after it: an environment's tokens in a multi-turn
     trajectory are not steps of the policy and are skipped; verl's loop carries the return
     through them unchanged, the same), whitened over all trained tokens of the batch (global, not per group: the
-    paper's point). The paper also folds a per-token KL penalty into the reward; here the KL
-    term is the loss's (``algorithm.use_kl_loss``)."""
+    paper's point). The paper also folds a per-token KL penalty into the reward: here that is
+    ``algorithm.use_kl_in_reward`` (``token_rewards``: each token's return then sums the
+    discounted rewards of it and the trained tokens after it), or the loss's
+    (``algorithm.use_kl_loss``)."""
     mask = x.token_mask("reinforce_plus_plus")
     return _whiten(_discounted_returns(x, mask), mask)
 
@@ -270,13 +316,19 @@ def reinforce_plus_plus_baseline(x: AdvantageInputs) -> torch.Tensor:
 
 
 def gae_advantages_and_returns(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), before any
     whitening: ``([B, T] advantages, [B, T] returns)``, 0 at untrained tokens.
 
     The outcome reward ``rewards[b]`` is the reward of trajectory ``b``'s last trained token;
-    every other token's is 0. Walking back over the trained tokens of each trajectory,
+    every other token's is 0, plus ``token_rewards`` (``[B, T]``, the KL in the reward) where
+    given. Walking back over the trained tokens of each trajectory,
     ``delta_t = r_t + gamma * V_next - V_t`` and ``A_t = delta_t + gamma * lam * A_next``, where
     ``next`` is the next *trained* token (0 past the last): an environment's tokens in a
     multi-turn trajectory are not steps of the policy and are skipped, as verl's
@@ -284,15 +336,17 @@ def gae_advantages_and_returns(
     targets, are ``A_t + V_t``. float64 in, float64 out.
     """
     _, width = mask.shape
-    m = mask.to(torch.float64)
-    after = m.flip(-1).cumsum(-1).flip(-1) - m
-    token_rewards = torch.where((after == 0) & mask, rewards[:, None], torch.zeros_like(m))
+    step_rewards = _outcome_on_last(rewards, mask)
+    if token_rewards is not None:
+        step_rewards = step_rewards + torch.where(
+            mask, token_rewards.to(step_rewards), torch.zeros_like(step_rewards)
+        )
     next_value = torch.zeros_like(rewards)
     next_adv = torch.zeros_like(rewards)
-    advantages = torch.zeros_like(m)
+    advantages = torch.zeros_like(step_rewards)
     for t in reversed(range(width)):
         trained = mask[:, t]
-        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        delta = step_rewards[:, t] + gamma * next_value - values[:, t]
         adv_t = delta + gamma * lam * next_adv
         next_value = torch.where(trained, values[:, t], next_value)
         next_adv = torch.where(trained, adv_t, next_adv)
@@ -308,6 +362,6 @@ def gae(x: AdvantageInputs) -> torch.Tensor:
     a critic on the returns (``critic.*``)."""
     mask = x.token_mask("gae")
     advantages, _ = gae_advantages_and_returns(
-        x.rewards, x.token_values("gae"), mask, x.gamma, x.lam
+        x.rewards, x.token_values("gae"), mask, x.gamma, x.lam, x.token_rewards
     )
     return _whiten(advantages, mask)

@@ -18,6 +18,7 @@ import torch
 
 from trainer.algorithms._aggregation import BatchCounts, aggregate
 from trainer.algorithms._cov_losses import CLIP_COV_DEFAULTS, KL_COV_DEFAULTS, clip_cov, kl_cov
+from trainer.algorithms._dro import DRO_DEFAULTS, dro
 from trainer.algorithms._ops import LOG_RATIO_CLAMP, masked_mean, valid_mask
 from trainer.algorithms._registry import POLICY_LOSSES
 
@@ -29,6 +30,7 @@ __all__ = [
     "LossInputs",
     "cispo",
     "clip_cov",
+    "dro",
     "gspo",
     "kl_cov",
     "policy_loss",
@@ -57,11 +59,13 @@ POLICY_LOSS_METRICS: dict[str, tuple[str, ...]] = {
     "cispo": (*COMMON_METRICS, "clip_frac", "clip_frac_high", "clip_frac_low"),
     "clip_cov": (*COMMON_METRICS, "clip_frac", "cov_clip_frac", "cov_candidates_frac"),
     "kl_cov": (*COMMON_METRICS, "kl_cov_frac", "abs_kl"),
+    "dro": (*COMMON_METRICS, "dro_penalty"),
 }
 #: Each loss's own parameters and their defaults (``loss_options`` overrides them).
 LOSS_OPTIONS: dict[str, dict[str, float]] = {
     "clip_cov": CLIP_COV_DEFAULTS,
     "kl_cov": KL_COV_DEFAULTS,
+    "dro": DRO_DEFAULTS,
 }
 
 
@@ -82,7 +86,7 @@ class LossInputs:
     clip_high: float
     #: Dual-clip's bound on the ratio for negative advantages (``ppo``); None: off.
     clip_ratio_c: float | None
-    #: The loss's own parameters (:data:`LOSS_OPTIONS`: ``clip_cov``'s, ``kl_cov``'s).
+    #: The loss's own parameters (:data:`LOSS_OPTIONS`: ``clip_cov``'s, ``kl_cov``'s, ``dro``'s).
     options: Mapping[str, float] = attrs.field(factory=dict)
 
     @property
@@ -110,7 +114,8 @@ def policy_loss(
     token_weights: torch.Tensor | None = None,
     loss_options: Mapping[str, float] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss named ``loss`` (``ppo``, ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``),
+    """The policy loss named ``loss`` (``ppo``, ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``,
+    ``dro``),
     aggregated by ``loss_agg_mode``, and its metrics. ``loss_options``: the loss's own
     parameters (:data:`LOSS_OPTIONS`; unset ones take their defaults, others are refused).
 

@@ -1,5 +1,5 @@
-"""The tensor operations the algorithms share: masked reductions, token log-probabilities and
-the KL estimators. Pure torch, no trio, no I/O.
+"""The tensor operations the algorithms share: masked reductions, token log-probabilities, the
+sampling distribution's entropy and the KL estimators. Pure torch, no trio, no I/O.
 
 ``mask`` is ``[B, T]``, bool or 0/1: nonzero marks a token that is trained on (a response token
 the policy produced); zero marks padding, prompt or tool-output tokens. Masked positions never
@@ -12,14 +12,17 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 __all__ = [
     "K3_CLAMP",
     "KL_ESTIMATORS",
     "LOG_RATIO_CLAMP",
+    "entropy_of_logits",
     "kl_penalty",
     "masked_mean",
     "masked_sum",
+    "token_entropy",
     "token_logprobs",
     "valid_mask",
 ]
@@ -154,3 +157,35 @@ def token_logprobs(
     if logits.dim() == 1:
         return rows(logits.float(), ids)
     return torch.stack([rows(lg.float(), ix) for lg, ix in zip(logits, ids)])
+
+
+def entropy_of_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The entropy of ``softmax(logits / temperature)`` over the last dimension, float32:
+    ``logsumexp(z) - sum softmax(z) z`` with ``z = logits / temperature`` (one ``[..., V]``
+    softmax, no log-softmax copy). Differentiable."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Each position's entropy of the whole sampling distribution ``softmax(logits /
+    temperature)`` (verl's ``entropy_from_logits``, taken at the sampler's temperature as
+    verl's actor takes it), float32, ``logits``' shape without the vocabulary dimension.
+
+    Memory: one row of the leading dimension at a time (``[T, V]`` float32), and under autograd
+    each row is checkpointed, so the backward keeps the logits (already held) and no
+    ``[B, T, V]`` softmax. Raises ``ValueError`` for ``temperature <= 0``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() == 1:
+        return entropy_of_logits(logits, temperature)
+    rows = []
+    for row in logits:
+        if torch.is_grad_enabled() and row.requires_grad:
+            rows.append(checkpoint(entropy_of_logits, row, temperature, use_reentrant=False))
+        else:
+            rows.append(entropy_of_logits(row, temperature))
+    return torch.stack(rows)  # type: ignore[arg-type]  # checkpoint returns the function's tensor

@@ -15,6 +15,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "DATUM_LOSSES",
     "DEFAULT_RS_BOUNDS",
+    "KL_CTRL_TYPES",
     "LOSS_AGG_MODES",
     "OFF_POLICY_CORRECTIONS",
     "POLICY_LOSSES",
@@ -22,6 +23,7 @@ __all__ = [
     "ROLLOUT_RS",
     "VALUE_ESTIMATORS",
     "AdvantageEstimatorName",
+    "KlCtrlTypeName",
     "LossAggModeName",
     "OffPolicyCorrection",
     "PolicyLossName",
@@ -36,6 +38,9 @@ __all__ = [
 #: ``algorithm.off_policy_correction`` also takes ``auto``, which the run plan decides.
 OffPolicyCorrection = Literal["none", "tis"]
 OFF_POLICY_CORRECTIONS: tuple[OffPolicyCorrection, ...] = ("none", "tis")
+#: ``algorithm.kl_ctrl.type``: how the KL in the reward's coefficient moves
+#: (:class:`trainer.algorithms.KlController`).
+KL_CTRL_TYPES: tuple[str, ...] = ("fixed", "adaptive")
 
 
 @attrs.frozen
@@ -80,7 +85,14 @@ VALUE_ESTIMATORS = frozenset({"gae"})
 POLICY_LOSSES = Registry(
     "algorithm.policy_loss",
     "trainer.algorithms._losses",
-    {"ppo": "ppo", "gspo": "gspo", "cispo": "cispo", "clip_cov": "clip_cov", "kl_cov": "kl_cov"},
+    {
+        "ppo": "ppo",
+        "gspo": "gspo",
+        "cispo": "cispo",
+        "clip_cov": "clip_cov",
+        "kl_cov": "kl_cov",
+        "dro": "dro",
+    },
 )
 #: The training service's losses (``python -m trainer serve``: the Tinker protocol's
 #: ``loss_fn``): one datum's loss from its target tokens' logprobs, summed over its tokens.
@@ -191,9 +203,11 @@ if TYPE_CHECKING:
     LossAggModeName = str
     RolloutIsName = str
     RolloutRsName = str
+    KlCtrlTypeName = str
 else:
     AdvantageEstimatorName = Literal[ADVANTAGE_ESTIMATORS.names]
     PolicyLossName = Literal[POLICY_LOSSES.names]
     LossAggModeName = Literal[LOSS_AGG_MODES.names]
     RolloutIsName = Literal[ROLLOUT_IS.names]
     RolloutRsName = Literal[ROLLOUT_RS.names]
+    KlCtrlTypeName = Literal[KL_CTRL_TYPES]

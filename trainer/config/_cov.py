@@ -1,8 +1,9 @@
 """``algorithm.clip_cov`` and ``algorithm.kl_cov``: the parameters of the two covariance
 policy losses (``algorithm.policy_loss=clip_cov`` / ``kl_cov``, :mod:`trainer.algorithms`),
 verl's ``actor.policy_loss.{clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio}`` and
-``ppo_kl_coef`` with verl's defaults, and :func:`loss_options`, what the policy worker's loss
-takes of them. docs/algorithms.md#policy-losses.
+``ppo_kl_coef`` with verl's defaults; ``algorithm.dro.beta`` (``policy_loss=dro``, Tinker's);
+and :func:`loss_options`, what the policy worker's loss takes of them.
+docs/algorithms.md#policy-losses.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from trainer.config._fields import config_field as _field
 from trainer.config._fields import in_range, positive
 from trainer.errors import ConfigError
 
-__all__ = ["ClipCovConfig", "KlCovConfig", "check_cov", "loss_options"]
+__all__ = ["ClipCovConfig", "DroConfig", "KlCovConfig", "check_cov", "loss_options"]
 
 
 @attrs.define
@@ -52,10 +53,21 @@ class KlCovConfig:
     )
 
 
+@attrs.define
+class DroConfig:
+    beta: float = _field(
+        0.05,
+        "policy_loss=dro: the weight of the quadratic penalty 0.5 beta (logp - old)^2 "
+        "(Tinker's loss_fn_config beta; 0.05 as Tinker's example).",
+        check=positive,
+    )
+
+
 class _Algorithm(Protocol):
     policy_loss: str
     clip_cov: ClipCovConfig
     kl_cov: KlCovConfig
+    dro: DroConfig
 
 
 def check_cov(a: _Algorithm) -> None:
@@ -69,10 +81,13 @@ def check_cov(a: _Algorithm) -> None:
 
 
 def loss_options(a: _Algorithm) -> dict[str, float]:
-    """The chosen policy loss's own parameters, by verl's names (empty for a loss with none)."""
+    """The chosen policy loss's own parameters, by verl's (dro: Tinker's) names (empty for a
+    loss with none)."""
     if a.policy_loss == "clip_cov":
         c = a.clip_cov
         return {"clip_cov_ratio": c.ratio, "clip_cov_lb": c.lb, "clip_cov_ub": c.ub}
     if a.policy_loss == "kl_cov":
         return {"kl_cov_ratio": a.kl_cov.ratio, "ppo_kl_coef": a.kl_cov.coef}
+    if a.policy_loss == "dro":
+        return {"beta": a.dro.beta}
     return {}

@@ -22,7 +22,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from trainer.config._config import Config
-from trainer.config._peer_keys import peer_answer
+from trainer.config._peer_keys import peer_answer, peer_value_answer
 from trainer.config._schema import (
     RENAMED_VALUES,
 )
@@ -98,6 +98,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             raise ConfigError(
                 f"config: {key}={value!r} was renamed: write {key}={RENAMED_VALUES[key, value]}"
             )
+        if value not in allowed and (answer := peer_value_answer(key, value)):
+            raise ConfigError(f"config: {answer}")
         if value not in allowed:
             raise ConfigError(
                 f"config: {key}={value!r} is not allowed: choose one of {', '.join(map(repr, allowed))}"

@@ -20,7 +20,14 @@ from typing import Literal
 
 import attrs
 
-__all__ = ["PEER_KEYS", "PeerKey", "peer_answer", "peer_key_table", "print_peer_key_table"]
+__all__ = [
+    "PEER_KEYS",
+    "PeerKey",
+    "peer_answer",
+    "peer_key_table",
+    "peer_value_answer",
+    "print_peer_key_table",
+]
 
 Framework = Literal["verl", "SkyRL"]
 
@@ -137,6 +144,23 @@ PEER_KEYS: tuple[PeerKey, ...] = (
     _skyrl(f"{_S}.kl_loss_coef", "algorithm.kl_loss_coef"),
     _verl(f"{_A}.kl_loss_type", "algorithm.kl_loss_type", values=_KL),
     _skyrl(f"{_S}.kl_estimator_type", "algorithm.kl_loss_type"),
+    _verl("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward"),
+    _skyrl(f"{_S}.use_kl_in_reward", "algorithm.use_kl_in_reward"),
+    _verl("algorithm.kl_penalty", "algorithm.kl_penalty", values=_KL),
+    _verl("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.type"),
+    _skyrl(f"{_S}.kl_ctrl.type", "algorithm.kl_ctrl.type"),
+    _verl("algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.kl_coef"),
+    _verl("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.target_kl"),
+    _skyrl(f"{_S}.kl_ctrl.kl_target", "algorithm.kl_ctrl.target_kl"),
+    _verl("algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.horizon"),
+    _skyrl(f"{_S}.kl_ctrl.horizon", "algorithm.kl_ctrl.horizon"),
+    _verl(f"{_A}.entropy_coeff", "algorithm.entropy_coeff"),
+    _skyrl(f"{_S}.entropy_loss_coef", "algorithm.entropy_coeff"),
+    _skyrl(
+        f"{_S}.use_entropy_loss",
+        "algorithm.entropy_coeff",
+        hint="C (entropy_loss_coef's value, 0.01 by SkyRL's default; 0 is off)",
+    ),
     *(
         _verl(f"{_R}.{leaf}", f"{_R}.{leaf}")
         for leaf in (
@@ -226,6 +250,20 @@ def peer_answer(key: str, value: object) -> str | None:
     return f"{key!r} is {peer.framework}'s key: {peer.answer(value)}"
 
 
+_SAME_KEY_VALUES: dict[tuple[str, str], PeerKey] = {
+    (p.key, peer_value): p for p in PEER_KEYS if p.key == p.ours for peer_value in p.values
+}
+
+
+def peer_value_answer(key: str, value: object) -> str | None:
+    """The answer to a peer's value of a key both share (verl's ``algorithm.kl_penalty=
+    low_var_kl``): ``"verl's value; write ..."``; None for no peer value."""
+    peer = _SAME_KEY_VALUES.get((key, _yaml_text(value)))
+    if peer is None:
+        return None
+    return f"{key}={value!r} is {peer.framework}'s value: {peer.answer(value)}"
+
+
 def print_peer_key_table() -> None:
     """Print :func:`peer_key_table` (what docs/algorithms.md holds)."""
     print(peer_key_table())
@@ -236,8 +274,13 @@ def peer_key_table() -> str:
     (``same`` where the peer's key is this trainer's)."""
     rows: dict[str, dict[str, list[str]]] = {}
     for p in PEER_KEYS:
-        if p.key == p.ours:  # the same key here: nothing to translate
-            rows.setdefault(p.ours, {"verl": [], "SkyRL": []})[p.framework].append("same")
+        if p.key == p.ours:  # the same key here: nothing to translate but renamed values
+            same = "same" + (
+                " (" + ", ".join(f"`{k}`: `{v}`" for k, v in p.values.items()) + ")"
+                if p.values
+                else ""
+            )
+            rows.setdefault(p.ours, {"verl": [], "SkyRL": []})[p.framework].append(same)
             continue
         cell = f"`{p.key}`" + "".join(f" (also `{key}`)" for key in p.also)
         renamed = {**p.values, **p.switch}

@@ -188,16 +188,22 @@ class RunPlan:
     #: The line a run logs at its start where the correction was chosen for it: fully-async
     #: with staleness and nothing chosen (``off_policy_correction=auto``); else None.
     correction_note: str | None = None
+    #: The rewards take the KL to the reference model (``algorithm.use_kl_in_reward``): the
+    #: old logprobs are read before the advantages.
+    kl_in_reward: bool = False
+    #: A reference model runs (a ref worker): ``algorithm.use_kl_loss`` or ``use_kl_in_reward``.
+    uses_reference_model: bool = False
 
     @property
     def recomputes_old_logprobs(self) -> bool:
         """Whether the step runs a ``forward`` of the policy for the old logprobs before the
         update: not with ``bypass_mode`` (the rollout's are the old policy's), nor with one
-        update per batch (the update's own forward has them) unless a rejection mask must read
-        them before the advantages."""
+        update per batch (the update's own forward has them) unless a rejection mask or the KL
+        in the reward must read them before the advantages."""
         if self.correction.bypass_mode:
             return False
-        return not self.one_update_per_batch or self.correction.rollout_rs is not None
+        early = self.correction.rollout_rs is not None or self.kl_in_reward
+        return not self.one_update_per_batch or early
 
 
 @attrs.frozen
@@ -274,6 +280,8 @@ def plan_run(cfg: Sections, *, cuda: bool | None = None) -> RunPlan:
         correction=plan_correction(cfg.algorithm, fully_async, staleness=staleness),
         correction_note=correction_note(cfg.algorithm, fully_async, staleness=staleness),
         one_update_per_batch=t.one_update_per_batch,
+        kl_in_reward=cfg.algorithm.use_kl_in_reward,
+        uses_reference_model=cfg.algorithm.use_kl_loss or cfg.algorithm.use_kl_in_reward,
         trains_critic=cfg.algorithm.trains_critic,
         uses_ray=w.backend == "ray" or e.placement == "ray",
         threads=None if cuda else cpu_threads(cfg),

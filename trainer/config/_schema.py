@@ -23,13 +23,15 @@ from trainer.algorithms import (
     PolicyLossName,
 )
 from trainer.config._corrections import RolloutCorrectionConfig
-from trainer.config._cov import ClipCovConfig, KlCovConfig
+from trainer.config._cov import ClipCovConfig, DroConfig, KlCovConfig
+from trainer.config._dapo import DynamicSamplingConfig, OverlongBufferConfig
 from trainer.config._data import BUILTIN_REWARDS, DataConfig, ReasoningGymConfig
 from trainer.config._distillation import DistillationConfig
 from trainer.config._engine import EngineConfig, SyncConfig
 from trainer.config._fields import ConfigWarning, at_least, in_range, module_attr, positive
 from trainer.config._fields import config_field as _field
 from trainer.config._fields import config_section as _section
+from trainer.config._kl_in_reward import KlCtrlConfig
 from trainer.config._mismatch import MismatchConfig
 from trainer.config._models import ModelConfig, OptimConfig
 from trainer.config._workers import WorkersConfig
@@ -337,37 +339,6 @@ class GeneratorConfig:
 
 
 @attrs.define
-class OverlongBufferConfig:
-    len: int = _field(
-        0,
-        "DAPO's soft overlong punishment: the last this-many tokens of the response budget "
-        "(generator.max_response_tokens; with one turn at most generator.sampling.max_tokens) are a buffer where a response's reward falls linearly, "
-        "by up to overlong_buffer.penalty at the budget (0: off). docs/algorithms.md.",
-        check=at_least(0),
-    )
-    penalty: float = _field(
-        1.0, "The punishment of a response that fills its whole budget.", check=at_least(0)
-    )
-
-
-@attrs.define
-class DynamicSamplingConfig:
-    type: Literal["none", "filter"] = _field(
-        "none",
-        "'filter' (DAPO's dynamic sampling): a step trains only on groups whose rewards (after "
-        "algorithm.overlong_buffer) are not all equal, generating more prompts until it holds "
-        "trainer.train_batch_size of them. docs/algorithms.md#dynamic-sampling.",
-    )
-    max_rounds: int = _field(
-        10,
-        "type=filter: the most batches of prompts a step generates (fully_async: groups "
-        "taken, in batches); past it the step trains on the informative groups it has (or on "
-        "the last round's, where none were), with a warning and dynamic_sampling/exhausted=1.",
-        check=at_least(1),
-    )
-
-
-@attrs.define
 class AlgorithmConfig:
     advantage_estimator: AdvantageEstimatorName = _field(
         ADVANTAGE_ESTIMATORS.names[0],
@@ -390,7 +361,8 @@ class AlgorithmConfig:
     policy_loss: PolicyLossName = _field(
         POLICY_LOSSES.names[0],
         "Policy loss (docs/algorithms.md): ppo (PPO-clip, clip-higher, dual-clip), gspo "
-        "(sequence-level ratio), cispo (clipped, stop-gradient importance weight).",
+        "(sequence-level ratio), cispo (clipped, stop-gradient importance weight), clip_cov, "
+        "kl_cov (covariance-guided), dro (quadratic penalty on the log-ratio, Tinker's).",
     )
     loss_agg_mode: LossAggModeName | None = _field(
         None,
@@ -425,6 +397,25 @@ class AlgorithmConfig:
     )
     kl_loss_coef: float = _field(0.001, "Weight of the KL penalty.", check=at_least(0))
     kl_loss_type: Literal["k1", "k2", "k3", "abs"] = _field("k3", "KL estimator.")
+    use_kl_in_reward: bool = _field(
+        False,
+        "Subtract kl_ctrl's beta times each token's KL (old policy to a frozen reference "
+        "model, by kl_penalty) from its reward before the advantages (verl's; loads a ref "
+        "worker). docs/algorithms.md#kl-in-the-reward.",
+    )
+    kl_penalty: Literal["k1", "k2", "k3", "abs"] = _field(
+        "k1", "use_kl_in_reward: the KL estimator (verl's default kl is k1)."
+    )
+    kl_ctrl: KlCtrlConfig = _section(
+        KlCtrlConfig, "use_kl_in_reward: the KL's coefficient, fixed or adaptive (verl's)."
+    )
+    entropy_coeff: float = _field(
+        0.0,
+        "The entropy bonus: loss -= entropy_coeff * the entropy of the sampling distribution, "
+        "aggregated by loss_agg_mode (verl's actor.entropy_coeff; 0: off, no entropy computed). "
+        "policy/entropy reports it.",
+        check=at_least(0),
+    )
     off_policy_correction: Literal["auto", "none", "tis"] = _field(
         "auto",
         "'auto': 'tis' under trainer.strategy=fully_async, 'none' under sync. 'tis' weighs each token's PPO-clip term by min(exp(old_logprobs - rollout_logprobs), "
@@ -449,6 +440,7 @@ class AlgorithmConfig:
         KlCovConfig,
         "policy_loss=kl_cov's parameters (verl's kl_cov_ratio and ppo_kl_coef).",
     )
+    dro: DroConfig = _section(DroConfig, "policy_loss=dro's parameter (Tinker's beta).")
     rollout_correction: RolloutCorrectionConfig = _section(
         RolloutCorrectionConfig,
         "Rollout corrections (verl's names): importance weights, rejection masks, bypass mode.",

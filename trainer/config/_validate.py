@@ -18,6 +18,7 @@ from trainer.algorithms import resolve_loss_agg_mode
 from trainer.config._config import Config
 from trainer.config._cov import check_cov
 from trainer.config._distillation import check_distillation
+from trainer.config._kl_in_reward import check_kl_in_reward
 from trainer.config._models import CriticConfig
 from trainer.config._plan import EngineBackend, RunPlan, Strategy, WorkerBackend
 from trainer.config._reasoning_gym import check_reasoning_gym
@@ -76,7 +77,7 @@ def _unreachable(fault: Fault, cfg: Config, plan: RunPlan) -> str | None:
             f"this run trains no critic (algorithm.advantage_estimator="
             f"{cfg.algorithm.advantage_estimator}); set algorithm.advantage_estimator=gae to reach it"
         )
-    if op == "forward" and not plan.recomputes_old_logprobs and not cfg.algorithm.use_kl_loss:
+    if op == "forward" and not plan.recomputes_old_logprobs and not plan.uses_reference_model:
         return (
             "with one update per batch (trainer.update_epochs=1, one mini-batch) the old "
             "logprobs come from the update's own forward_backward, and without "
@@ -270,6 +271,7 @@ def _check_algorithm(cfg: Config) -> None:
     except ValueError as e:
         raise ConfigError(f"config: {e}") from None
     check_cov(a)
+    check_kl_in_reward(a)
     if a.advantage_estimator == "grpo_passk" and g.n_samples_per_prompt < 2:
         raise ConfigError(
             "config: algorithm.advantage_estimator='grpo_passk' rewards the best of a group "

@@ -5,6 +5,7 @@ serve. :func:`run_training` is the entry; the assembly of the parts is ``trainer
 from trainer.loop._context import RunContext as RunContext
 from trainer.loop._context import Strategy as Strategy
 from trainer.loop._engine_recovery import open_engine_recovery as open_engine_recovery
+from trainer.loop._kl_in_reward import kl_controller as kl_controller
 from trainer.loop._prompt_stream import PromptStream as PromptStream
 from trainer.loop._rollout_versions import VersionedEngine as VersionedEngine
 from trainer.loop._steps import resync_engines as resync_engines
@@ -22,6 +23,7 @@ __all__ = [
     "SyncStrategy",
     "VersionedEngine",
     "WeightVersions",
+    "kl_controller",
     "make_strategy",
     "open_engine_recovery",
     "resync_engines",

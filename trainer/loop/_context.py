@@ -15,6 +15,7 @@ import trio
 
 from engines.types import EngineClient, PromptLogprob
 from sync.transports import WeightTransport
+from trainer.algorithms import KlController
 from trainer.checkpoint import CheckpointManager
 from trainer.config import Config
 from trainer.data import Example, PromptLoader
@@ -107,6 +108,9 @@ class RunContext:
     recovery: EngineRecovery | None = None
     #: ``algorithm.distillation``'s teacher; None when the run distills nothing.
     teacher: Teacher | None = None
+    #: The KL in the reward's coefficient (``algorithm.use_kl_in_reward``; None: off): the
+    #: run's state, kept by its checkpoints.
+    kl_ctrl: KlController | None = None
     #: Held while the policy trains and syncs: a restarted engine's sync waits for it (and
     #: so never reads a policy mid-update); the recovery's own lock when there is one.
     weights_lock: trio.Lock = attrs.field(

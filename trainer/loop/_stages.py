@@ -23,6 +23,8 @@ from trainer.data import Example
 from trainer.generators import GeneratorInput, GeneratorOutput, Trajectory, TrajectoryInput
 from trainer.generators.chat import render_prompt
 from trainer.loop._context import RunContext
+from trainer.loop._kl_in_reward import STATE_KEY as KL_CTRL_STATE_KEY
+from trainer.loop._kl_in_reward import kl_token_rewards
 from trainer.metrics import jsonable_row
 from trainer.off_policy import rejection_mask
 from trainer.workers.batch import TrainBatch
@@ -201,12 +203,16 @@ def advantages_for(
     ctx: RunContext, out: GeneratorOutput, batch: TrainBatch
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """The batch's advantages by ``algorithm.advantage_estimator`` (``[B]`` or per token, like
-    ``batch.loss_mask``) from the :func:`shaped_rewards`, the critic's targets where the run
-    has a critic (``batch.values`` set: GAE's returns, else None), and the metrics: the
-    shaping's, and the critic's ``critic/values_mean``, ``critic/returns_mean`` and
-    ``critic/vf_explained_var`` (of the values the batch was scored with)."""
+    ``batch.loss_mask``) from the :func:`shaped_rewards` and, with ``use_kl_in_reward``, the
+    KL's token-level rewards (:mod:`trainer.loop._kl_in_reward`), the critic's targets where
+    the run has a critic (``batch.values`` set: GAE's returns, else None), and the metrics:
+    the shaping's, the KL's ``reward/kl_penalty`` and ``reward/kl_coef``, and the critic's
+    ``critic/values_mean``, ``critic/returns_mean`` and ``critic/vf_explained_var`` (of the
+    values the batch was scored with)."""
     a = ctx.cfg.algorithm
     rewards, metrics = shaped_rewards(ctx, out.trajectories)
+    token_rewards, kl_metrics = kl_token_rewards(ctx.cfg, ctx.kl_ctrl, batch)
+    metrics |= kl_metrics
     advantages = compute_advantages(
         rewards,
         [t.group_id for t in out.trajectories],
@@ -216,12 +222,15 @@ def advantages_for(
         gamma=a.gamma,
         values=batch.values,
         lam=a.lam,
+        token_rewards=token_rewards,
     )
     returns = None
     if batch.values is not None:
         mask = batch.loss_mask != 0
         values = batch.values.double()
-        _, returns = gae_advantages_and_returns(rewards.double(), values, mask, a.gamma, a.lam)
+        _, returns = gae_advantages_and_returns(
+            rewards.double(), values, mask, a.gamma, a.lam, token_rewards
+        )
         metrics |= {
             "critic/values_mean": float(masked_mean(values, mask)),
             "critic/returns_mean": float(masked_mean(returns, mask)),
@@ -275,7 +284,7 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
     """Write ``checkpoints/global_step_N`` atomically (in a thread), then the ``latest`` pointer.
 
     The trainer state holds the data position, the weight version, the engines' restarts so
-    far and ``metrics``, the step's metrics so far: a run killed after the save but before the
+    far, the KL in the reward's coefficient (``kl_ctrl``) and ``metrics``, the step's metrics so far: a run killed after the save but before the
     step's line reached ``metrics.jsonl`` gets the line back on resume (``restore_metrics``).
 
     ``checkpoint/max_stall_ms`` is the event loop's longest stall while the save ran: the
@@ -290,6 +299,8 @@ async def save_checkpoint(ctx: RunContext, step: int, metrics: dict[str, Any]) -
     }
     if ctx.recovery is not None:  # the restarts so far, counted on by a resume
         state["engine_recovery"] = ctx.recovery.state_dict()
+    if ctx.kl_ctrl is not None:  # an adaptive coefficient goes on from here on resume
+        state[KL_CTRL_STATE_KEY] = ctx.kl_ctrl.state_dict()
     with ctx.stalls.window() as stalls:
         path = await ctx.workers.save_checkpoint(ctx.ckpt.save, step, state)
     return {

@@ -91,7 +91,7 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
     """Every policy worker's keyword arguments, all from ``cfg``, built here only: the
     optimizer (``optim``), the loss (``algorithm``: the policy loss, its clipping and
     aggregation (a ``seq-mean-token-sum-norm`` length of the response budget), its own
-    parameters (``algorithm.clip_cov``/``kl_cov``), KL, the rollout correction
+    parameters (``algorithm.clip_cov``/``kl_cov``/``dro``), KL, the entropy bonus, the rollout correction
     the plan decided), the sampling temperature the logprobs are taken at, the micro
     batch, the seed, the device settings (``workers.*``; offload when ``engine.colocated``) and
     the LoRA adapter (``model.lora``).
@@ -113,6 +113,7 @@ def policy_kwargs(cfg: Config) -> dict[str, object]:
         "loss_scale_factor": a.loss_scale_factor or cfg.generator.response_budget,
         "kl_loss_coef": a.kl_loss_coef if a.use_kl_loss else 0.0,
         "kl_loss_type": a.kl_loss_type,
+        "entropy_coeff": a.entropy_coeff,
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "micro_batch_max_tokens": cfg.trainer.micro_batch_max_tokens,
         "seed": cfg.trainer.seed,
@@ -167,7 +168,7 @@ async def open_workers(cfg: Config, model_dir: Path) -> AsyncIterator[WorkerGrou
     ``critic.model.path``, or ``model_dir``, the policy's).
     """
     w = cfg.workers
-    with_ref = cfg.algorithm.use_kl_loss
+    with_ref = cfg.plan.uses_reference_model
     kwargs = policy_kwargs(cfg)
     critic_path = cfg.critic.model.path
     critic_dir = (

@@ -33,6 +33,7 @@ from trainer.errors import ConfigError
 from trainer.generators import Generator
 from trainer.loop import (
     RunContext,
+    kl_controller,
     open_engine_recovery,
     run_training,
 )
@@ -378,6 +379,7 @@ async def _open_run_context(
         eval_sampled_generator=eval_sampled_generator,
         recovery=recovery,
         teacher=parts.teacher,
+        kl_ctrl=kl_controller(cfg, prepared.state),
     )
 
 

@@ -18,7 +18,7 @@ from trainer import algorithms
 from trainer.workers.batch import TrainBatch
 from trainer.workers.fsdp import is_sharded
 
-__all__ = ["LOGIT_TRANSFORMS", "forward_logprobs", "fused_head"]
+__all__ = ["LOGIT_TRANSFORMS", "forward_logprobs", "forward_logprobs_entropy", "fused_head"]
 
 #: Config attributes of architectures that transform the logits after the head (Gemma 2's
 #: soft-capping, Cohere's and Granite's scaling): set, the head is not fused.
@@ -51,22 +51,43 @@ def forward_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: flo
     ``[B, L - 1]`` on the batch's device, ``0.0`` where ``loss_mask`` is 0. Differentiable;
     a batch without a trained token still gives a result in the graph (zero gradient), so its
     backward runs as any other's."""
+    return _forward(model, batch, temperature, entropy=False)[0]
+
+
+def forward_logprobs_entropy(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward_logprobs` and each trained position's entropy of the whole sampling
+    distribution (``[B, L - 1]``, ``0.0`` elsewhere; the entropy bonus's input), from the same
+    logits: the fused head's chunks, or the full logits one sequence at a time
+    (:func:`trainer.algorithms.token_entropy`). Both differentiable."""
+    logprobs, entropy = _forward(model, batch, temperature, entropy=True)
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def _forward(
+    model: torch.nn.Module, batch: TrainBatch, temperature: float, *, entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     trained = batch.loss_mask != 0
     fused = fused_head(model)
     if fused is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        full = algorithms.token_logprobs(logits[:, :-1, :], batch.input_ids[:, 1:], temperature)
-        return torch.where(trained, full.float(), torch.zeros((), device=full.device))
+        shifted = logits[:, :-1, :]
+        full = algorithms.token_logprobs(shifted, batch.input_ids[:, 1:], temperature)
+        zero = torch.zeros((), device=full.device)
+        ent = None
+        if entropy:
+            ent = torch.where(trained, algorithms.token_entropy(shifted, temperature), zero)
+        return torch.where(trained, full.float(), zero), ent
     body, head = fused
     out = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     hidden = out.last_hidden_state
     rows, cols = trained.nonzero(as_tuple=True)
-    picked = algorithms.head_token_logprobs(
-        hidden[rows, cols],
-        head.weight,
-        batch.input_ids[rows, cols + 1],
-        temperature,
-        head_bias=head.bias,
-    )
+    args = (hidden[rows, cols], head.weight, batch.input_ids[rows, cols + 1], temperature)
     zeros = hidden[:, :-1, 0].float() * 0.0  # in the graph even with nothing picked
-    return zeros.index_put((rows, cols), picked)
+    if not entropy:
+        picked = algorithms.head_token_logprobs(*args, head_bias=head.bias)
+        return zeros.index_put((rows, cols), picked), None
+    picked, ent = algorithms.head_token_logprobs_entropy(*args, head_bias=head.bias)
+    return zeros.index_put((rows, cols), picked), zeros.index_put((rows, cols), ent)

@@ -39,7 +39,7 @@ from trainer.workers.fsdp import (
     shard_model,
     unsharded_in_turn,
 )
-from trainer.workers.logprobs import forward_logprobs
+from trainer.workers.logprobs import forward_logprobs, forward_logprobs_entropy
 from trainer.workers.lora import (
     AdapterCopy,
     LoraCheckpoint,
@@ -144,6 +144,7 @@ class PolicyWorker:
         loss_scale_factor: float | None = None,
         kl_loss_coef: float = 0.0,
         kl_loss_type: str = "k3",
+        entropy_coeff: float = 0.0,
         micro_batch_size: int | None = None,
         micro_batch_max_tokens: int | None = None,
         seed: int = 0,
@@ -183,6 +184,8 @@ class PolicyWorker:
         self.loss_scale_factor = loss_scale_factor
         self.kl_loss_coef = kl_loss_coef
         self.kl_loss_type = kl_loss_type
+        #: The entropy bonus's weight (``algorithm.entropy_coeff``; 0: off, no entropy taken).
+        self.entropy_coeff = entropy_coeff
         self.micro_batching = MicroBatching(micro_batch_size, micro_batch_max_tokens)
         self.rollout_correction = rollout_correction or RolloutCorrection()
 
@@ -290,7 +293,8 @@ class PolicyWorker:
                 totals,
                 {f"policy/{k}": v for k, v in metrics.items()},
                 weight,
-                summed=("policy/num_tokens", "policy/pg_loss"),  # pg_loss: a share, as loss
+                # pg_loss, entropy: each micro-batch's share of the mini-batch's, as loss
+                summed=("policy/num_tokens", "policy/pg_loss", "policy/entropy"),
             )
             algorithms.fold_mismatch_sums(totals, sums)
         return totals
@@ -298,13 +302,18 @@ class PolicyWorker:
     def _micro_batch_loss(
         self, mb: TrainBatch, counts: BatchCounts
     ) -> tuple[torch.Tensor, dict[str, float], torch.Tensor | None, dict[str, float]]:
-        """One micro-batch's forward: its loss (the policy loss, plus the weighted KL term),
-        the policy loss's metrics with the importance ratio's, the KL term (None when
+        """One micro-batch's forward: its loss (the policy loss, less the entropy bonus, plus the
+        weighted KL term), the policy loss's metrics with the importance ratio's (and
+        ``entropy``, the aggregated entropy, where the bonus is on), the KL term (None when
         off or the batch has no ``ref_logprobs``), and the mismatch diagnostics' sums where
         this forward is the old policy's (no ``old_logprobs``: the loop recomputed none), else
         ``{}``."""
         assert mb.advantages is not None
-        logprobs = forward_logprobs(self.model, mb, self.temperature)
+        entropy = None
+        if self.entropy_coeff:
+            logprobs, entropy = forward_logprobs_entropy(self.model, mb, self.temperature)
+        else:
+            logprobs = forward_logprobs(self.model, mb, self.temperature)
         old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs
         weights, is_metrics, sums = None, {}, {}
         if mb.rollout_logprobs is not None:
@@ -329,6 +338,16 @@ class PolicyWorker:
             loss_options=self.loss_options,
         )
         metrics |= is_metrics
+        if entropy is not None:  # verl's entropy_coeff: the bonus, aggregated as the loss is
+            agg = algorithms.aggregate(
+                entropy,
+                mb.loss_mask,
+                self.loss_agg_mode,
+                counts,
+                scale_factor=self.loss_scale_factor,
+            )
+            loss = loss - self.entropy_coeff * agg
+            metrics["entropy"] = float(agg.detach())
         if not self.kl_loss_coef or mb.ref_logprobs is None:
             return loss, metrics, None, sums
         kl = algorithms.kl_penalty(logprobs, mb.ref_logprobs, kind=self.kl_loss_type)  # type: ignore[arg-type]
