@@ -62,7 +62,10 @@ RECIPES: dict[str, list[str]] = {
         "algorithm.overlong_buffer.len=2",
         "algorithm.dynamic_sampling.type=filter",
     ],
+    # GRPO's own entropy, measured: a coefficient too small to move anything turns it on
+    "GRPO, entropy measured": ["algorithm.entropy_coeff=1e-12"],
     "Entropy bonus": ["algorithm.entropy_coeff=0.01"],
+    "Entropy bonus, 0.05": ["algorithm.entropy_coeff=0.05"],
     "KL in reward, fixed": ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.01"],
     "KL in reward, adaptive": [
         "algorithm.use_kl_in_reward=true",
