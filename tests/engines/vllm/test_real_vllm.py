@@ -250,10 +250,13 @@ async def test_the_client_survives_vllms_connection_reset_after_a_500(vllm_serve
             assert await client.is_paused() == [False]
 
 
-async def test_prompt_logprobs_answer_in_the_reference_engines_shape_and_values(vllm_server):
+async def test_prompt_logprobs_answer_in_the_reference_engines_shape_and_values(vllm_lora_server):
     """vLLM's ``prompt_logprobs`` (what the distillation teacher scores with) against the
     reference engine's of the same model: the same JSON shape, key for key, and the same
-    values (float32 on both, 1e-4), through the client the teacher uses."""
+    values (float32 on both, 1e-4), through the client the teacher uses. On the LoRA server,
+    whose base weights no test changes (adapters load beside them by name): the tier's gloo
+    server serves whatever the sync tests before this one left in it."""
+    vllm_server = vllm_lora_server
     from engines.local.engine import open_local_engine
 
     ids = [5, 17, 3, 22, 9, 40, 41]
